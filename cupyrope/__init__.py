@@ -1,0 +1,21 @@
+"""cupyrope: fused RoPE and RMSNorm CUDA kernels for CuPy arrays and torch tensors, compiled at run time
+with NVRTC (no compiler toolchain, no build step)."""
+
+from . import reference
+from ._compile import KernelCompileError
+from .rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_backward
+from .rope import rope, rope_, rope_cache, rope_qk
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KernelCompileError",
+    "fused_add_rms_norm",
+    "reference",
+    "rms_norm",
+    "rms_norm_backward",
+    "rope",
+    "rope_",
+    "rope_cache",
+    "rope_qk",
+]

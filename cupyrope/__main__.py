@@ -1,0 +1,96 @@
+"""python -m cupyrope {info,compile,check,bench}: environment report, compile-only build of every
+kernel variant (no GPU needed), GPU self-check against the float64 references, quick benchmark."""
+
+import argparse
+import concurrent.futures
+import os
+import platform
+import sys
+import time
+
+
+def _info(_args) -> int:
+    import cupyrope
+
+    print(f"cupyrope {cupyrope.__version__} on Python {platform.python_version()}")
+    try:
+        import cupy
+
+        print(f"CuPy {cupy.__version__}; NVRTC {'.'.join(map(str, cupy.cuda.nvrtc.getVersion()))}; "
+              f"CUDA path {cupy.cuda.get_cuda_path()}")
+        print(f"CuPy cache: {os.environ.get('CUPY_CACHE_DIR', '~/.cupy/kernel_cache')}")
+        try:
+            n = cupy.cuda.runtime.getDeviceCount()
+        except cupy.cuda.runtime.CUDARuntimeError as error:
+            print(f"no CUDA device: {error}")
+            n = 0
+        for d in range(n):
+            props = cupy.cuda.runtime.getDeviceProperties(d)
+            print(f"cuda:{d} {props['name'].decode()} sm_{props['major']}{props['minor']} "
+                  f"{props['multiProcessorCount']} SMs {props['totalGlobalMem'] / 2**30:.0f} GiB")
+    except ImportError as error:
+        print(f"CuPy is not installed ({error}); pip install 'cupyrope[cuda12]' or 'cupyrope[cuda13]'")
+    try:
+        import torch
+
+        print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, available: {torch.cuda.is_available()})")
+    except ImportError:
+        print("torch: not installed (optional)")
+    return 0
+
+
+def compile_variants(arch: str, jobs: int):
+    from ._compile import compile_all
+    from ._variants import all_variants
+
+    variants = all_variants()
+    chunks = [variants[i::jobs] for i in range(jobs)]
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        results = [r for part in pool.map(lambda c: compile_all(arch, c), chunks) for r in part]
+    return results
+
+
+def _compile(args) -> int:
+    start = time.perf_counter()
+    results = compile_variants(args.arch, args.jobs)
+    elapsed = time.perf_counter() - start
+    if args.verbose:
+        for source, name, size in results:
+            print(f"{source}: {name}: {size} bytes")
+    print(f"compiled {len(results)} kernel variants for {args.arch} in {elapsed:.1f} s")
+    return 0
+
+
+def _check(_args) -> int:
+    from .selfcheck import run_selfcheck
+
+    return run_selfcheck()
+
+
+def _bench(args) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cupyrope", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, CUDA devices, cache location").set_defaults(func=_info)
+    p = sub.add_parser("compile", help="compile every kernel variant with NVRTC alone (no GPU needed)")
+    p.add_argument("--arch", default="sm_90", help="target architecture, e.g. sm_80 or sm_90")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--verbose", action="store_true")
+    p.set_defaults(func=_compile)
+    sub.add_parser("check", help="run every op on the GPU against the float64 references").set_defaults(func=_check)
+    p = sub.add_parser("bench", help="compare cupyrope with the installed peers (tables + PNG plot)")
+    p.add_argument("--full", action="store_true", help="the full grid of shapes (default: a short one)")
+    p.add_argument("--plot", default="cupyrope-bench.png", help="where to write the GB/s plot")
+    p.add_argument("--op", choices=("rope", "rmsnorm", "all"), default="all")
+    p.set_defaults(func=_bench)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

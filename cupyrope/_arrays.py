@@ -1,0 +1,158 @@
+"""CuPy arrays and torch tensors in; pointer, dtype, shape, strides, device and stream out.
+
+Nothing here copies data or synchronizes. Results are allocated by the caller's library (torch's
+caching allocator for torch inputs, so CUDA-graph capture and torch's memory accounting keep working).
+"""
+
+import sys
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+INDEX_DTYPES = ("int32", "int64")
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "float64": 8}
+
+_TORCH_DTYPE_NAMES: dict = {}
+
+
+class Array:
+    """What a launcher needs to know about one CuPy array or torch tensor."""
+
+    __slots__ = ("obj", "kind", "ptr", "dtype", "shape", "strides", "device")
+
+    def __init__(self, obj, kind, ptr, dtype, shape, strides, device):
+        self.obj = obj
+        self.kind = kind  # "cupy" or "torch"
+        self.ptr = ptr
+        self.dtype = dtype  # canonical name: "float32", "bfloat16", "int64", ...
+        self.shape = shape
+        self.strides = strides  # in elements
+        self.device = device
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE.get(self.dtype, 0)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _torch_dtype_name(dtype) -> str:
+    name = _TORCH_DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = str(dtype).removeprefix("torch.")
+        _TORCH_DTYPE_NAMES[dtype] = name
+    return name
+
+
+def _is_torch_tensor(obj) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def describe(obj, name: str) -> Array:
+    """Describe ``obj`` (the argument called ``name``) or raise a TypeError saying what to pass."""
+    cls = type(obj)
+    module = cls.__module__
+    if module.startswith("cupy"):
+        if hasattr(obj, "data") and hasattr(obj, "device"):
+            itemsize = obj.itemsize
+            return Array(
+                obj,
+                "cupy",
+                obj.data.ptr,
+                obj.dtype.name,
+                obj.shape,
+                tuple(s // itemsize for s in obj.strides),
+                obj.device.id,
+            )
+    elif _is_torch_tensor(obj):
+        if obj.device.type != "cuda":
+            raise TypeError(
+                f"{name}: expected a CUDA tensor, got a tensor on {obj.device}; move it with "
+                f"{name}.cuda() (cupyrope runs on the GPU only)"
+            )
+        return Array(
+            obj,
+            "torch",
+            obj.data_ptr(),
+            _torch_dtype_name(obj.dtype),
+            tuple(obj.shape),
+            obj.stride(),
+            obj.device.index,
+        )
+    elif module == "numpy":
+        raise TypeError(
+            f"{name}: expected a cupy.ndarray or a CUDA torch.Tensor, got a NumPy array; move it to "
+            f"the GPU with cupy.asarray({name}) (cupyrope runs on the GPU only; for a CPU "
+            "answer use cupyrope.reference)"
+        )
+    raise TypeError(f"{name}: expected a cupy.ndarray or a CUDA torch.Tensor, got {cls.__name__}")
+
+
+def current_stream(array: Array) -> int:
+    """Raw handle of the caller's current stream on the array's device."""
+    if array.kind == "torch":
+        import torch
+
+        return torch._C._cuda_getCurrentRawStream(array.device)
+    import cupy
+
+    return cupy.cuda.get_current_stream(array.device).ptr
+
+
+def empty(like: Array, shape, dtype: str):
+    """A new uninitialized array of the caller's kind on ``like``'s device."""
+    if like.kind == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
+    import cupy
+
+    with cupy.cuda.Device(like.device):
+        return cupy.empty(shape, dtype=_cupy_dtype(dtype))
+
+
+def _cupy_dtype(dtype: str):
+    if dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise TypeError("bfloat16 CuPy arrays need the ml_dtypes package: pip install ml_dtypes") from None
+        return ml_dtypes.bfloat16
+    return dtype
+
+
+def from_host(numpy_array, like_kind: str, device: int):
+    """Copy a host NumPy array to the GPU as the requested kind (setup paths only, never hot)."""
+    if like_kind == "torch":
+        import torch
+
+        return torch.from_numpy(numpy_array).to(f"cuda:{device}")
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.asarray(numpy_array)
+
+
+def check_same_device(a: Array, b: Array, name_a: str, name_b: str) -> None:
+    if a.device != b.device or a.kind != b.kind:
+        raise ValueError(
+            f"{name_b}: expected a {a.kind} array on cuda:{a.device} like {name_a}, "
+            f"got a {b.kind} array on cuda:{b.device}"
+        )
+
+
+def check_dtype(array: Array, name: str, allowed) -> None:
+    if array.dtype not in allowed:
+        raise TypeError(f"{name}: expected dtype in {tuple(allowed)}, got {array.dtype}")
+
+
+def check_last_dim_contiguous(array: Array, name: str) -> None:
+    if array.shape and array.shape[-1] > 1 and array.strides[-1] != 1:
+        raise ValueError(
+            f"{name}: expected the last dimension to be contiguous (stride 1), got strides "
+            f"{array.strides}; pass {name}.contiguous() or a view with a unit last stride"
+        )

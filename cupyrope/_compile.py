@@ -1,0 +1,161 @@
+"""Kernel source + options -> a loaded CUDA function per (kernel variant, device).
+
+Each variant is one template instantiation compiled on first use (NVRTC through ``cupy.RawModule``,
+which also keeps CuPy's on-disk cache across processes). ``compile_all`` is the compile-only path: it
+drives NVRTC directly, so it needs no GPU and no driver.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import warnings
+
+from ._sources import kernels_dir, sources_hash
+
+CXX_STANDARD = "-std=c++17"
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel; the message names the .cu/.cuh file and line."""
+
+
+def _cuda_include_dir() -> str | None:
+    import cupy
+
+    root = cupy.cuda.get_cuda_path()
+    return f"{root}/include" if root else None
+
+
+def compile_options() -> tuple[str, ...]:
+    options = [CXX_STANDARD, f"-I{kernels_dir()}", f"-DCUPYROPE_SOURCES_HASH=0x{sources_hash()}"]
+    include = _cuda_include_dir()
+    if include:
+        options.append(f"-I{include}")
+    return tuple(options)
+
+
+def program_text(source_file: str, name_expression: str) -> str:
+    # Including the real file (rather than pasting its text) makes NVRTC report errors against
+    # kernels_src/<file>(<line>); the comment makes each variant's cache entry distinct.
+    return f"// cupyrope variant: {name_expression}\n#include \"{source_file}\"\n"
+
+
+_ERROR_LINE = re.compile(r"([^\s:]+\.cuh?)\((\d+)\): (?:catastrophic )?error[^\n]*")
+
+
+def _compile_error(source_file: str, log: str) -> KernelCompileError:
+    match = _ERROR_LINE.search(log)
+    where = f"{match.group(1)}:{match.group(2)}" if match else f"{kernels_dir() / source_file}"
+    return KernelCompileError(f"NVRTC failed to compile {where}\n{log.strip()}")
+
+
+_lock = threading.Lock()
+_functions: dict[tuple[str, str, int], Kernel] = {}
+
+
+class Kernel:
+    """A loaded kernel: ``ptr`` is its CUfunction handle on one device; ``raw`` keeps the module alive
+    (and reports registers and local memory through cupy.RawKernel's attributes)."""
+
+    __slots__ = ("ptr", "raw", "name")
+
+    def __init__(self, ptr: int, raw, name: str):
+        self.ptr = ptr
+        self.raw = raw
+        self.name = name
+
+
+def get_kernel(source_file: str, name_expression: str, device: int) -> Kernel:
+    """One template instantiation loaded on one device, compiled once per process (thread-safe:
+    concurrent first calls compile it once)."""
+    key = (source_file, name_expression, device)
+    kernel = _functions.get(key)
+    if kernel is None:
+        with _lock:
+            kernel = _functions.get(key)
+            if kernel is None:
+                kernel = _load(source_file, name_expression, device)
+                _functions[key] = kernel
+    return kernel
+
+
+def _load(source_file: str, name_expression: str, device: int):
+    import cupy
+    from cupy.cuda.compiler import CompileException
+
+    text = program_text(source_file, name_expression)
+    with cupy.cuda.Device(device):
+        try:
+            raw = _compile_with_cupy(text, name_expression)
+        except CompileException as error:
+            raise _compile_error(source_file, str(error)) from None
+        except OSError as error:  # CuPy's disk cache is unreadable or unwritable
+            warnings.warn(
+                f"cupyrope: CuPy's kernel cache failed ({error}); compiling {name_expression} "
+                "without the disk cache",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            raw = _compile_in_memory(text, name_expression, device)
+        return Kernel(raw.kernel.ptr, raw, name_expression)
+
+
+def _compile_with_cupy(text: str, name_expression: str):
+    import cupy
+
+    module = cupy.RawModule(code=text, options=compile_options(), name_expressions=[name_expression])
+    kernel = module.get_function(name_expression)
+    kernel.kernel  # noqa: B018 - forces compile + load now, so errors surface here
+    return kernel
+
+
+def _compile_in_memory(text: str, name_expression: str, device: int):
+    import cupy
+
+    arch = "".join(map(str, cupy.cuda.Device(device).compute_capability))
+    binary, mapping = _nvrtc_compile(text, name_expression, f"-arch=sm_{arch}")
+    module = cupy.cuda.function.Module()
+    module.load(binary)
+    _keepalive.append(module)
+    return _LoadedKernel(module.get_function(mapping[name_expression]))
+
+
+_keepalive: list = []
+
+
+class _LoadedKernel:
+    """Same interface as cupy.RawKernel's ``.kernel`` for modules loaded by hand."""
+
+    def __init__(self, function):
+        self.kernel = function
+
+
+def _nvrtc_compile(text: str, name_expression: str, arch_option: str):
+    from cupy.cuda import nvrtc
+
+    program = nvrtc.createProgram(text, "cupyrope_variant.cu", (), ())
+    try:
+        nvrtc.addNameExpression(program, name_expression)
+        try:
+            nvrtc.compileProgram(program, (*compile_options(), arch_option))
+        except nvrtc.NVRTCError:
+            raise KernelCompileError(str(_compile_error("", nvrtc.getProgramLog(program)))) from None
+        mapping = {name_expression: nvrtc.getLoweredName(program, name_expression)}
+        return nvrtc.getCUBIN(program), mapping
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def compile_all(arch: str, variants: list[tuple[str, str]]) -> list[tuple[str, str, int]]:
+    """Compile every (source file, name expression) for ``arch`` (e.g. "sm_90") with NVRTC alone:
+    no GPU, no driver. Returns (file, variant, cubin size). Raises KernelCompileError on failure."""
+    arch_number = arch.removeprefix("sm_").removeprefix("compute_")
+    if not arch_number.isdigit():
+        raise ValueError(f"arch: expected something like 'sm_90', got {arch!r}")
+    results = []
+    for source_file, name_expression in variants:
+        text = program_text(source_file, name_expression)
+        binary, _ = _nvrtc_compile(text, name_expression, f"-arch=sm_{arch_number}")
+        results.append((source_file, name_expression, len(binary)))
+    return results

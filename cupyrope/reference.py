@@ -1,0 +1,97 @@
+"""float64 NumPy references for every op (used by the tests; usable by anyone on the CPU).
+
+They follow the same definitions as the kernels: vLLM's cos/sin cache layout (cos half, then sin
+half), NeoX pairs (i, i + r/2), GPT-J pairs (2i, 2i + 1), and y = x / sqrt(mean(x^2) + eps) * (w + offset).
+"""
+
+import numpy as np
+
+STYLES = ("neox", "gptj")
+
+
+def round_to(values, dtype: str) -> np.ndarray:
+    """Round float64 values once to a storage dtype ('float32', 'float16', 'bfloat16') and back."""
+    values = np.asarray(values, dtype=np.float64)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return values.astype(ml_dtypes.bfloat16).astype(np.float64)
+    return values.astype(dtype).astype(np.float64)
+
+
+def inv_freq(rotary_dim: int, theta: float = 10000.0) -> np.ndarray:
+    """theta^(-2i/rotary_dim) for i < rotary_dim/2, in float64 (the kernels use the same formula)."""
+    return np.power(float(theta), -2.0 * np.arange(rotary_dim // 2, dtype=np.float64) / rotary_dim)
+
+
+def rope_cache(max_position: int, rotary_dim: int, theta: float = 10000.0) -> np.ndarray:
+    """[max_position, rotary_dim] float64: cos of every angle, then sin (vLLM's layout)."""
+    angles = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq(rotary_dim, theta)
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1)
+
+
+def _cos_sin(positions, leading_ndim, rotary_dim, theta, cos_sin_cache):
+    positions = np.asarray(positions)
+    positions = positions.reshape(positions.shape + (1,) * (leading_ndim - positions.ndim))
+    half = rotary_dim // 2
+    if cos_sin_cache is None:
+        angles = positions[..., None].astype(np.float64) * inv_freq(rotary_dim, theta)
+        return np.cos(angles), np.sin(angles)
+    cache = np.asarray(cos_sin_cache, dtype=np.float64)
+    inside = (positions >= 0) & (positions < cache.shape[0])
+    rows = cache[np.where(inside, positions, 0)]
+    rows = np.where(inside[..., None], rows, np.nan)  # out-of-range positions give NaN (documented)
+    return rows[..., :half], rows[..., half:rotary_dim]
+
+
+def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False):
+    """Rotate x (..., head_dim) by positions (aligned from the left with x's leading dimensions)."""
+    x = np.asarray(x, dtype=np.float64)
+    rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    cos, sin = _cos_sin(positions, x.ndim - 1, rotary_dim, theta, cos_sin_cache)
+    if inverse:
+        sin = -sin
+    half = rotary_dim // 2
+    out = x.copy()
+    if style == "neox":
+        x1, x2 = x[..., :half], x[..., half:rotary_dim]
+        out[..., :half] = x1 * cos - x2 * sin
+        out[..., half:rotary_dim] = x2 * cos + x1 * sin
+    elif style == "gptj":
+        x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+        out[..., 0:rotary_dim:2] = x1 * cos - x2 * sin
+        out[..., 1:rotary_dim:2] = x2 * cos + x1 * sin
+    else:
+        raise ValueError(f"style: expected one of {STYLES}, got {style!r}")
+    return out
+
+
+def rms_norm(x, weight=None, eps=1e-6, offset=0.0, return_rstd=False):
+    """y = x / sqrt(mean(x^2) + eps) * (weight + offset); without weight, y = x / rms."""
+    x = np.asarray(x, dtype=np.float64)
+    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1) + eps)
+    y = x * rstd[..., None]
+    if weight is not None:
+        y = y * (np.asarray(weight, dtype=np.float64) + offset)
+    return (y, rstd) if return_rstd else y
+
+
+def rms_norm_backward(dy, x, weight=None, eps=1e-6, offset=0.0):
+    """(dx, dweight) of rms_norm; dweight is None without weight."""
+    dy = np.asarray(dy, dtype=np.float64)
+    x = np.asarray(x, dtype=np.float64)
+    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    scale = 1.0 if weight is None else np.asarray(weight, dtype=np.float64) + offset
+    g = dy * scale
+    dx = rstd * g - x * rstd**3 * np.mean(g * x, axis=-1, keepdims=True)
+    if weight is None:
+        return dx, None
+    dweight = (dy * x * rstd).reshape(-1, x.shape[-1]).sum(axis=0)
+    return dx, dweight
+
+
+def fused_add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, dtype="float32"):
+    """vLLM semantics: residual <- x + residual (rounded once to ``dtype``), x <- rms_norm(residual).
+    Returns (new x, new residual) in float64."""
+    new_residual = round_to(np.asarray(x, np.float64) + np.asarray(residual, np.float64), dtype)
+    return rms_norm(new_residual, weight, eps, offset), new_residual

@@ -1,0 +1,258 @@
+"""RMSNorm forward, backward and fused residual add: argument checks -> plan -> launch."""
+
+import math
+import struct
+
+from . import _arrays, _launch
+from ._arrays import FLOAT_DTYPES, describe
+from ._compile import get_kernel
+from ._device import sm_count
+from ._layout import _merge
+from .rope import CTYPE, check_not_overlapping
+
+SOURCE = "rms_norm.cu"
+REGISTER_SLOTS = (1, 2, 4, 8)  # NPT: 16-byte chunks per thread kept in registers (0: two-pass loop)
+FWD_MAX_WIDTH = 1024
+BWD_MAX_WIDTH = 512  # the backward keeps x, dy and dweight sums in registers: 128 registers a thread
+BLOCK_THREADS = 256
+THREADS_PER_SM = 2048
+
+# Mirror NormParams, NormBwdParams and DweightParams in kernels_src/rms_norm.cu.
+_FWD_PARAMS = struct.Struct("<5Q5q2f")
+_BWD_PARAMS = struct.Struct("<6Q5q2f")
+_DW_PARAMS = struct.Struct("<2Q2q")
+
+
+class NormPlan:
+    __slots__ = ("name", "grid", "block", "vectorized", "slots")
+
+    def __init__(self, name, grid, block, vectorized, slots):
+        self.name = name
+        self.grid = grid
+        self.block = block
+        self.vectorized = vectorized
+        self.slots = slots
+
+    def __repr__(self):
+        return f"NormPlan({self.name}, grid={self.grid}, block={self.block})"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def row_shape(hidden: int, elems: int, max_width: int) -> tuple[int, int]:
+    """(threads per row, register slots per thread; 0 = loop) for a row of ``hidden`` elements moved
+    ``elems`` at a time: about four 16-byte chunks a thread, as few threads as that allows."""
+    chunks = -(-hidden // elems)
+    width = min(_next_pow2(-(-chunks // 4)), max_width // 2 if max_width > 512 else max_width)
+    if -(-chunks // width) > REGISTER_SLOTS[-1]:
+        width = max_width
+    needed = -(-chunks // width)
+    if needed > REGISTER_SLOTS[-1]:
+        return width, 0
+    return width, next(s for s in REGISTER_SLOTS if s >= needed)
+
+
+def _vectorizable(arrays, row_strides, hidden, dtype) -> bool:
+    elems = 16 // _arrays.ITEMSIZE[dtype]
+    return hidden % elems == 0 and all(a.ptr % 16 == 0 for a in arrays) and all(s % elems == 0 for s in row_strides)
+
+
+def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_width, extra, impl):
+    vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
+    if impl == "vector" and not vectorized:
+        raise ValueError("impl: 'vector' needs hidden a multiple of 16 bytes and 16-byte aligned rows")
+    elems = 16 // _arrays.ITEMSIZE[dtype] if vectorized else 1
+    width, slots = row_shape(hidden, elems, max_width)
+    rows_per_block = max(1, BLOCK_THREADS // width)
+    blocks = -(-rows // rows_per_block)
+    args = ", ".join([CTYPE[dtype], CTYPE[weight_dtype], "true" if vectorized else "false", str(slots), *extra])
+    return NormPlan(f"cupyrope::{kernel}<{args}>", blocks, (width, rows_per_block), vectorized, slots)
+
+
+def plan_forward(x, y, residual, weight_dtype, row_strides, rows, hidden, impl="auto") -> NormPlan:
+    arrays = [x, y] + ([residual] if residual is not None else [])
+    add = "true" if residual is not None else "false"
+    return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_WIDTH, [add], impl)
+
+
+def plan_backward(dy, x, dx, weight_dtype, row_strides, rows, hidden, n_sm, impl="auto") -> NormPlan:
+    plan = _plan("rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx], row_strides, rows, hidden, BWD_MAX_WIDTH, [], impl)
+    # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
+    threads = plan.block[0] * plan.block[1]
+    plan.grid = max(1, min(plan.grid, n_sm * max(1, THREADS_PER_SM // threads)))
+    return plan
+
+
+def all_variants():
+    for dtype in FLOAT_DTYPES:
+        for weight in sorted({"float32", dtype}):
+            for vec in ("false", "true"):
+                for slots in (0, *REGISTER_SLOTS):
+                    w = f"{CTYPE[dtype]}, {CTYPE[weight]}, {vec}, {slots}"
+                    yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, false>"
+                    yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, true>"
+                    yield SOURCE, f"cupyrope::rms_norm_bwd<{w}>"
+        yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def _check_eps(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps: expected a finite number > 0, got {eps!r}")
+
+
+def _check_offset(offset):
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+        raise ValueError(f"offset: expected a finite number, got {offset!r}")
+
+
+def _check_input(x, name):
+    a = describe(x, name)
+    _arrays.check_dtype(a, name, FLOAT_DTYPES)
+    if len(a.shape) < 1:
+        raise ValueError(f"{name}: expected shape (..., hidden), got a 0-d array")
+    _arrays.check_last_dim_contiguous(a, name)
+    return a
+
+
+def _check_like(obj, like, like_name, name, dtype=None):
+    a = describe(obj, name)
+    _arrays.check_same_device(like, a, like_name, name)
+    expected = dtype or like.dtype
+    if a.dtype != expected:
+        raise TypeError(f"{name}: expected dtype {expected} (like {like_name}), got {a.dtype}")
+    if tuple(a.shape) != tuple(like.shape):
+        raise ValueError(f"{name}: expected shape {tuple(like.shape)} (like {like_name}), got {tuple(a.shape)}")
+    _arrays.check_last_dim_contiguous(a, name)
+    return a
+
+
+def _check_weight(weight, like, like_name):
+    if weight is None:
+        return None
+    w = describe(weight, "weight")
+    _arrays.check_same_device(like, w, like_name, "weight")
+    if w.dtype not in ("float32", like.dtype):
+        raise TypeError(f"weight: expected dtype float32 or {like.dtype} (like {like_name}), got {w.dtype}")
+    if tuple(w.shape) != (like.shape[-1],):
+        raise ValueError(f"weight: expected shape ({like.shape[-1]},) (the hidden size of {like_name}), got {tuple(w.shape)}")
+    _arrays.check_last_dim_contiguous(w, "weight")
+    return w
+
+
+def _row_strides(arrays, names):
+    """One row stride per array, or a ValueError when the leading dimensions are not one strided run."""
+    lead = arrays[0].shape[:-1]
+    dims = [(n, tuple(a.strides[j] for a in arrays)) for j, n in enumerate(lead) if n != 1]
+    merged = _merge(dims)
+    if len(merged) > 1:
+        raise ValueError(
+            f"{names[0]}: its rows (all dimensions but the last) must be evenly strided, got strides "
+            f"{arrays[0].strides} for shape {arrays[0].shape}; pass a contiguous array"
+        )
+    return merged[0][1] if merged else tuple(arrays[0].shape[-1] for _ in arrays)
+
+
+def _rows(shape) -> int:
+    return math.prod(shape[:-1])
+
+
+# ------------------------------------------------------------------------------------------ public API
+
+
+def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=False, impl="auto"):
+    """y = x / sqrt(mean(x^2) + eps) * (weight + offset) over the last dimension of x (..., hidden).
+
+    weight: (hidden,), float32 or x's dtype; None means no scale. offset=1.0 gives Gemma's (1 + w).
+    Accumulates in fp32 and returns x's dtype. Returns y, or (y, rstd) with rstd fp32 of shape (...).
+    """
+    _check_eps(eps)
+    _check_offset(offset)
+    xa = _check_input(x, "x")
+    w = _check_weight(weight, xa, "x")
+    if out is None:
+        out = _arrays.empty(xa, xa.shape, xa.dtype)
+    ya = _check_like(out, xa, "x", "out")
+    check_not_overlapping(xa, ya, "x", "out")
+    rstd = _arrays.empty(xa, xa.shape[:-1], "float32") if return_rstd else None
+    if xa.size:
+        rows, hidden = _rows(xa.shape), xa.shape[-1]
+        strides = _row_strides([xa, ya], ["x", "out"])
+        plan = plan_forward(xa, ya, None, w.dtype if w else "float32", strides, rows, hidden, impl)
+        values = (xa.ptr, ya.ptr, 0, w.ptr if w else 0, describe(rstd, "rstd").ptr if return_rstd else 0,
+                  rows, hidden, strides[0], strides[1], 0, float(eps), float(offset))
+        _launch.launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, _FWD_PARAMS, values,
+                       _arrays.current_stream(xa), xa.device)
+    return (out, rstd) if return_rstd else out
+
+
+def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"):
+    """vLLM's in-place fused residual add: residual <- x + residual (rounded to x's dtype), then
+    x <- rms_norm(residual, weight, eps). Each tensor is read once and written once. Returns (x, residual)."""
+    _check_eps(eps)
+    _check_offset(offset)
+    xa = _check_input(x, "x")
+    ra = _check_like(residual, xa, "x", "residual")
+    check_not_overlapping(xa, ra, "x", "residual")
+    w = _check_weight(weight, xa, "x")
+    if xa.size:
+        rows, hidden = _rows(xa.shape), xa.shape[-1]
+        strides = _row_strides([xa, ra], ["x", "residual"])
+        plan = plan_forward(xa, xa, ra, w.dtype if w else "float32", (strides[0], strides[0], strides[1]), rows,
+                            hidden, impl)
+        values = (xa.ptr, xa.ptr, ra.ptr, w.ptr if w else 0, 0,
+                  rows, hidden, strides[0], strides[0], strides[1], float(eps), float(offset))
+        _launch.launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, _FWD_PARAMS, values,
+                       _arrays.current_stream(xa), xa.device)
+    return x, residual
+
+
+def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, impl="auto"):
+    """Gradients of rms_norm: returns (dx, dweight); dweight is None when weight is None.
+
+    rstd (fp32, shape x.shape[:-1], as returned by rms_norm(..., return_rstd=True)) is recomputed when
+    not given. dweight is reduced in a fixed order: bitwise identical from run to run, no atomics."""
+    _check_eps(eps)
+    _check_offset(offset)
+    xa = _check_input(x, "x")
+    da = _check_like(dy, xa, "x", "dy")
+    w = _check_weight(weight, xa, "x")
+    ra = None
+    if rstd is not None:
+        ra = describe(rstd, "rstd")
+        _arrays.check_same_device(xa, ra, "x", "rstd")
+        if ra.dtype != "float32":
+            raise TypeError(f"rstd: expected dtype float32, got {ra.dtype}")
+        if tuple(ra.shape) != tuple(xa.shape[:-1]):
+            raise ValueError(f"rstd: expected shape {tuple(xa.shape[:-1])} (x's rows), got {tuple(ra.shape)}")
+        if _rows(xa.shape) > 1 and any(
+            s != math.prod(ra.shape[j + 1 :]) for j, (n, s) in enumerate(zip(ra.shape, ra.strides)) if n > 1
+        ):
+            raise ValueError("rstd: expected a contiguous array")
+    dx = _arrays.empty(xa, xa.shape, xa.dtype)
+    dxa = describe(dx, "dx")
+    dweight = _arrays.empty(xa, (xa.shape[-1],), w.dtype) if w else None
+    if not xa.size:
+        if dweight is not None and xa.shape[-1]:
+            dweight[...] = 0
+        return dx, dweight
+    rows, hidden = _rows(xa.shape), xa.shape[-1]
+    strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
+    plan = plan_backward(da, xa, dxa, w.dtype if w else "float32", strides, rows, hidden, sm_count(xa.device), impl)
+    partial = _arrays.empty(xa, (plan.grid, hidden), "float32") if w else None
+    partial_ptr = describe(partial, "partial").ptr if w else 0
+    stream = _arrays.current_stream(xa)
+    values = (da.ptr, xa.ptr, w.ptr if w else 0, ra.ptr if ra else 0, dxa.ptr, partial_ptr,
+              rows, hidden, strides[0], strides[1], strides[2], float(eps), float(offset))
+    _launch.launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, _BWD_PARAMS, values, stream,
+                   xa.device)
+    if w:
+        dw_values = (partial_ptr, describe(dweight, "dweight").ptr, plan.grid, hidden)
+        dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[w.dtype]}>", xa.device)
+        _launch.launch(dw_kernel, -(-hidden // BLOCK_THREADS), (BLOCK_THREADS, 1), _DW_PARAMS, dw_values, stream,
+                       xa.device)
+    return dx, dweight

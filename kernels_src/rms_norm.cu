@@ -1,0 +1,291 @@
+// RMSNorm: y = x / sqrt(mean(x^2) + eps) * (w + offset), over the last dimension.
+//
+// Layout: a block holds ROWS_PER_BLOCK = blockDim.y rows, THREADS_PER_ROW = blockDim.x (a power of
+// two) threads per row. Thread `lane` owns chunks lane, lane + blockDim.x, ... of E elements
+// (E = 16 bytes when VEC, else 1). NPT > 0: the NPT chunks stay in registers between the reduction
+// and the output (one read, one write); NPT == 0: rows too large for registers are read twice (the
+// second read mostly hits L2).
+//   T  element type of x / y / residual / dy / dx      W  weight type (float or T)
+//   ADD  fused_add_rms_norm: residual <- x + residual (rounded to T), then normalize residual into x.
+#include "common.cuh"
+
+namespace cupyrope {
+
+struct NormParams {  // mirrored by rmsnorm.py's _FWD_PARAMS
+    const void* x;
+    void* y;
+    void* residual;
+    const void* weight;  // may be null: no weight
+    float* rstd;         // may be null: not returned
+    i64 rows, hidden;
+    i64 x_stride, y_stride, residual_stride;
+    float eps, offset;
+};
+
+template <typename W, int E>
+__device__ __forceinline__ void load_scale(const NormParams& p, i64 col, float (&w)[E]) {
+    if (p.weight) {
+        // Scalar loads: weight rows are tiny and cached, and need no alignment assumption.
+        const W* wp = static_cast<const W*>(p.weight) + col;
+#pragma unroll
+        for (int e = 0; e < E; ++e) w[e] = to_float(wp[e]) + p.offset;
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) w[e] = 1.f;
+    }
+}
+
+template <typename T, bool VEC, int E, bool ADD>
+__device__ __forceinline__ Pack<T, E> load_input(const NormParams& p, i64 row, i64 col) {
+    Pack<T, E> v = load_pack<VEC, E>(static_cast<const T*>(p.x) + row * p.x_stride + col);
+    if constexpr (ADD) {
+        T* res = static_cast<T*>(p.residual) + row * p.residual_stride + col;
+        const Pack<T, E> r = load_pack<VEC, E>(res);
+#pragma unroll
+        for (int e = 0; e < E; ++e) v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(r.v[e]));
+        store_pack<VEC, E>(res, v);
+    }
+    return v;
+}
+
+template <typename T, typename W, bool VEC, int E>
+__device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 col, const Pack<T, E>& v, float rstd) {
+    float w[E];
+    load_scale<W, E>(p, col, w);
+    Pack<T, E> y;
+#pragma unroll
+    for (int e = 0; e < E; ++e) y.v[e] = from_float<T>(to_float(v.v[e]) * rstd * w[e]);
+    store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, y);
+}
+
+template <typename T, typename W, bool VEC, int NPT, bool ADD>
+__global__ void __launch_bounds__(1024) rms_norm_fwd(const NormParams p) {
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;
+    __shared__ float scratch[32];
+    const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    const bool active = row < p.rows;  // inactive threads still join the block reduction
+    const int lane = threadIdx.x, width = blockDim.x;
+    const i64 step = (i64)width * E;
+    float sum_sq = 0.f;
+
+    if constexpr (NPT > 0) {
+        Pack<T, E> v[NPT];
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const i64 col = (i64)lane * E + i * step;
+            if (active && col < p.hidden) {
+                v[i] = load_input<T, VEC, E, ADD>(p, row, col);
+#pragma unroll
+                for (int e = 0; e < E; ++e) sum_sq += to_float(v[i].v[e]) * to_float(v[i].v[e]);
+            }
+        }
+        const float rstd = 1.f / sqrtf(row_sum(sum_sq, width, scratch) / (float)p.hidden + p.eps);
+        if (!active) return;
+        if (p.rstd && lane == 0) p.rstd[row] = rstd;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const i64 col = (i64)lane * E + i * step;
+            if (col < p.hidden) store_output<T, W, VEC, E>(p, row, col, v[i], rstd);
+        }
+    } else {
+        for (i64 col = (i64)lane * E; active && col < p.hidden; col += step) {
+            const Pack<T, E> v = load_input<T, VEC, E, ADD>(p, row, col);
+#pragma unroll
+            for (int e = 0; e < E; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
+        }
+        const float rstd = 1.f / sqrtf(row_sum(sum_sq, width, scratch) / (float)p.hidden + p.eps);
+        if (!active) return;
+        if (p.rstd && lane == 0) p.rstd[row] = rstd;
+        // With ADD, the normalized values are the rounded sums this thread just stored in residual.
+        const T* src = ADD ? static_cast<const T*>(p.residual) : static_cast<const T*>(p.x);
+        const i64 src_stride = ADD ? p.residual_stride : p.x_stride;
+        for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
+            const Pack<T, E> v = load_pack<VEC, E>(src + row * src_stride + col);
+            store_output<T, W, VEC, E>(p, row, col, v, rstd);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------ backward
+// dx = rstd * g - x * rstd^3 * mean(g * x), g = dy * (w + offset); dweight = sum over rows of
+// dy * x * rstd. Each block walks rows blockIdx.x*rpb + ty, + gridDim.x*rpb, ... and leaves its dweight
+// sums in partial[blockIdx.x, :]; rms_norm_dw adds the partials in block order (deterministic).
+
+struct NormBwdParams {  // mirrored by rmsnorm.py's _BWD_PARAMS
+    const void* dy;
+    const void* x;
+    const void* weight;  // may be null
+    const float* rstd;   // may be null: recomputed
+    void* dx;
+    float* partial;      // [gridDim.x, hidden]; unused without weight
+    i64 rows, hidden;
+    i64 dy_stride, x_stride, dx_stride;
+    float eps, offset;
+};
+
+template <typename W, int E>
+__device__ __forceinline__ void load_scale_bwd(const NormBwdParams& p, i64 col, float (&w)[E]) {
+    if (p.weight) {
+        const W* wp = static_cast<const W*>(p.weight) + col;
+#pragma unroll
+        for (int e = 0; e < E; ++e) w[e] = to_float(wp[e]) + p.offset;
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) w[e] = 1.f;
+    }
+}
+
+template <typename T, typename W, bool VEC, int NPT>
+__global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;
+    constexpr int SLOTS = NPT > 0 ? NPT : 1;
+    __shared__ float scratch[32];
+    __shared__ float column_sums[256 * 8];  // blockDim.y > 1 only when blockDim.x * blockDim.y == 256
+    const int lane = threadIdx.x, width = blockDim.x;
+    const i64 step = (i64)width * E;
+    const i64 rows_per_pass = (i64)gridDim.x * blockDim.y;
+    float acc[SLOTS][E];
+#pragma unroll
+    for (int i = 0; i < SLOTS; ++i)
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[i][e] = 0.f;
+    float* partial = p.partial + (i64)blockIdx.x * p.hidden;
+    if constexpr (NPT == 0) {  // one row per block at a time: this block owns its partial row
+        if (p.weight)
+            for (i64 col = lane; col < p.hidden; col += width) partial[col] = 0.f;
+    }
+
+    // The loop bound is uniform across the block (the reductions contain barriers).
+    for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += rows_per_pass) {
+        const i64 row = base + threadIdx.y;
+        const bool active = row < p.rows;
+        const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
+        const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+        T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
+        float sum_sq = 0.f, dot = 0.f;
+        Pack<T, E> dyv[SLOTS], xv[SLOTS];
+        if constexpr (NPT > 0) {
+#pragma unroll
+            for (int i = 0; i < NPT; ++i) {
+                const i64 col = (i64)lane * E + i * step;
+                if (active && col < p.hidden) {
+                    dyv[i] = load_pack<VEC, E>(dy_row + col);
+                    xv[i] = load_pack<VEC, E>(x_row + col);
+                    float w[E];
+                    load_scale_bwd<W, E>(p, col, w);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        const float xf = to_float(xv[i].v[e]);
+                        sum_sq += xf * xf;
+                        dot += to_float(dyv[i].v[e]) * w[e] * xf;
+                    }
+                }
+            }
+        } else {
+            for (i64 col = (i64)lane * E; active && col < p.hidden; col += step) {
+                const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
+                float w[E];
+                load_scale_bwd<W, E>(p, col, w);
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const float xf = to_float(xx.v[e]);
+                    sum_sq += xf * xf;
+                    dot += to_float(d.v[e]) * w[e] * xf;
+                }
+            }
+        }
+        float rstd;
+        if (p.rstd) {
+            rstd = active ? p.rstd[row] : 0.f;
+        } else {
+            rstd = 1.f / sqrtf(row_sum(sum_sq, width, scratch) / (float)p.hidden + p.eps);
+        }
+        const float mean_dot = row_sum(dot, width, scratch) / (float)p.hidden;
+        const float coef = rstd * rstd * rstd * mean_dot;
+        if (!active) continue;
+
+        if constexpr (NPT > 0) {
+#pragma unroll
+            for (int i = 0; i < NPT; ++i) {
+                const i64 col = (i64)lane * E + i * step;
+                if (col < p.hidden) {
+                    float w[E];
+                    load_scale_bwd<W, E>(p, col, w);
+                    Pack<T, E> out;
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        const float xf = to_float(xv[i].v[e]), d = to_float(dyv[i].v[e]);
+                        out.v[e] = from_float<T>(rstd * d * w[e] - xf * coef);
+                        acc[i][e] += d * xf * rstd;
+                    }
+                    store_pack<VEC, E>(dx_row + col, out);
+                }
+            }
+        } else {
+            for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
+                const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
+                float w[E];
+                load_scale_bwd<W, E>(p, col, w);
+                Pack<T, E> out;
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const float xf = to_float(xx.v[e]), df = to_float(d.v[e]);
+                    out.v[e] = from_float<T>(rstd * df * w[e] - xf * coef);
+                    if (p.weight) partial[col + e] += df * xf * rstd;
+                }
+                store_pack<VEC, E>(dx_row + col, out);
+            }
+        }
+    }
+
+    if constexpr (NPT > 0) {
+        if (!p.weight) return;  // uniform across the grid
+        if (blockDim.y == 1) {
+#pragma unroll
+            for (int i = 0; i < NPT; ++i) {
+                const i64 col = (i64)lane * E + i * step;
+#pragma unroll
+                for (int e = 0; e < E; ++e)
+                    if (col + e < p.hidden) partial[col + e] = acc[i][e];
+            }
+            return;
+        }
+        // Sum the blockDim.y rows' accumulators in fixed order, one register slot at a time.
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            __syncthreads();
+#pragma unroll
+            for (int e = 0; e < E; ++e) column_sums[(threadIdx.y * width + lane) * E + e] = acc[i][e];
+            __syncthreads();
+            if (threadIdx.y == 0) {
+                const i64 col = (i64)lane * E + i * step;
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    if (col + e >= p.hidden) break;
+                    float total = 0.f;
+                    for (int r = 0; r < (int)blockDim.y; ++r) total += column_sums[(r * width + lane) * E + e];
+                    partial[col + e] = total;
+                }
+            }
+        }
+    }
+}
+
+struct DweightParams {  // mirrored by rmsnorm.py's _DW_PARAMS
+    const float* partial;
+    void* dweight;
+    i64 blocks, hidden;
+};
+
+// dweight[c] = sum over blocks b (in order) of partial[b, c].
+template <typename W>
+__global__ void __launch_bounds__(256) rms_norm_dw(const DweightParams p) {
+    const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= p.hidden) return;
+    float total = 0.f;
+#pragma unroll 8
+    for (i64 b = 0; b < p.blocks; ++b) total += p.partial[b * p.hidden + col];
+    static_cast<W*>(p.dweight)[col] = from_float<W>(total);
+}
+
+}  // namespace cupyrope
