@@ -177,7 +177,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
     if out is None:
         out = _arrays.empty(xa, xa.shape, xa.dtype)
     ya = _check_like(out, xa, "x", "out")
-    check_not_overlapping(xa, ya, "x", "out")
+    check_not_overlapping(xa, ya, "x", "out", same_allowed=True)
     rstd = _arrays.empty(xa, xa.shape[:-1], "float32") if return_rstd else None
     if xa.size:
         rows, hidden = _rows(xa.shape), xa.shape[-1]

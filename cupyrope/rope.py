@@ -27,14 +27,16 @@ _PARAMS = struct.Struct("<6Q3q16q3q2q3q3qdq")
 
 
 class RopePlan:
-    __slots__ = ("name", "grid", "block", "values", "vectorized")
+    __slots__ = ("name", "grid", "block", "values", "vectorized", "head_groups", "lanes")
 
-    def __init__(self, name, grid, block, values, vectorized):
+    def __init__(self, name, grid, block, values, vectorized, head_groups, lanes):
         self.name = name
         self.grid = grid
         self.block = block
-        self.values = values
+        self.values = values  # RopeParams, in order
         self.vectorized = vectorized
+        self.head_groups = head_groups
+        self.lanes = lanes  # (rotating lanes, copying lanes) per unit
 
     def __repr__(self):
         return f"RopePlan({self.name}, grid={self.grid}, block={self.block})"
@@ -118,15 +120,15 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
     n_units = n_tokens * head_groups
     grid = math.ceil(n_units / units_per_block)
 
-    q_in, q_out = groups[0]
+    (q_in, q_out), (k_in, k_out) = groups[0], groups[-1]  # without k, k's slots repeat q's (0 k heads)
     strides = []
     for t in range(4):
-        src = t if t < 2 * len(groups) else t - 2  # without k, k's slots repeat q's (0 k heads anyway)
+        src = t if t < 2 * len(groups) else t - 2
         strides.extend(layout.token_strides[src])
         strides.append(layout.head_strides[src])
     use_cache = cache is not None
     values = (
-        q_in.ptr, q_out.ptr, k_in.ptr if len(groups) > 1 else 0, k_out.ptr if len(groups) > 1 else 0,
+        q_in.ptr, q_out.ptr, k_in.ptr, k_out.ptr,
         positions.ptr, cache.ptr if use_cache else 0,
         n_units, layout.token_sizes[1], layout.token_sizes[2],
         *strides,
@@ -137,7 +139,7 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         float(theta), int(bool(inverse)),
     )  # fmt: skip
     name = kernel_name(dtype, cache.dtype if use_cache else "float32", positions.dtype, style, vectorized, use_cache)
-    return RopePlan(name, grid, (block_x, units_per_block), values, vectorized)
+    return RopePlan(name, grid, (block_x, units_per_block), values, vectorized, head_groups, (rot_lanes, copy_lanes))
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -176,6 +178,17 @@ def _check_positions(positions, like, like_name):
     if pos.dtype not in INDEX_DTYPES:
         raise TypeError(f"positions: expected an integer array (int32 or int64), got {pos.dtype}")
     _arrays.check_same_device(like, pos, like_name, "positions")
+    lead = tuple(like.shape[:-1])
+    if len(pos.shape) > len(lead):
+        raise ValueError(
+            f"positions: expected at most {len(lead)} dimensions (the leading dimensions of {like_name}, {lead}), "
+            f"got shape {tuple(pos.shape)}"
+        )
+    if any(p != 1 and p != n for p, n in zip(pos.shape, lead)):
+        raise ValueError(
+            f"positions: shape {tuple(pos.shape)} does not match the leading dimensions of {like_name}, {lead} "
+            "(aligned from the left; size-1 dimensions broadcast)"
+        )
     return pos
 
 
@@ -206,14 +219,16 @@ def _extent(array):
     return array.ptr + low * array.itemsize, array.ptr + (high + 1) * array.itemsize
 
 
-def check_not_overlapping(a, b, name_a, name_b):
-    """Distinct arrays must not share memory (a kernel would read what it already wrote)."""
-    if a.ptr == b.ptr and a.strides == b.strides and a.shape == b.shape:
+def check_not_overlapping(a, b, name_a, name_b, same_allowed=False):
+    """Distinct arrays must not share memory (a kernel would read what another thread wrote);
+    ``same_allowed``: b may be exactly a (in place)."""
+    if same_allowed and a.ptr == b.ptr and a.strides == b.strides and a.shape == b.shape:
         return
     a_lo, a_hi = _extent(a)
     b_lo, b_hi = _extent(b)
     if a.size and b.size and a_lo < b_hi and b_lo < a_hi:
-        raise ValueError(f"{name_b}: overlaps {name_a} in memory; pass {name_b}={name_a} (in place) or separate memory")
+        hint = f"pass {name_b}={name_a} (in place) or separate memory" if same_allowed else "pass separate memory"
+        raise ValueError(f"{name_b}: overlaps {name_a} in memory; {hint}")
 
 
 def _check_out(out, x, x_name):
@@ -226,7 +241,7 @@ def _check_out(out, x, x_name):
     if tuple(o.shape) != tuple(x.shape):
         raise ValueError(f"out: expected shape {tuple(x.shape)} (like {x_name}), got {tuple(o.shape)}")
     _arrays.check_last_dim_contiguous(o, "out")
-    check_not_overlapping(x, o, x_name, "out")
+    check_not_overlapping(x, o, x_name, "out", same_allowed=True)
     return o
 
 

@@ -1,0 +1,81 @@
+"""Quick GPU timing smoke test (not the benchmark suite): big-shape bandwidth and per-call overhead."""
+
+import time
+
+import cupy
+import torch
+import triton.testing
+
+import cupyrope
+
+dev = torch.device("cuda")
+
+
+def copy_bw():
+    a = torch.empty(2**30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
+    return 2 * a.numel() / ms / 1e6  # GB/s
+
+
+def bench(fn, nbytes, label, bw):
+    fn()
+    ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+    gbs = nbytes / ms / 1e6
+    print(f"{label:55s} {ms*1e3:9.1f} us {gbs:8.0f} GB/s {100*gbs/bw:5.1f}%")
+
+
+def eager_us(fn, n=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+bw = copy_bw()
+print(f"copy bandwidth {bw:.0f} GB/s")
+T, H, D = 32768, 32, 128
+x = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
+out = torch.empty_like(x)
+pos = torch.randint(0, 1 << 20, (T,), device=dev)
+cache = cupyrope.rope_cache(1 << 20, D, kind="torch")
+n = x.numel() * 2 * 2 + T * 8
+for impl in ("vector", "scalar"):
+    bench(lambda: cupyrope.rope(x, pos, out=out, impl=impl), n, f"rope bf16 {T}x{H}x{D} theta {impl}", bw)
+    bench(lambda: cupyrope.rope(x, pos, out=out, impl=impl, cos_sin_cache=cache), n + T * D * 4,
+          f"rope bf16 {T}x{H}x{D} cache {impl}", bw)
+q = torch.randn(T, 32, D, device=dev, dtype=torch.bfloat16)
+k = torch.randn(T, 8, D, device=dev, dtype=torch.bfloat16)
+bench(lambda: cupyrope.rope_qk(q, k, pos), (q.numel() + k.numel()) * 4 + T * 8, "rope_qk bf16 32q+8k", bw)
+
+for (M, N, dt) in [(32768, 4096, torch.bfloat16), (8192, 16384, torch.float32), (8192, 1027, torch.float32)]:
+    xx = torch.randn(M, N, device=dev, dtype=dt)
+    w = torch.randn(N, device=dev, dtype=dt)
+    yy = torch.empty_like(xx)
+    es = xx.element_size()
+    bench(lambda: cupyrope.rms_norm(xx, w, out=yy), 2 * M * N * es, f"rms_norm fwd {dt} {M}x{N}", bw)
+    dy = torch.randn_like(xx)
+    bench(lambda: cupyrope.rms_norm_backward(dy, xx, w), 3 * M * N * es, f"rms_norm bwd {dt} {M}x{N}", bw)
+    bench(lambda: torch.nn.functional.rms_norm(xx, (N,), w), 2 * M * N * es, f"  F.rms_norm fwd {dt} {M}x{N}", bw)
+
+# per-call host overhead, tiny inputs
+qs = torch.randn(1, 32, D, device=dev, dtype=torch.bfloat16)
+ks = torch.randn(1, 8, D, device=dev, dtype=torch.bfloat16)
+ps = torch.zeros(1, dtype=torch.int64, device=dev)
+cq = cupy.asarray(qs.float().cpu().numpy())
+ck = cupy.asarray(ks.float().cpu().numpy())
+cp = cupy.zeros(1, dtype=cupy.int64)
+raw = cupy.RawKernel(r'extern "C" __global__ void noop(float* x, long long n) {}', "noop")
+raw((1,), (32,), (cq, 1))
+print(f"bare CuPy RawKernel launch   {eager_us(lambda: raw((1,), (32,), (cq, 1))):6.2f} us/call")
+print(f"rope_qk torch decode         {eager_us(lambda: cupyrope.rope_qk(qs, ks, ps)):6.2f} us/call")
+print(f"rope_qk cupy decode          {eager_us(lambda: cupyrope.rope_qk(cq, ck, cp)):6.2f} us/call")
+print(f"rope (alloc) torch decode    {eager_us(lambda: cupyrope.rope(qs, ps)):6.2f} us/call")
+w1 = torch.randn(4096, device=dev, dtype=torch.bfloat16)
+x1 = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+print(f"rms_norm torch [1,4096]      {eager_us(lambda: cupyrope.rms_norm(x1, w1)):6.2f} us/call")
+print(f"F.rms_norm torch [1,4096]    {eager_us(lambda: torch.nn.functional.rms_norm(x1, (4096,), w1)):6.2f} us/call")

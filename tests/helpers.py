@@ -1,0 +1,117 @@
+"""Shared test helpers: device detection, random inputs in every dtype, poisoning, tolerances."""
+
+import functools
+
+import numpy as np
+import pytest
+
+from cupyrope.reference import round_to
+
+
+@functools.cache
+def gpu_status() -> tuple[int, str]:
+    try:
+        import cupy
+    except ImportError as error:
+        return 0, f"CuPy is not installed ({error})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # no driver, no device
+        return 0, f"no CUDA device ({type(error).__name__}: {error})"
+    return n, "" if n else "no CUDA device"
+
+
+def n_gpus() -> int:
+    return gpu_status()[0]
+
+
+requires_gpu = pytest.mark.skipif(n_gpus() == 0, reason=f"needs a CUDA GPU: {gpu_status()[1]}")
+
+
+def has_torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+requires_torch_cuda = pytest.mark.skipif(not has_torch_cuda(), reason="needs torch with CUDA")
+
+KINDS = ["cupy", pytest.param("torch", marks=requires_torch_cuda)]
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def random_host(shape, dtype, rng, scale=1.0) -> np.ndarray:
+    """float64 values exactly representable in ``dtype`` (so the reference sees the kernel's input)."""
+    return round_to(rng.standard_normal(shape) * scale, dtype)
+
+
+def to_device(host: np.ndarray, dtype: str, kind: str, device: int = 0):
+    if kind == "torch":
+        import torch
+
+        return torch.from_numpy(host).to(device=f"cuda:{device}", dtype=getattr(torch, dtype))
+    import cupy
+
+    from cupyrope._arrays import _cupy_dtype
+
+    with cupy.cuda.Device(device):
+        return cupy.asarray(host.astype(_cupy_dtype(dtype)))
+
+
+def to_host(array) -> np.ndarray:
+    if type(array).__module__.startswith("torch"):
+        return array.detach().float().cpu().numpy().astype(np.float64)
+    import cupy
+
+    return cupy.asnumpy(array).astype(np.float64)
+
+
+def index_to_device(host: np.ndarray, kind: str, device: int = 0):
+    if kind == "torch":
+        import torch
+
+        return torch.from_numpy(host).to(f"cuda:{device}")
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.asarray(host)
+
+
+def poison(array):
+    """Fill with NaN so that any element the kernel fails to write fails the comparison."""
+    if type(array).__module__.startswith("torch"):
+        array.fill_(float("nan"))
+    else:
+        array.fill(np.nan)
+    return array
+
+
+def ulp(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Spacing of ``dtype`` at |values| (one rounding step of the output)."""
+    mantissa = {"float32": 23, "float16": 10, "bfloat16": 7}[dtype]
+    smallest = {"float32": 2.0**-149, "float16": 2.0**-24, "bfloat16": 2.0**-133}[dtype]
+    magnitude = np.abs(values)
+    exponent = np.floor(np.log2(np.where(magnitude > 0, magnitude, 1.0)))
+    return np.maximum(2.0 ** (exponent - mantissa), smallest)
+
+
+def assert_matches(out: np.ndarray, ref: np.ndarray, dtype: str, scale: float = 1.0, what: str = ""):
+    """fp32: 1e-5 relative (plus 1e-6 * scale absolute for values from cancellation); fp16/bf16: one
+    rounding of the output (one ulp, plus the same small absolute term). NaN never passes unless the
+    reference is NaN at that place."""
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    ref_nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(out), ref_nan), f"{what}: NaN pattern differs (unwritten outputs?)"
+    out, ref = out[~ref_nan], ref[~ref_nan]
+    if dtype == "float32":
+        tol = 1e-5 * np.abs(ref) + 1e-6 * scale
+    else:
+        tol = ulp(ref, dtype) + 1e-6 * scale
+    err = np.abs(out - ref)
+    worst = np.argmax(err - tol) if err.size else 0
+    assert np.all(err <= tol), (
+        f"{what}: {np.count_nonzero(err > tol)} of {err.size} elements off; worst |{out.flat[worst]} - "
+        f"{ref.flat[worst]}| = {err.flat[worst]:.3g} > {tol.flat[worst]:.3g}"
+    )

@@ -1,0 +1,70 @@
+"""Compile-only path (NVRTC alone, no GPU), source discovery and cache keys, compile errors."""
+
+import os
+
+import pytest
+
+from cupyrope import _compile, _sources
+from cupyrope.__main__ import compile_variants, main
+from cupyrope._variants import all_variants
+
+pytest.importorskip("cupy", reason="compile tests need CuPy (its NVRTC bindings)")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_variant_compiles_without_a_gpu(arch):
+    results = compile_variants(arch, jobs=os.cpu_count() or 1)
+    assert len(results) == len(all_variants()) > 200
+    assert all(size > 1000 for _, _, size in results)  # a real cubin each
+
+
+def test_variant_list_covers_both_ops_and_is_unique():
+    variants = all_variants()
+    assert len(set(variants)) == len(variants)
+    assert {source for source, _ in variants} == {"rope.cu", "rms_norm.cu"}
+
+
+
+def test_bad_arch_is_a_clear_error():
+    with pytest.raises(ValueError, match="arch"):
+        _compile.compile_all("hopper", [])
+
+
+@pytest.fixture
+def broken_sources(tmp_path, monkeypatch):
+    (tmp_path / "common.cuh").write_text("#pragma once\n")
+    (tmp_path / "broken.cu").write_text('#include "common.cuh"\n__global__ void k() {\n  int x = ;\n}\n')
+    monkeypatch.setattr(_compile, "kernels_dir", lambda: tmp_path)
+    monkeypatch.setattr(_compile, "sources_hash", lambda: "0")
+    return tmp_path
+
+
+def test_compile_error_names_file_and_line(broken_sources):
+    with pytest.raises(_compile.KernelCompileError, match=r"broken\.cu:3"):
+        _compile.compile_all("sm_90", [("broken.cu", "k")])
+
+
+def test_sources_found_and_hash_covers_headers(tmp_path, monkeypatch):
+    assert (_sources.kernels_dir() / "rope.cu").is_file()
+    for name in ("common.cuh", "rope.cu"):
+        (tmp_path / name).write_bytes((_sources.kernels_dir() / name).read_bytes())
+    monkeypatch.setattr(_sources, "kernels_dir", lambda: tmp_path)
+    _sources.sources_hash.cache_clear()
+    try:
+        before = _sources.sources_hash()
+        (tmp_path / "common.cuh").write_text((tmp_path / "common.cuh").read_text() + "\n// edit\n")
+        _sources.sources_hash.cache_clear()
+        assert _sources.sources_hash() != before
+    finally:
+        _sources.sources_hash.cache_clear()
+
+
+def test_compile_options_carry_the_source_hash():
+    options = _compile.compile_options()
+    assert any(o.startswith("-DCUPYROPE_SOURCES_HASH=0x") for o in options)
+    assert f"-I{_sources.kernels_dir()}" in options
+
+def test_cli_compile(capsys, monkeypatch):
+    monkeypatch.setattr("cupyrope._variants.all_variants", lambda: all_variants()[:2])
+    assert main(["compile", "--arch", "sm_90", "--jobs", "1"]) == 0
+    assert "compiled 2 kernel variants for sm_90" in capsys.readouterr().out

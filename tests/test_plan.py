@@ -1,0 +1,110 @@
+"""Plans (variant, grid, block) are pure functions of shapes, dtypes, strides and alignment: checked
+here without a GPU."""
+
+import pytest
+
+from cupyrope._arrays import Array
+from cupyrope.rmsnorm import plan_backward, plan_forward, row_shape
+from cupyrope.rope import plan_rope
+
+BASE = 0x7F0000000000
+
+
+def arr(shape, dtype="bfloat16", strides=None, ptr=BASE):
+    if strides is None:
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.insert(0, step)
+            step *= n
+    return Array(None, "cupy", ptr, dtype, tuple(shape), tuple(strides), 0)
+
+
+def plan(groups, pos, cache=None, **kw):
+    opts = dict(style="neox", rotary_dim=groups[0][0].shape[-1], theta=1e4, inverse=False, impl="auto", n_sm=132)
+    opts.update(kw)
+    return plan_rope(groups, pos, cache, **opts)
+
+
+def test_llama_prefill_bf16_is_vectorized_with_heads_shared():
+    x, y = arr((32768, 32, 128)), arr((32768, 32, 128), ptr=BASE + 2**30)
+    p = plan([(x, y)], arr((32768,), "int64"))
+    assert p.vectorized
+    assert "rope_kernel<__nv_bfloat16, float, long long, 0, true, false>" in p.name
+    assert p.block == (8, 32)  # 8 lanes x 8 bf16 = one 64-pair half per head; 32 tokens per block
+    assert p.head_groups == 2  # 32768 tokens x 8 lanes x 2 groups fills 132 SMs x 2048 threads
+    assert p.grid == 32768 * 2 // 32
+
+
+def test_decode_spreads_heads_over_threads():
+    q, k = arr((1, 32, 128)), arr((1, 8, 128), ptr=BASE + 4096 * 2)
+    p = plan([(q, q), (k, k)], arr((1,), "int32"))
+    assert p.head_groups == 40  # one head per unit: 40 units of 8 lanes
+    assert p.grid == 2
+
+
+def test_misaligned_pointer_falls_back_to_scalar_and_vector_request_is_refused():
+    x = arr((4, 2, 64), ptr=BASE + 2)
+    assert not plan([(x, x)], arr((4,), "int64")).vectorized
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        plan([(x, x)], arr((4,), "int64"), impl="vector")
+
+
+@pytest.mark.parametrize(
+    "head_dim,rotary_dim,style,dtype,vec,lanes",
+    [
+        (128, 128, "neox", "float32", True, (16, 0)),
+        (64, 64, "gptj", "float32", True, (16, 0)),
+        (80, 80, "neox", "bfloat16", True, (5, 0)),
+        (128, 64, "neox", "bfloat16", True, (4, 8)),  # out of place: 8 lanes copy the last 64
+        (96, 40, "neox", "bfloat16", False, (20, 56)),  # 20 is not a multiple of 8: scalar
+        (64, 64, "gptj", "float16", True, (8, 0)),
+    ],
+)
+def test_lanes_per_head(head_dim, rotary_dim, style, dtype, vec, lanes):
+    x, y = arr((3, 4, head_dim), dtype), arr((3, 4, head_dim), dtype, ptr=BASE + 2**20)
+    p = plan([(x, y)], arr((3,), "int64"), style=style, rotary_dim=rotary_dim)
+    assert p.vectorized == vec
+    assert p.lanes == lanes
+
+
+def test_in_place_partial_rotary_copies_nothing():
+    x = arr((3, 4, 128))
+    p = plan([(x, x)], arr((3,), "int64"), rotary_dim=64)
+    assert p.lanes == (32 // 8 * 8 // 8 * 4 // 4, 0)
+
+
+def test_fused_qkv_slices_stay_vectorized():
+    row = (32 + 8 + 8) * 128
+    q = arr((7, 32, 128), strides=(row, 128, 1))
+    k = arr((7, 8, 128), strides=(row, 128, 1), ptr=BASE + 32 * 128 * 2)
+    p = plan([(q, q), (k, k)], arr((7,), "int64"))
+    assert p.vectorized
+
+
+def test_cache_variant_and_alignment():
+    x = arr((5, 2, 64))
+    cache = arr((100, 64), "float32")
+    p = plan([(x, x)], arr((5,), "int32"), cache)
+    assert "rope_kernel<__nv_bfloat16, float, int, 0, true, true>" in p.name
+    odd_cache = arr((100, 64), "float32", ptr=BASE + 4)
+    assert not plan([(x, x)], arr((5,), "int32"), odd_cache).vectorized
+
+
+@pytest.mark.parametrize(
+    "hidden,elems,width,slots",
+    [(4096, 8, 128, 4), (16384, 4, 512, 8), (65536, 8, 1024, 8), (65536, 4, 1024, 0), (61, 1, 16, 4),
+     (1, 1, 1, 1), (32, 4, 2, 4), (1027, 1, 512, 4)],
+)
+def test_rms_norm_row_shape(hidden, elems, width, slots):
+    assert row_shape(hidden, elems, 1024) == (width, slots)
+
+
+def test_rms_norm_plans():
+    x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
+    p = plan_forward(x, y, None, "bfloat16", (4096, 4096), 8192, 4096)
+    assert p.vectorized and p.block == (128, 2) and p.grid == 4096
+    assert p.name == "cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, true, 4, false>"
+    odd = arr((7, 1027))
+    assert not plan_forward(odd, odd, None, "float32", (1027, 1027), 7, 1027).vectorized
+    b = plan_backward(x, x, y, "float32", (4096,) * 3, 8192, 4096, n_sm=132)
+    assert b.grid <= 132 * 8 and b.name.startswith("cupyrope::rms_norm_bwd<__nv_bfloat16, float, true,")

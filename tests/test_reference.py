@@ -1,0 +1,131 @@
+"""The float64 references against textbook formulas (CPU only)."""
+
+import numpy as np
+import pytest
+
+from cupyrope import reference
+
+
+def hf_llama_rope(x, positions, theta, rotary_dim):
+    """Hugging Face Llama: q * cos + rotate_half(q) * sin with cos/sin = cat(freqs, freqs)."""
+    inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+    freqs = positions[:, None].astype(np.float64) * inv
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotate_half = np.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return np.concatenate([rot * cos + rotate_half * sin, rest], axis=-1)
+
+
+def gptj_rope(x, positions, theta, rotary_dim):
+    """GPT-J: rotate_every_two with sin/cos repeated interleaved."""
+    inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+    freqs = positions[:, None].astype(np.float64) * inv
+    sin = np.repeat(np.sin(freqs), 2, axis=-1)[:, None, :]
+    cos = np.repeat(np.cos(freqs), 2, axis=-1)[:, None, :]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    rotated = np.stack([-rot[..., 1::2], rot[..., ::2]], axis=-1).reshape(rot.shape)
+    return np.concatenate([rot * cos + rotated * sin, rest], axis=-1)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_neox_matches_hf_rotate_half(rng, rotary_dim):
+    x = rng.standard_normal((9, 3, 64))
+    pos = rng.integers(0, 4096, 9)
+    np.testing.assert_allclose(
+        reference.rope(x, pos, theta=500000.0, style="neox", rotary_dim=rotary_dim),
+        hf_llama_rope(x, pos, 500000.0, rotary_dim),
+        rtol=1e-12, atol=1e-12,
+    )
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 16])
+def test_gptj_matches_gptj_formula(rng, rotary_dim):
+    x = rng.standard_normal((9, 3, 64))
+    pos = rng.integers(0, 4096, 9)
+    np.testing.assert_allclose(
+        reference.rope(x, pos, style="gptj", rotary_dim=rotary_dim), gptj_rope(x, pos, 10000.0, rotary_dim),
+        rtol=1e-12, atol=1e-12,
+    )
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_rope_properties(rng, style):
+    x = rng.standard_normal((7, 4, 32))
+    zero = np.zeros(7, dtype=np.int64)
+    np.testing.assert_allclose(reference.rope(x, zero, style=style), x, atol=1e-15)  # position 0: identity
+    pos = rng.integers(0, 2**24, 7)
+    y = reference.rope(x, pos, style=style)
+    np.testing.assert_allclose(reference.rope(y, pos, style=style, inverse=True), x, atol=1e-9)
+    pairs = (lambda a: a[..., :16] ** 2 + a[..., 16:] ** 2) if style == "neox" else (lambda a: a[..., ::2] ** 2 + a[..., 1::2] ** 2)
+    np.testing.assert_allclose(pairs(y), pairs(x), rtol=1e-12)  # each pair keeps its norm
+
+
+def test_cache_equals_formula_and_out_of_range_is_nan(rng):
+    cache = reference.rope_cache(100, 16, theta=10000.0)
+    x = rng.standard_normal((5, 2, 16))
+    pos = np.array([0, 3, 99, 100, -1])
+    via_cache = reference.rope(x, pos, cos_sin_cache=cache)
+    direct = reference.rope(x[:3], pos[:3])
+    np.testing.assert_allclose(via_cache[:3], direct, atol=1e-15)
+    assert np.isnan(via_cache[3:]).all()
+
+
+def test_positions_broadcast_from_the_left(rng):
+    x = rng.standard_normal((2, 3, 5, 8))  # (B, H, S, D)
+    pos = rng.integers(0, 1000, (2, 1, 5))
+    out = reference.rope(x, pos)
+    for h in range(3):
+        np.testing.assert_allclose(out[:, h], reference.rope(x[:, h], pos[:, 0]), atol=1e-15)
+
+
+def test_rms_norm_definition(rng):
+    x = rng.standard_normal((6, 130))
+    w = rng.standard_normal(130)
+    y, rstd = reference.rms_norm(x, w, eps=1e-5, offset=1.0, return_rstd=True)
+    expected = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-5) * (1.0 + w)
+    np.testing.assert_allclose(y, expected, rtol=1e-13)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt((x**2).mean(-1) + 1e-5), rtol=1e-13)
+
+
+def test_rms_norm_backward_matches_torch_autograd(rng):
+    torch = pytest.importorskip("torch")
+    x = rng.standard_normal((5, 61))
+    w = rng.standard_normal(61)
+    dy = rng.standard_normal((5, 61))
+    xt = torch.tensor(x, requires_grad=True)
+    wt = torch.tensor(w, requires_grad=True)
+    y = xt * torch.rsqrt(xt.pow(2).mean(-1, keepdim=True) + 1e-6) * (wt + 0.5)
+    y.backward(torch.tensor(dy))
+    dx, dw = reference.rms_norm_backward(dy, x, w, eps=1e-6, offset=0.5)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dw, wt.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_rms_norm_backward_matches_finite_differences(rng):
+    x = rng.standard_normal((3, 7))
+    w = rng.standard_normal(7)
+    dy = rng.standard_normal((3, 7))
+    dx, dw = reference.rms_norm_backward(dy, x, w)
+    h = 1e-6
+    for idx in [(0, 0), (1, 3), (2, 6)]:
+        xp, xm = x.copy(), x.copy()
+        xp[idx] += h
+        xm[idx] -= h
+        numeric = ((reference.rms_norm(xp, w) - reference.rms_norm(xm, w)) * dy).sum() / (2 * h)
+        assert abs(numeric - dx[idx]) < 1e-6
+    wp, wm = w.copy(), w.copy()
+    wp[2] += h
+    wm[2] -= h
+    numeric = ((reference.rms_norm(x, wp) - reference.rms_norm(x, wm)) * dy).sum() / (2 * h)
+    assert abs(numeric - dw[2]) < 1e-6
+
+
+def test_fused_add_rounds_the_residual_once(rng):
+    x = reference.round_to(rng.standard_normal((4, 64)), "bfloat16")
+    r = reference.round_to(rng.standard_normal((4, 64)), "bfloat16")
+    w = rng.standard_normal(64)
+    y, new_r = reference.fused_add_rms_norm(x, r, w, dtype="bfloat16")
+    np.testing.assert_array_equal(new_r, reference.round_to(x + r, "bfloat16"))
+    np.testing.assert_allclose(y, reference.rms_norm(new_r, w), rtol=1e-13)

@@ -1,0 +1,145 @@
+"""RMSNorm forward, backward and fused add on the GPU against the float64 reference."""
+
+import numpy as np
+import pytest
+
+import cupyrope
+from cupyrope import reference
+from helpers import (DTYPES, KINDS, assert_matches, poison, ulp, random_host, requires_gpu, requires_torch_cuda,
+                     to_device, to_host)
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+HIDDEN = [1, 61, 64, 130, 1027, 4096, 16384, 65536]
+ROWS = [1, 7, 8192]
+CHECKED_ROWS = 48  # large cases: every row is checked for NaN (unwritten), sampled rows against float64
+
+
+def sample_rows(rows, rng):
+    return np.arange(rows) if rows <= CHECKED_ROWS else np.sort(rng.choice(rows, CHECKED_ROWS, replace=False))
+
+
+def strided_rows(host, dtype, kind, pad):
+    """A (rows, hidden) view whose row stride is hidden + pad."""
+    rows, hidden = host.shape
+    wide = np.zeros((rows, hidden + pad))
+    wide[:, :hidden] = host
+    return to_device(wide, dtype, kind)[:, :hidden]
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward(rng, dtype, rows, hidden):
+    if rows * hidden > 2**28:
+        rows = 2**28 // hidden  # keeps the host reference affordable; huge sizes: test_huge_gpu.py
+    weight_dtype = "float32" if (rows + hidden) % 2 else dtype
+    offset = 1.0 if hidden % 2 else 0.0
+    x_host = random_host((rows, hidden), dtype, rng, scale=3.0)
+    w_host = random_host((hidden,), weight_dtype, rng)
+    x, w = to_device(x_host, dtype, "cupy"), to_device(w_host, weight_dtype, "cupy")
+    out = poison(to_device(np.zeros((rows, hidden)), dtype, "cupy"))
+    y, rstd = cupyrope.rms_norm(x, w, 1e-5, offset=offset, out=out, return_rstd=True)
+    assert y is out
+    y_host = to_host(y)
+    assert not np.isnan(y_host).any()
+    idx = sample_rows(rows, rng)
+    ref_y, ref_rstd = reference.rms_norm(x_host[idx], w_host, 1e-5, offset, return_rstd=True)
+    assert_matches(y_host[idx], ref_y, dtype, scale=3.0)
+    np.testing.assert_allclose(to_host(rstd)[idx], ref_rstd, rtol=2e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [61, 4096])
+def test_strided_rows_no_weight_and_kinds(rng, kind, dtype, hidden):
+    x_host = random_host((9, hidden), dtype, rng)
+    x = strided_rows(x_host, dtype, kind, pad=24)
+    y = cupyrope.rms_norm(x, None, 1e-6)
+    assert type(y).__module__.split(".")[0] == kind
+    assert_matches(to_host(y), reference.rms_norm(x_host, None, 1e-6), dtype)
+    np.testing.assert_array_equal(to_host(x), x_host)
+
+
+@pytest.mark.parametrize("hidden", [1, 61, 130, 1027, 4096, 16384, 65536])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward(rng, dtype, hidden):
+    rows = 8192 if hidden <= 4096 else 64
+    weight_dtype = "float32" if hidden % 2 else dtype
+    x_host = random_host((rows, hidden), dtype, rng)
+    dy_host = random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), weight_dtype, rng)
+    x, dy, w = (to_device(a, t, "cupy") for a, t in ((x_host, dtype), (dy_host, dtype), (w_host, weight_dtype)))
+    _, rstd = cupyrope.rms_norm(x, w, return_rstd=True)
+    for given in (None, rstd):
+        dx, dw = cupyrope.rms_norm_backward(dy, x, w, rstd=given, offset=0.5)
+        ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host, offset=0.5)
+        dx_host = to_host(dx)
+        assert not np.isnan(dx_host).any()
+        idx = sample_rows(rows, rng)
+        scale = np.abs(ref_dx).max()
+        assert_matches(dx_host[idx], ref_dx[idx], dtype, scale=scale, what="dx")
+        # dweight sums `rows` fp32 terms: tolerance from the sum of their magnitudes.
+        terms = np.abs(dy_host * x_host * reference.rms_norm(x_host, None, return_rstd=True)[1][:, None]).sum(0)
+        tol = 4e-6 * terms + (0 if weight_dtype == "float32" else ulp(ref_dw, weight_dtype))
+        err = np.abs(to_host(dw) - ref_dw)
+        assert np.all(err <= tol), f"dweight: worst {err.max():.3g}"
+
+
+def test_backward_dweight_is_deterministic(rng):
+    x = to_device(random_host((8192, 4096), "bfloat16", rng), "bfloat16", "cupy")
+    dy = to_device(random_host((8192, 4096), "bfloat16", rng), "bfloat16", "cupy")
+    w = to_device(random_host((4096,), "float32", rng), "float32", "cupy")
+    first = to_host(cupyrope.rms_norm_backward(dy, x, w)[1])
+    for _ in range(3):
+        np.testing.assert_array_equal(to_host(cupyrope.rms_norm_backward(dy, x, w)[1]), first)
+
+
+def test_backward_without_weight(rng):
+    x_host, dy_host = random_host((5, 130), "float32", rng), random_host((5, 130), "float32", rng)
+    dx, dw = cupyrope.rms_norm_backward(to_device(dy_host, "float32", "cupy"), to_device(x_host, "float32", "cupy"))
+    assert dw is None
+    assert_matches(to_host(dx), reference.rms_norm_backward(dy_host, x_host)[0], "float32")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("hidden", [61, 1027, 4096, 65536])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add(rng, kind, dtype, hidden):
+    rows = 7 if hidden > 4096 else 300
+    x_host, r_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), dtype, rng)
+    x, r, w = to_device(x_host, dtype, kind), to_device(r_host, dtype, kind), to_device(w_host, dtype, kind)
+    out_x, out_r = cupyrope.fused_add_rms_norm(x, r, w, 1e-6)
+    assert out_x is x and out_r is r
+    ref_y, ref_r = reference.fused_add_rms_norm(x_host, r_host, w_host, 1e-6, dtype=dtype)
+    np.testing.assert_array_equal(to_host(r), ref_r)  # exactly one rounding of x + residual
+    assert_matches(to_host(x), ref_y, dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_size(kind):
+    x = to_device(np.zeros((0, 64)), "float16", kind)
+    y, rstd = cupyrope.rms_norm(x, None, return_rstd=True)
+    assert tuple(y.shape) == (0, 64) and tuple(rstd.shape) == (0,)
+    dx, dw = cupyrope.rms_norm_backward(x, x, to_device(np.ones(64), "float16", kind))
+    assert tuple(dx.shape) == (0, 64) and np.all(to_host(dw) == 0)
+
+
+@requires_torch_cuda
+def test_torch_stream_and_cuda_graph(rng):
+    import torch
+
+    x_host = random_host((32, 4096), "bfloat16", rng)
+    x = to_device(x_host, "bfloat16", "torch")
+    w = torch.randn(4096, device="cuda")
+    y = cupyrope.rms_norm(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cupyrope.rms_norm(x, w)
+    new = random_host((32, 4096), "bfloat16", rng)
+    x.copy_(torch.from_numpy(new))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(to_host(y), reference.rms_norm(new, w.cpu().numpy()), "bfloat16")

@@ -1,0 +1,211 @@
+"""RoPE on the GPU against the float64 reference: every variant, layouts, streams, graphs."""
+
+import numpy as np
+import pytest
+
+import cupyrope
+from cupyrope import reference
+from helpers import (DTYPES, KINDS, assert_matches, index_to_device, poison, random_host, requires_gpu,
+                     requires_torch_cuda, to_device, to_host)
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+MAX_POS = 2**24
+
+
+def run_case(rng, *, dtype, style, source, impl, rotary_dim, in_place, shape=(37, 3, 128), kind="cupy",
+             pos_dtype="int64"):
+    """Rotate random x at random positions with cupyrope and compare with the reference."""
+    head_dim = shape[-1]
+    x_host = random_host(shape, dtype, rng)
+    cache_host = cache = None
+    max_pos = MAX_POS if source == "theta" else 4096
+    pos_host = rng.integers(0, max_pos, shape[0]).astype(pos_dtype)
+    if source != "theta":
+        cache_dtype = "float32" if source == "cache-fp32" else dtype
+        cache_host = reference.round_to(reference.rope_cache(max_pos, rotary_dim, 10000.0), cache_dtype)
+        cache = to_device(cache_host, cache_dtype, kind)
+    x = to_device(x_host, dtype, kind)
+    positions = index_to_device(pos_host, kind)
+    options = dict(style=style, rotary_dim=rotary_dim, cos_sin_cache=cache, impl=impl)
+    if in_place:
+        result = cupyrope.rope_(x, positions, **options)
+        assert result is x
+    else:
+        out = poison(to_device(np.zeros(shape), dtype, kind))
+        result = cupyrope.rope(x, positions, out=out, **options)
+        assert result is out
+        np.testing.assert_array_equal(to_host(x), x_host)  # input untouched
+    expected = reference.rope(x_host, pos_host, style=style, rotary_dim=rotary_dim, cos_sin_cache=cache_host)
+    assert_matches(to_host(result), expected, dtype, what=f"{dtype} {style} {source} {impl}")
+    return result
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "inplace"])
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+@pytest.mark.parametrize("impl", ["scalar", "vector"])
+@pytest.mark.parametrize("source", ["theta", "cache-fp32", "cache-dtype"])
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_variant(rng, dtype, style, source, impl, partial, in_place):
+    run_case(rng, dtype=dtype, style=style, source=source, impl=impl, rotary_dim=64 if partial else 128,
+             in_place=in_place)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_dims_auto(rng, dtype, style, head_dim):
+    run_case(rng, dtype=dtype, style=style, source="theta", impl="auto", rotary_dim=head_dim, in_place=False,
+             shape=(19, 5, head_dim))
+
+
+@pytest.mark.parametrize("pos_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_kinds_and_position_dtypes(rng, kind, pos_dtype):
+    result = run_case(rng, dtype="bfloat16", style="neox", source="cache-fp32", impl="auto", rotary_dim=96,
+                      in_place=False, shape=(33, 4, 128), kind=kind, pos_dtype=pos_dtype)
+    assert type(result).__module__.split(".")[0] == kind
+
+
+def test_in_kernel_cos_sin_is_exact_to_fp32_rounding(rng):
+    """x = (1, ..., 1, 0, ..., 0) rotates to (cos, sin): compare with float64 at positions up to 2^24."""
+    n, rotary_dim = 4096, 128
+    host = np.concatenate([np.ones((n, 1, 64)), np.zeros((n, 1, 64))], axis=-1)
+    pos_host = np.concatenate([[0, 1, MAX_POS - 1, MAX_POS], rng.integers(0, MAX_POS, n - 4)]).astype(np.int64)
+    out = to_host(cupyrope.rope(to_device(host, "float32", "cupy"), index_to_device(pos_host, "cupy")))
+    angles = pos_host[:, None].astype(np.float64) * reference.inv_freq(rotary_dim)
+    exact = np.concatenate([np.cos(angles), np.sin(angles)], axis=-1)[:, None, :]
+    err = np.abs(out - exact)
+    # fp32 rounding of the result: half an ulp, plus sincosf's own <= 1 ulp
+    fp32_ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+    assert np.all(err <= 1.5 * fp32_ulp + 2.0**-60), f"max error {err.max():.3g} ({(err / fp32_ulp).max():.2f} ulp)"
+    # Hugging Face's fp32 table (angle rounded in fp32) is far off at large positions: we are not.
+    hf_angle = (pos_host[:, None].astype(np.float32) * reference.inv_freq(rotary_dim).astype(np.float32))
+    hf_err = np.abs(np.cos(hf_angle.astype(np.float64)) - exact[:, 0, :64]).max()
+    assert err.max() < hf_err / 1000
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_inverse_undoes_rope(rng, style):
+    host = random_host((29, 4, 64), "float32", rng)
+    x = to_device(host, "float32", "cupy")
+    pos = index_to_device(rng.integers(0, 100000, 29), "cupy")
+    y = cupyrope.rope(x, pos, style=style)
+    back = cupyrope.rope(y, pos, style=style, inverse=True)
+    np.testing.assert_allclose(to_host(back), host, atol=2e-6)
+    expected = reference.rope(host, to_host(pos).astype(np.int64), style=style, inverse=True)
+    assert_matches(to_host(cupyrope.rope(x, pos, style=style, inverse=True)), expected, "float32")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qk_on_fused_qkv_slices_with_gqa(rng, kind, dtype):
+    t, hq, hk, d = 45, 8, 2, 128
+    qkv_host = random_host((t, (hq + 2 * hk) * d), dtype, rng)
+    qkv = to_device(qkv_host, dtype, kind)
+    q = qkv[:, : hq * d].reshape(t, hq, d) if kind == "cupy" else qkv[:, : hq * d].view(t, hq, d)
+    k = (qkv[:, hq * d : (hq + hk) * d].reshape(t, hk, d) if kind == "cupy"
+         else qkv[:, hq * d : (hq + hk) * d].view(t, hk, d))
+    assert (q.strides if kind == "cupy" else q.stride())[0] != hq * d * (q.itemsize if kind == "cupy" else 1)
+    pos_host = rng.integers(0, 8192, t)
+    cupyrope.rope_qk(q, k, index_to_device(pos_host, kind), style="neox")
+    out = to_host(qkv)
+    q_ref = reference.rope(qkv_host[:, : hq * d].reshape(t, hq, d), pos_host)
+    k_ref = reference.rope(qkv_host[:, hq * d : (hq + hk) * d].reshape(t, hk, d), pos_host)
+    assert_matches(out[:, : hq * d].reshape(t, hq, d), q_ref, dtype, what="q")
+    assert_matches(out[:, hq * d : (hq + hk) * d].reshape(t, hk, d), k_ref, dtype, what="k")
+    np.testing.assert_array_equal(out[:, (hq + hk) * d :], qkv_host[:, (hq + hk) * d :])  # v untouched
+
+
+@pytest.mark.parametrize(
+    "x_shape,pos_shape,transpose",
+    [
+        ((3, 17, 4, 64), (3, 17), None),  # (B, S, H, D), positions (B, S)
+        ((3, 4, 17, 64), (3, 1, 17), None),  # (B, H, S, D), positions (B, 1, S)
+        ((3, 17, 4, 64), (1, 17), None),  # positions shared across the batch
+        ((3, 17, 4, 64), (3, 17), (0, 2, 1, 3)),  # a transposed (non-contiguous) view
+        ((5, 6, 64), (5, 1), None),
+    ],
+)
+def test_layouts_and_broadcast_positions(rng, x_shape, pos_shape, transpose):
+    import cupy
+
+    host = random_host(x_shape, "float16", rng)
+    x = to_device(host, "float16", "cupy")
+    if transpose:
+        x, host = x.transpose(transpose), host.transpose(transpose)  # (B, H, S, D) view of (B, S, H, D)
+        pos_shape = (x_shape[0], 1, x_shape[1])
+    pos_host = rng.integers(0, 50000, pos_shape)
+    out = cupyrope.rope(x, cupy.asarray(pos_host), style="gptj")
+    assert_matches(to_host(out), reference.rope(host, pos_host, style="gptj"), "float16")
+
+
+def test_out_of_range_cache_positions_give_nan_and_never_read_outside(rng):
+    host = random_host((6, 2, 64), "float32", rng)
+    cache = cupyrope.rope_cache(100, 32)
+    pos_host = np.array([0, 99, 100, -1, 2**40, 5])
+    out = to_host(cupyrope.rope(to_device(host, "float32", "cupy"), index_to_device(pos_host, "cupy"),
+                                rotary_dim=32, cos_sin_cache=cache))
+    assert np.isnan(out[2:5, :, :32]).all() and not np.isnan(out[[0, 1, 5]]).any()
+    np.testing.assert_array_equal(out[:, :, 32:], host[:, :, 32:])  # the unrotated tail is still copied
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_cache_matches_reference(kind, dtype):
+    cache = cupyrope.rope_cache(1000, 64, 500000.0, dtype=dtype, kind=kind)
+    assert type(cache).__module__.split(".")[0] == kind
+    np.testing.assert_array_equal(to_host(cache), reference.round_to(reference.rope_cache(1000, 64, 500000.0), dtype))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_size_returns_at_once(kind):
+    x = to_device(np.zeros((0, 4, 64)), "bfloat16", kind)
+    out = cupyrope.rope(x, index_to_device(np.zeros(0, np.int64), kind))
+    assert tuple(out.shape) == (0, 4, 64)
+
+
+def test_cupy_non_default_stream(rng):
+    import cupy
+
+    host = random_host((300, 8, 128), "bfloat16", rng)
+    pos_host = rng.integers(0, 4096, 300)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = to_device(host, "bfloat16", "cupy")
+        out = cupyrope.rope(x, cupy.asarray(pos_host))
+        result = cupy.asnumpy(out.astype(cupy.float32), stream=stream)
+    stream.synchronize()
+    assert_matches(result.astype(np.float64), reference.rope(host, pos_host), "bfloat16")
+
+
+@requires_torch_cuda
+def test_torch_side_stream_and_cuda_graph(rng):
+    import torch
+
+    host = random_host((64, 8, 128), "bfloat16", rng)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = to_device(host, "bfloat16", "torch")
+        pos = torch.arange(64, device="cuda") * 37
+        out = cupyrope.rope(x, pos)
+    torch.cuda.current_stream().wait_stream(side)
+    assert_matches(to_host(out), reference.rope(host, np.arange(64) * 37), "bfloat16")
+
+    q = to_device(host, "bfloat16", "torch")
+    k = to_device(host[:, :2], "bfloat16", "torch")
+    positions = torch.zeros(64, dtype=torch.int64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    cupyrope.rope_qk(q, k, positions)  # compile outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        cupyrope.rope_qk(q, k, positions)
+    for _ in range(2):  # replay with fresh inputs copied into the captured buffers
+        new_q, new_k = random_host(q.shape, "bfloat16", rng), random_host(k.shape, "bfloat16", rng)
+        new_pos = rng.integers(0, 10**6, 64)
+        q.copy_(torch.from_numpy(new_q)), k.copy_(torch.from_numpy(new_k)), positions.copy_(torch.from_numpy(new_pos))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(to_host(q), reference.rope(new_q, new_pos), "bfloat16", what="graph q")
+        assert_matches(to_host(k), reference.rope(new_k, new_pos), "bfloat16", what="graph k")
