@@ -74,15 +74,8 @@ def describe(obj, name: str) -> Array:
                 f"{name}: expected a CUDA tensor, got a tensor on {obj.device}; move it with "
                 f"{name}.cuda() (cupyrope runs on the GPU only)"
             )
-        return Array(
-            obj,
-            "torch",
-            obj.data_ptr(),
-            _torch_dtype_name(obj.dtype),
-            tuple(obj.shape),
-            obj.stride(),
-            obj.device.index,
-        )
+        return Array(obj, "torch", obj.data_ptr(), _torch_dtype_name(obj.dtype), obj.shape, obj.stride(),
+                     obj.get_device())
     elif module == "numpy":
         raise TypeError(
             f"{name}: expected a cupy.ndarray or a CUDA torch.Tensor, got a NumPy array; move it to "
@@ -151,8 +144,68 @@ def check_dtype(array: Array, name: str, allowed) -> None:
 
 
 def check_last_dim_contiguous(array: Array, name: str) -> None:
-    if array.shape and array.shape[-1] > 1 and array.strides[-1] != 1:
+    if array.shape and array.shape[-1] > 1 and array.strides[-1] != 1 and 0 not in array.shape:
         raise ValueError(
             f"{name}: expected the last dimension to be contiguous (stride 1), got strides "
             f"{array.strides}; pass {name}.contiguous() or a view with a unit last stride"
         )
+
+
+def signature(array: Array | None):
+    """Everything a plan depends on except where the array lives (only its 16-byte alignment)."""
+    if array is None:
+        return None
+    return (array.kind, array.dtype, array.shape, array.strides, array.device, array.ptr & 15)
+
+
+def extent(array: Array) -> tuple[int, int]:
+    """[low, high) byte offsets, relative to ptr, that the array's elements occupy."""
+    low = sum((n - 1) * s for n, s in zip(array.shape, array.strides) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(array.shape, array.strides) if s > 0)
+    return low * array.itemsize, (high + 1) * array.itemsize
+
+
+def check_disjoint(a_ptr: int, a_extent, b_ptr: int, b_extent, name_a: str, name_b: str, hint: str) -> None:
+    if a_ptr + a_extent[0] < b_ptr + b_extent[1] and b_ptr + b_extent[0] < a_ptr + a_extent[1]:
+        raise ValueError(f"{name_b}: overlaps {name_a} in memory; {hint}")
+
+
+def contiguous_like(like: Array, shape, dtype: str) -> Array:
+    """Description of a fresh contiguous array (the allocator aligns it to 256 bytes) for planning."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= max(n, 1)
+    return Array(None, like.kind, 0, dtype, tuple(shape), tuple(strides), like.device)
+
+
+def data_ptr(obj) -> int:
+    return obj.data_ptr() if like_torch(obj) else obj.data.ptr
+
+
+def like_torch(obj) -> bool:
+    return type(obj).__module__.startswith("torch")
+
+
+class PlanCache:
+    """Plans keyed by call signature: a repeated call skips the checks and the planning (pure Python,
+    tens of microseconds) and only substitutes its pointers."""
+
+    def __init__(self, limit: int = 4096):
+        self._plans: dict = {}
+        self._limit = limit
+
+    def get(self, key):
+        try:
+            return self._plans.get(key)
+        except TypeError:  # an unhashable option: plan on every call
+            return None
+
+    def put(self, key, plan) -> None:
+        try:
+            hash(key)
+        except TypeError:
+            return
+        if len(self._plans) >= self._limit:
+            self._plans.clear()
+        self._plans[key] = plan

@@ -7,6 +7,7 @@ drives NVRTC directly, so it needs no GPU and no driver.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import warnings
@@ -32,6 +33,8 @@ def compile_options() -> tuple[str, ...]:
     include = _cuda_include_dir()
     if include:
         options.append(f"-I{include}")
+    # Developer knob for tuning sweeps (e.g. -DROPE_ITEM_UNROLL=4); see docs/perf-notes.md.
+    options.extend(os.environ.get("CUPYROPE_EXTRA_NVRTC_OPTIONS", "").split())
     return tuple(options)
 
 

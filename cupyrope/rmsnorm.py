@@ -24,7 +24,7 @@ _DW_PARAMS = struct.Struct("<2Q2q")
 
 
 class NormPlan:
-    __slots__ = ("name", "grid", "block", "vectorized", "slots")
+    __slots__ = ("name", "grid", "block", "vectorized", "slots", "tail", "extents")
 
     def __init__(self, name, grid, block, vectorized, slots):
         self.name = name
@@ -55,8 +55,14 @@ def row_shape(hidden: int, elems: int, max_width: int) -> tuple[int, int]:
 
 
 def _vectorizable(arrays, row_strides, hidden, dtype) -> bool:
+    """16-byte accesses need hidden a multiple of 16 bytes and every pointer (weight too) and row
+    stride 16-byte aligned."""
     elems = 16 // _arrays.ITEMSIZE[dtype]
-    return hidden % elems == 0 and all(a.ptr % 16 == 0 for a in arrays) and all(s % elems == 0 for s in row_strides)
+    return (
+        hidden % elems == 0
+        and all(a.ptr % 16 == 0 for a in arrays if a is not None)
+        and all(s % elems == 0 for s in row_strides)
+    )
 
 
 def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_width, extra, impl):
@@ -71,14 +77,17 @@ def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_wi
     return NormPlan(f"cupyrope::{kernel}<{args}>", blocks, (width, rows_per_block), vectorized, slots)
 
 
-def plan_forward(x, y, residual, weight_dtype, row_strides, rows, hidden, impl="auto") -> NormPlan:
-    arrays = [x, y] + ([residual] if residual is not None else [])
+def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto") -> NormPlan:
+    arrays = [x, y, residual, weight]
     add = "true" if residual is not None else "false"
+    weight_dtype = weight.dtype if weight is not None else "float32"
     return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_WIDTH, [add], impl)
 
 
-def plan_backward(dy, x, dx, weight_dtype, row_strides, rows, hidden, n_sm, impl="auto") -> NormPlan:
-    plan = _plan("rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx], row_strides, rows, hidden, BWD_MAX_WIDTH, [], impl)
+def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto") -> NormPlan:
+    weight_dtype = weight.dtype if weight is not None else "float32"
+    plan = _plan("rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
+                 BWD_MAX_WIDTH, [], impl)
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     plan.grid = max(1, min(plan.grid, n_sm * max(1, THREADS_PER_SM // threads)))
@@ -110,8 +119,12 @@ def _check_offset(offset):
         raise ValueError(f"offset: expected a finite number, got {offset!r}")
 
 
-def _check_input(x, name):
-    a = describe(x, name)
+def _check_impl(impl):
+    if impl not in ("auto", "scalar", "vector"):
+        raise ValueError(f"impl: expected one of ('auto', 'scalar', 'vector'), got {impl!r}")
+
+
+def _check_input(a, name):
     _arrays.check_dtype(a, name, FLOAT_DTYPES)
     if len(a.shape) < 1:
         raise ValueError(f"{name}: expected shape (..., hidden), got a 0-d array")
@@ -119,8 +132,7 @@ def _check_input(x, name):
     return a
 
 
-def _check_like(obj, like, like_name, name, dtype=None):
-    a = describe(obj, name)
+def _check_like(a, like, like_name, name, dtype=None):
     _arrays.check_same_device(like, a, like_name, name)
     expected = dtype or like.dtype
     if a.dtype != expected:
@@ -131,10 +143,9 @@ def _check_like(obj, like, like_name, name, dtype=None):
     return a
 
 
-def _check_weight(weight, like, like_name):
-    if weight is None:
+def _check_weight(w, like, like_name):
+    if w is None:
         return None
-    w = describe(weight, "weight")
     _arrays.check_same_device(like, w, like_name, "weight")
     if w.dtype not in ("float32", like.dtype):
         raise TypeError(f"weight: expected dtype float32 or {like.dtype} (like {like_name}), got {w.dtype}")
@@ -163,51 +174,59 @@ def _rows(shape) -> int:
 
 # ------------------------------------------------------------------------------------------ public API
 
+_plans = _arrays.PlanCache()
+
+
+class _Empty:
+    grid = 0
+
 
 def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=False, impl="auto"):
     """y = x / sqrt(mean(x^2) + eps) * (weight + offset) over the last dimension of x (..., hidden).
 
     weight: (hidden,), float32 or x's dtype; None means no scale. offset=1.0 gives Gemma's (1 + w).
     Accumulates in fp32 and returns x's dtype. Returns y, or (y, rstd) with rstd fp32 of shape (...).
+    out: where to write y (x's shape and dtype; out=x normalizes in place).
     """
-    _check_eps(eps)
-    _check_offset(offset)
-    xa = _check_input(x, "x")
-    w = _check_weight(weight, xa, "x")
-    if out is None:
+    xa = describe(x, "x")
+    wa = None if weight is None else describe(weight, "weight")
+    oa = None if out is None else describe(out, "out")
+    in_place = oa is not None and oa.ptr == xa.ptr
+    key = ("fwd", _arrays.signature(xa), _arrays.signature(wa), _arrays.signature(oa), in_place, eps, offset,
+           return_rstd, impl)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan_forward_call(xa, wa, oa, eps, offset, impl)
+        _plans.put(key, plan)
+    if oa is None:
         out = _arrays.empty(xa, xa.shape, xa.dtype)
-    ya = _check_like(out, xa, "x", "out")
-    check_not_overlapping(xa, ya, "x", "out", same_allowed=True)
+        out_ptr = _arrays.data_ptr(out)
+    else:
+        out_ptr = oa.ptr
+        if not in_place and plan.grid:
+            check_not_overlapping(xa, oa, "x", "out", same_allowed=True)
     rstd = _arrays.empty(xa, xa.shape[:-1], "float32") if return_rstd else None
-    if xa.size:
-        rows, hidden = _rows(xa.shape), xa.shape[-1]
-        strides = _row_strides([xa, ya], ["x", "out"])
-        plan = plan_forward(xa, ya, None, w.dtype if w else "float32", strides, rows, hidden, impl)
-        values = (xa.ptr, ya.ptr, 0, w.ptr if w else 0, describe(rstd, "rstd").ptr if return_rstd else 0,
-                  rows, hidden, strides[0], strides[1], 0, float(eps), float(offset))
-        _launch.launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, _FWD_PARAMS, values,
-                       _arrays.current_stream(xa), xa.device)
+    if plan.grid:
+        rstd_ptr = _arrays.data_ptr(rstd) if return_rstd else 0
+        _launch_plan(plan, (xa.ptr, out_ptr, 0, wa.ptr if wa else 0, rstd_ptr), xa)
     return (out, rstd) if return_rstd else out
 
 
 def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"):
     """vLLM's in-place fused residual add: residual <- x + residual (rounded to x's dtype), then
     x <- rms_norm(residual, weight, eps). Each tensor is read once and written once. Returns (x, residual)."""
-    _check_eps(eps)
-    _check_offset(offset)
-    xa = _check_input(x, "x")
-    ra = _check_like(residual, xa, "x", "residual")
-    check_not_overlapping(xa, ra, "x", "residual")
-    w = _check_weight(weight, xa, "x")
-    if xa.size:
-        rows, hidden = _rows(xa.shape), xa.shape[-1]
-        strides = _row_strides([xa, ra], ["x", "residual"])
-        plan = plan_forward(xa, xa, ra, w.dtype if w else "float32", (strides[0], strides[0], strides[1]), rows,
-                            hidden, impl)
-        values = (xa.ptr, xa.ptr, ra.ptr, w.ptr if w else 0, 0,
-                  rows, hidden, strides[0], strides[0], strides[1], float(eps), float(offset))
-        _launch.launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, _FWD_PARAMS, values,
-                       _arrays.current_stream(xa), xa.device)
+    xa = describe(x, "x")
+    ra = describe(residual, "residual")
+    wa = None if weight is None else describe(weight, "weight")
+    key = ("add", _arrays.signature(xa), _arrays.signature(ra), _arrays.signature(wa), eps, offset, impl)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan_fused_add_call(xa, ra, wa, eps, offset, impl)
+        _plans.put(key, plan)
+    if plan.grid:
+        _arrays.check_disjoint(xa.ptr, plan.extents[0], ra.ptr, plan.extents[1], "x", "residual",
+                               "pass separate memory")
+        _launch_plan(plan, (xa.ptr, xa.ptr, ra.ptr, wa.ptr if wa else 0, 0), xa)
     return x, residual
 
 
@@ -216,43 +235,97 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, im
 
     rstd (fp32, shape x.shape[:-1], as returned by rms_norm(..., return_rstd=True)) is recomputed when
     not given. dweight is reduced in a fixed order: bitwise identical from run to run, no atomics."""
+    da = describe(dy, "dy")
+    xa = describe(x, "x")
+    wa = None if weight is None else describe(weight, "weight")
+    ra = None if rstd is None else describe(rstd, "rstd")
+    key = ("bwd", _arrays.signature(da), _arrays.signature(xa), _arrays.signature(wa), _arrays.signature(ra), eps,
+           offset, impl)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan_backward_call(da, xa, wa, ra, eps, offset, impl)
+        _plans.put(key, plan)
+    dx = _arrays.empty(xa, xa.shape, xa.dtype)
+    dweight = _arrays.empty(xa, (xa.shape[-1],), wa.dtype) if wa else None
+    if not plan.grid:
+        if dweight is not None and xa.shape[-1]:
+            dweight[...] = 0
+        return dx, dweight
+    hidden = xa.shape[-1]
+    partial = _arrays.empty(xa, (plan.grid, hidden), "float32") if wa else None
+    partial_ptr = _arrays.data_ptr(partial) if wa else 0
+    stream = _arrays.current_stream(xa)
+    pointers = (da.ptr, xa.ptr, wa.ptr if wa else 0, ra.ptr if ra else 0, _arrays.data_ptr(dx), partial_ptr)
+    _launch.launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, _BWD_PARAMS,
+                   pointers + plan.tail, stream, xa.device)
+    if wa:
+        dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[wa.dtype]}>", xa.device)
+        _launch.launch(dw_kernel, -(-hidden // BLOCK_THREADS), (BLOCK_THREADS, 1), _DW_PARAMS,
+                       (partial_ptr, _arrays.data_ptr(dweight), plan.grid, hidden), stream, xa.device)
+    return dx, dweight
+
+
+def _launch_plan(plan, pointers, like) -> None:
+    _launch.launch(get_kernel(SOURCE, plan.name, like.device), plan.grid, plan.block, _FWD_PARAMS,
+                   pointers + plan.tail, _arrays.current_stream(like), like.device)
+
+
+def _plan_forward_call(xa, wa, oa, eps, offset, impl):
     _check_eps(eps)
     _check_offset(offset)
-    xa = _check_input(x, "x")
-    da = _check_like(dy, xa, "x", "dy")
-    w = _check_weight(weight, xa, "x")
-    ra = None
-    if rstd is not None:
-        ra = describe(rstd, "rstd")
+    _check_impl(impl)
+    _check_input(xa, "x")
+    _check_weight(wa, xa, "x")
+    if oa is not None:
+        _check_like(oa, xa, "x", "out")
+    if not xa.size:
+        return _Empty()
+    ya = oa if oa is not None else _arrays.contiguous_like(xa, xa.shape, xa.dtype)
+    rows, hidden = _rows(xa.shape), xa.shape[-1]
+    strides = _row_strides([xa, ya], ["x", "out"])
+    plan = plan_forward(xa, ya, None, wa, strides, rows, hidden, impl)
+    plan.tail = (rows, hidden, strides[0], strides[1], 0, float(eps), float(offset))
+    return plan
+
+
+def _plan_fused_add_call(xa, ra, wa, eps, offset, impl):
+    _check_eps(eps)
+    _check_offset(offset)
+    _check_impl(impl)
+    _check_input(xa, "x")
+    _check_like(ra, xa, "x", "residual")
+    check_not_overlapping(xa, ra, "x", "residual")
+    _check_weight(wa, xa, "x")
+    if not xa.size:
+        return _Empty()
+    rows, hidden = _rows(xa.shape), xa.shape[-1]
+    strides = _row_strides([xa, ra], ["x", "residual"])
+    plan = plan_forward(xa, xa, ra, wa, (strides[0], strides[0], strides[1]), rows, hidden, impl)
+    plan.tail = (rows, hidden, strides[0], strides[0], strides[1], float(eps), float(offset))
+    plan.extents = (_arrays.extent(xa), _arrays.extent(ra))
+    return plan
+
+
+def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
+    _check_eps(eps)
+    _check_offset(offset)
+    _check_impl(impl)
+    _check_input(xa, "x")
+    _check_like(da, xa, "x", "dy")
+    _check_weight(wa, xa, "x")
+    if ra is not None:
         _arrays.check_same_device(xa, ra, "x", "rstd")
         if ra.dtype != "float32":
             raise TypeError(f"rstd: expected dtype float32, got {ra.dtype}")
         if tuple(ra.shape) != tuple(xa.shape[:-1]):
             raise ValueError(f"rstd: expected shape {tuple(xa.shape[:-1])} (x's rows), got {tuple(ra.shape)}")
-        if _rows(xa.shape) > 1 and any(
-            s != math.prod(ra.shape[j + 1 :]) for j, (n, s) in enumerate(zip(ra.shape, ra.strides)) if n > 1
-        ):
-            raise ValueError("rstd: expected a contiguous array")
-    dx = _arrays.empty(xa, xa.shape, xa.dtype)
-    dxa = describe(dx, "dx")
-    dweight = _arrays.empty(xa, (xa.shape[-1],), w.dtype) if w else None
+        if _arrays.contiguous_like(ra, ra.shape, "float32").strides != tuple(ra.strides) and ra.size > 1:
+            raise ValueError(f"rstd: expected a contiguous array, got strides {tuple(ra.strides)}")
     if not xa.size:
-        if dweight is not None and xa.shape[-1]:
-            dweight[...] = 0
-        return dx, dweight
+        return _Empty()
     rows, hidden = _rows(xa.shape), xa.shape[-1]
+    dxa = _arrays.contiguous_like(xa, xa.shape, xa.dtype)
     strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
-    plan = plan_backward(da, xa, dxa, w.dtype if w else "float32", strides, rows, hidden, sm_count(xa.device), impl)
-    partial = _arrays.empty(xa, (plan.grid, hidden), "float32") if w else None
-    partial_ptr = describe(partial, "partial").ptr if w else 0
-    stream = _arrays.current_stream(xa)
-    values = (da.ptr, xa.ptr, w.ptr if w else 0, ra.ptr if ra else 0, dxa.ptr, partial_ptr,
-              rows, hidden, strides[0], strides[1], strides[2], float(eps), float(offset))
-    _launch.launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, _BWD_PARAMS, values, stream,
-                   xa.device)
-    if w:
-        dw_values = (partial_ptr, describe(dweight, "dweight").ptr, plan.grid, hidden)
-        dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[w.dtype]}>", xa.device)
-        _launch.launch(dw_kernel, -(-hidden // BLOCK_THREADS), (BLOCK_THREADS, 1), _DW_PARAMS, dw_values, stream,
-                       xa.device)
-    return dx, dweight
+    plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl)
+    plan.tail = (rows, hidden, strides[0], strides[1], strides[2], float(eps), float(offset))
+    return plan

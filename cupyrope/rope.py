@@ -19,27 +19,32 @@ SOURCE = "rope.cu"
 STYLES = {"neox": 0, "gptj": 1}
 IMPLS = ("auto", "scalar", "vector")
 CTYPE = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int", "int64": "long long"}
-MAX_THREADS = 256
-THREADS_PER_SM = 2048  # one full wave of resident threads per SM is enough to saturate bandwidth
+BLOCK_THREADS = 256  # kernels_src/rope.cu: BLOCK_THREADS
+ITEMS_PER_BLOCK = 1024  # about four 16-byte items per thread
+MAX_BLOCK_TOKENS = 64
+COS_SIN_FLOATS = 8192  # shared-memory cos/sin table per block: 32 KiB
+MAX_ROTARY_DIM = 1024
+BLOCKS_PER_SM = 2  # below this many blocks per SM, fewer tokens per block
 
 # Mirrors RopeParams in kernels_src/rope.cu.
 _PARAMS = struct.Struct("<6Q3q16q3q2q3q3qdq")
 
 
 class RopePlan:
-    __slots__ = ("name", "grid", "block", "values", "vectorized", "head_groups", "lanes")
+    __slots__ = ("name", "grid", "block", "shared_mem", "tail", "vectorized", "tokens_per_block", "lanes", "extents")
 
-    def __init__(self, name, grid, block, values, vectorized, head_groups, lanes):
+    def __init__(self, name, grid, shared_mem, tail, vectorized, tokens_per_block, lanes):
         self.name = name
         self.grid = grid
-        self.block = block
-        self.values = values  # RopeParams, in order
+        self.block = (BLOCK_THREADS, 1)
+        self.shared_mem = shared_mem
+        self.tail = tail  # RopeParams after the six pointers, in order
         self.vectorized = vectorized
-        self.head_groups = head_groups
-        self.lanes = lanes  # (rotating lanes, copying lanes) per unit
+        self.tokens_per_block = tokens_per_block
+        self.lanes = lanes  # (rotating lanes, copying lanes) per head
 
     def __repr__(self):
-        return f"RopePlan({self.name}, grid={self.grid}, block={self.block})"
+        return f"RopePlan({self.name}, grid={self.grid}, tokens_per_block={self.tokens_per_block})"
 
 
 def kernel_name(dtype, cache_dtype, pos_dtype, style, vectorized, use_cache) -> str:
@@ -62,7 +67,7 @@ def all_variants():
                         yield SOURCE, name
 
 
-def _vector_blockers(tensors, dtype, style, rotary_dim, head_dim, copies, cache) -> list[str]:
+def _vector_blockers(tensors, dtype, style, rotary_dim, head_dim, copies) -> list[str]:
     """Why the 16-byte kernel cannot run (empty when it can)."""
     elems = 16 // _arrays.ITEMSIZE[dtype]
     reasons = []
@@ -76,10 +81,6 @@ def _vector_blockers(tensors, dtype, style, rotary_dim, head_dim, copies, cache)
             reasons.append(f"{name} is not 16-byte aligned")
         if any(s % elems for s in token_strides) or head_stride % elems:
             reasons.append(f"{name} has strides that are not multiples of {elems} elements")
-    if cache is not None:
-        cache_elems = 16 // cache.itemsize
-        if cache.ptr % 16 or cache.strides[0] % cache_elems:
-            reasons.append("cos_sin_cache rows are not 16-byte aligned")
     return reasons
 
 
@@ -99,47 +100,39 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         for i, (role, array) in enumerate((("input", inp), ("output", out))):
             t = 2 * g + i
             named.append((f"{'qk'[g]} {role}", array, layout.token_strides[t], layout.head_strides[t]))
-    blockers = _vector_blockers(named, dtype, style, rotary_dim, head_dim, copies, cache)
+    blockers = _vector_blockers(named, dtype, style, rotary_dim, head_dim, copies)
     if impl == "vector" and blockers:
         raise ValueError("impl: 'vector' is not possible here: " + "; ".join(blockers))
     vectorized = impl != "scalar" and not blockers
 
     elems = 16 // _arrays.ITEMSIZE[dtype] if vectorized else (2 if style == "gptj" else 1)
     rot_lanes = rotary_dim // 2 // elems if style == "neox" else rotary_dim // elems
-    copy_elems = elems if vectorized else 1
-    copy_lanes = (head_dim - rotary_dim) // copy_elems if copies else 0
-    lanes = rot_lanes + copy_lanes
-    block_x = min(lanes, MAX_THREADS)
-    units_per_block = max(1, MAX_THREADS // block_x)
+    copy_lanes = (head_dim - rotary_dim) // (elems if vectorized else 1) if copies else 0
+    n_q_heads, n_heads, n_tokens = layout.heads[0], sum(layout.heads), layout.n_tokens
+    if n_tokens >= 2**31 or n_tokens * n_heads * max(rot_lanes, copy_lanes, 1) >= 2**32:
+        raise ValueError(f"x: {n_tokens} tokens x {n_heads} heads is too many for one call; split it")
+    # Tokens per block: enough items to keep every thread busy, few enough to spread over the SMs.
+    tokens = max(1, ITEMS_PER_BLOCK // max(1, n_heads * (rot_lanes + copy_lanes)))
+    tokens = min(tokens, MAX_BLOCK_TOKENS, COS_SIN_FLOATS // rotary_dim, max(1, n_tokens // (n_sm * BLOCKS_PER_SM)))
+    grid = max(1, -(-n_tokens // tokens))
 
-    n_q_heads = layout.heads[0]
-    n_heads = sum(layout.heads)
-    n_tokens = layout.n_tokens
-    wanted_threads = n_sm * THREADS_PER_SM
-    head_groups = max(1, min(n_heads, math.ceil(wanted_threads / max(1, n_tokens * lanes))))
-    n_units = n_tokens * head_groups
-    grid = math.ceil(n_units / units_per_block)
-
-    (q_in, q_out), (k_in, k_out) = groups[0], groups[-1]  # without k, k's slots repeat q's (0 k heads)
     strides = []
-    for t in range(4):
+    for t in range(4):  # q in, q out, k in, k out; without k, k's slots repeat q's (0 k heads)
         src = t if t < 2 * len(groups) else t - 2
         strides.extend(layout.token_strides[src])
         strides.append(layout.head_strides[src])
     use_cache = cache is not None
-    values = (
-        q_in.ptr, q_out.ptr, k_in.ptr, k_out.ptr,
-        positions.ptr, cache.ptr if use_cache else 0,
-        n_units, layout.token_sizes[1], layout.token_sizes[2],
+    tail = (
+        n_tokens, layout.token_sizes[1], layout.token_sizes[2],
         *strides,
         *layout.pos_strides,
         cache.strides[0] if use_cache else 0, cache.shape[0] if use_cache else 0,
-        n_q_heads, n_heads, head_groups,
+        n_q_heads, n_heads, tokens,
         rotary_dim, rot_lanes, copy_lanes,
         float(theta), int(bool(inverse)),
     )  # fmt: skip
     name = kernel_name(dtype, cache.dtype if use_cache else "float32", positions.dtype, style, vectorized, use_cache)
-    return RopePlan(name, grid, (block_x, units_per_block), values, vectorized, head_groups, (rot_lanes, copy_lanes))
+    return RopePlan(name, grid, tokens * rotary_dim * 4, tail, vectorized, tokens, (rot_lanes, copy_lanes))
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -165,16 +158,20 @@ def _check_heads(array, name):
 
 def _check_rotary_dim(rotary_dim, head_dim):
     if rotary_dim is None:
+        if head_dim > MAX_ROTARY_DIM or head_dim % 2:
+            raise ValueError(f"rotary_dim: head_dim {head_dim} cannot be rotated whole (needs an even size <= "
+                             f"{MAX_ROTARY_DIM}); pass rotary_dim")
         return head_dim
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, (int, np.integer)):
         raise TypeError(f"rotary_dim: expected an int or None, got {type(rotary_dim).__name__}")
-    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"rotary_dim: expected an even number in [2, head_dim={head_dim}], got {rotary_dim}")
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > min(head_dim, MAX_ROTARY_DIM):
+        raise ValueError(
+            f"rotary_dim: expected an even number in [2, min(head_dim={head_dim}, {MAX_ROTARY_DIM})], got {rotary_dim}"
+        )
     return int(rotary_dim)
 
 
-def _check_positions(positions, like, like_name):
-    pos = describe(positions, "positions")
+def _check_positions(pos, like, like_name):
     if pos.dtype not in INDEX_DTYPES:
         raise TypeError(f"positions: expected an integer array (int32 or int64), got {pos.dtype}")
     _arrays.check_same_device(like, pos, like_name, "positions")
@@ -192,10 +189,9 @@ def _check_positions(positions, like, like_name):
     return pos
 
 
-def _check_cache(cos_sin_cache, like, like_name, rotary_dim):
-    if cos_sin_cache is None:
+def _check_cache(cache, like, like_name, rotary_dim):
+    if cache is None:
         return None
-    cache = describe(cos_sin_cache, "cos_sin_cache")
     _arrays.check_same_device(like, cache, like_name, "cos_sin_cache")
     allowed = ("float32", like.dtype)
     if cache.dtype not in allowed:
@@ -213,28 +209,19 @@ def _check_cache(cos_sin_cache, like, like_name, rotary_dim):
     return cache
 
 
-def _extent(array):
-    low = sum((n - 1) * s for n, s in zip(array.shape, array.strides) if s < 0)
-    high = sum((n - 1) * s for n, s in zip(array.shape, array.strides) if s > 0)
-    return array.ptr + low * array.itemsize, array.ptr + (high + 1) * array.itemsize
-
-
 def check_not_overlapping(a, b, name_a, name_b, same_allowed=False):
     """Distinct arrays must not share memory (a kernel would read what another thread wrote);
     ``same_allowed``: b may be exactly a (in place)."""
-    if same_allowed and a.ptr == b.ptr and a.strides == b.strides and a.shape == b.shape:
+    if same_allowed and a.ptr == b.ptr and a.strides == b.strides and tuple(a.shape) == tuple(b.shape):
         return
-    a_lo, a_hi = _extent(a)
-    b_lo, b_hi = _extent(b)
-    if a.size and b.size and a_lo < b_hi and b_lo < a_hi:
+    if a.size and b.size:
         hint = f"pass {name_b}={name_a} (in place) or separate memory" if same_allowed else "pass separate memory"
-        raise ValueError(f"{name_b}: overlaps {name_a} in memory; {hint}")
+        _arrays.check_disjoint(a.ptr, _arrays.extent(a), b.ptr, _arrays.extent(b), name_a, name_b, hint)
 
 
-def _check_out(out, x, x_name):
-    if out is None:
+def _check_out(o, x, x_name):
+    if o is None:
         return None
-    o = describe(out, "out")
     _arrays.check_same_device(x, o, x_name, "out")
     if o.dtype != x.dtype:
         raise TypeError(f"out: expected dtype {x.dtype} (like {x_name}), got {o.dtype}")
@@ -246,6 +233,8 @@ def _check_out(out, x, x_name):
 
 
 # ------------------------------------------------------------------------------------------ public API
+
+_plans = _arrays.PlanCache()
 
 
 def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False,
@@ -261,20 +250,26 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
     [0, max_position) become NaN. inverse=True rotates by -angle (the backward of RoPE).
     out=x rotates in place. Returns ``out`` (a new array of x's kind when out is None).
     """
-    _check_options(style, impl, theta, inverse)
     xa = describe(x, "x")
-    _check_heads(xa, "x")
-    rotary_dim = _check_rotary_dim(rotary_dim, xa.shape[-1])
-    pos = _check_positions(positions, xa, "x")
-    cache = _check_cache(cos_sin_cache, xa, "x", rotary_dim)
-    oa = _check_out(out, xa, "x")
+    pa = describe(positions, "positions")
+    ca = None if cos_sin_cache is None else describe(cos_sin_cache, "cos_sin_cache")
+    oa = None if out is None else describe(out, "out")
+    in_place = oa is not None and oa.ptr == xa.ptr
+    key = ("rope", _arrays.signature(xa), _arrays.signature(pa), _arrays.signature(ca), _arrays.signature(oa),
+           in_place, theta, style, rotary_dim, inverse, impl)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl)
+        _plans.put(key, plan)
     if oa is None:
         out = _arrays.empty(xa, xa.shape, xa.dtype)
-        oa = describe(out, "out")
-    plan = plan_rope([(xa, oa)], pos, cache, style=style, rotary_dim=rotary_dim, theta=theta,
-                     inverse=inverse, impl=impl, n_sm=sm_count(xa.device) if xa.size else 1)
-    if xa.size:
-        _run(plan, xa)
+        out_ptr = _arrays.data_ptr(out)
+    else:
+        out_ptr = oa.ptr
+        if not in_place and plan.grid:
+            check_not_overlapping(xa, oa, "x", "out", same_allowed=True)
+    if plan.grid:
+        _run(plan, (xa.ptr, out_ptr, xa.ptr, out_ptr, pa.ptr, ca.ptr if ca else 0), xa)
     return out
 
 
@@ -288,9 +283,44 @@ def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, co
     """Rotate q (..., Hq, head_dim) and k (..., Hk, head_dim) in place, in one launch; cos/sin are
     computed once per token and shared by all heads. q and k may be strided views (e.g. column slices
     of a fused qkv tensor) as long as their last dimension is contiguous. Returns (q, k)."""
-    _check_options(style, impl, theta, inverse)
     qa = describe(q, "q")
     ka = describe(k, "k")
+    pa = describe(positions, "positions")
+    ca = None if cos_sin_cache is None else describe(cos_sin_cache, "cos_sin_cache")
+    key = ("rope_qk", _arrays.signature(qa), _arrays.signature(ka), _arrays.signature(pa), _arrays.signature(ca),
+           theta, style, rotary_dim, inverse, impl)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan_rope_qk_call(qa, ka, pa, ca, theta, style, rotary_dim, inverse, impl)
+        _plans.put(key, plan)
+    if plan.grid:
+        _arrays.check_disjoint(qa.ptr, plan.extents[0], ka.ptr, plan.extents[1], "q", "k", "pass separate memory")
+        _run(plan, (qa.ptr, qa.ptr, ka.ptr, ka.ptr, pa.ptr, ca.ptr if ca else 0), qa)
+    return q, k
+
+
+class _Empty:
+    """Plan of a call with nothing to compute (zero-size input)."""
+
+    grid = 0
+
+
+def _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl):
+    _check_options(style, impl, theta, inverse)
+    _check_heads(xa, "x")
+    rotary_dim = _check_rotary_dim(rotary_dim, xa.shape[-1])
+    _check_positions(pa, xa, "x")
+    cache = _check_cache(ca, xa, "x", rotary_dim)
+    _check_out(oa, xa, "x")
+    if not xa.size:
+        return _Empty()
+    out = oa if oa is not None else _arrays.contiguous_like(xa, xa.shape, xa.dtype)
+    return plan_rope([(xa, out)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse,
+                     impl=impl, n_sm=sm_count(xa.device))
+
+
+def _plan_rope_qk_call(qa, ka, pa, ca, theta, style, rotary_dim, inverse, impl):
+    _check_options(style, impl, theta, inverse)
     _check_heads(qa, "q")
     _check_heads(ka, "k")
     _arrays.check_same_device(qa, ka, "q", "k")
@@ -299,21 +329,23 @@ def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, co
     if ka.shape[-1] != qa.shape[-1]:
         raise ValueError(f"k: expected head_dim {qa.shape[-1]} (like q), got {ka.shape[-1]}")
     if len(ka.shape) != len(qa.shape):
-        raise ValueError(f"k: expected {len(qa.shape)} dimensions (like q {qa.shape}), got shape {ka.shape}")
+        raise ValueError(f"k: expected {len(qa.shape)} dimensions (like q {tuple(qa.shape)}), got shape {tuple(ka.shape)}")
     check_not_overlapping(qa, ka, "q", "k")
     rotary_dim = _check_rotary_dim(rotary_dim, qa.shape[-1])
-    pos = _check_positions(positions, qa, "q")
-    cache = _check_cache(cos_sin_cache, qa, "q", rotary_dim)
-    plan = plan_rope([(qa, qa), (ka, ka)], pos, cache, style=style, rotary_dim=rotary_dim, theta=theta,
-                     inverse=inverse, impl=impl, n_sm=sm_count(qa.device) if qa.size else 1)
-    if qa.size or ka.size:
-        _run(plan, qa)
-    return q, k
+    _check_positions(pa, qa, "q")
+    cache = _check_cache(ca, qa, "q", rotary_dim)
+    if not (qa.size or ka.size):
+        return _Empty()
+    plan = plan_rope([(qa, qa), (ka, ka)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta,
+                     inverse=inverse, impl=impl, n_sm=sm_count(qa.device))
+    plan.extents = (_arrays.extent(qa), _arrays.extent(ka))
+    return plan
 
 
-def _run(plan: RopePlan, like) -> None:
+def _run(plan: RopePlan, pointers, like) -> None:
     kernel = get_kernel(SOURCE, plan.name, like.device)
-    _launch.launch(kernel, plan.grid, plan.block, _PARAMS, plan.values, _arrays.current_stream(like), like.device)
+    _launch.launch(kernel, plan.grid, plan.block, _PARAMS, pointers + plan.tail, _arrays.current_stream(like),
+                   like.device, plan.shared_mem)
 
 
 def rope_cache(max_position, rotary_dim, theta=10000.0, *, dtype="float32", kind="cupy", device=0):

@@ -22,13 +22,13 @@ struct NormParams {  // mirrored by rmsnorm.py's _FWD_PARAMS
     float eps, offset;
 };
 
-template <typename W, int E>
-__device__ __forceinline__ void load_scale(const NormParams& p, i64 col, float (&w)[E]) {
-    if (p.weight) {
-        // Scalar loads: weight rows are tiny and cached, and need no alignment assumption.
-        const W* wp = static_cast<const W*>(p.weight) + col;
+// (weight + offset) for E columns; VEC: the planner checked the weight is 16-byte aligned.
+template <typename W, bool VEC, int E>
+__device__ __forceinline__ void load_scale(const void* weight, float offset, i64 col, float (&w)[E]) {
+    if (weight) {
+        const Pack<W, E> pk = load_pack<VEC, E>(static_cast<const W*>(weight) + col);
 #pragma unroll
-        for (int e = 0; e < E; ++e) w[e] = to_float(wp[e]) + p.offset;
+        for (int e = 0; e < E; ++e) w[e] = to_float(pk.v[e]) + offset;
     } else {
 #pragma unroll
         for (int e = 0; e < E; ++e) w[e] = 1.f;
@@ -51,7 +51,7 @@ __device__ __forceinline__ Pack<T, E> load_input(const NormParams& p, i64 row, i
 template <typename T, typename W, bool VEC, int E>
 __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 col, const Pack<T, E>& v, float rstd) {
     float w[E];
-    load_scale<W, E>(p, col, w);
+    load_scale<W, VEC, E>(p.weight, p.offset, col, w);
     Pack<T, E> y;
 #pragma unroll
     for (int e = 0; e < E; ++e) y.v[e] = from_float<T>(to_float(v.v[e]) * rstd * w[e]);
@@ -123,18 +123,6 @@ struct NormBwdParams {  // mirrored by rmsnorm.py's _BWD_PARAMS
     float eps, offset;
 };
 
-template <typename W, int E>
-__device__ __forceinline__ void load_scale_bwd(const NormBwdParams& p, i64 col, float (&w)[E]) {
-    if (p.weight) {
-        const W* wp = static_cast<const W*>(p.weight) + col;
-#pragma unroll
-        for (int e = 0; e < E; ++e) w[e] = to_float(wp[e]) + p.offset;
-    } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) w[e] = 1.f;
-    }
-}
-
 template <typename T, typename W, bool VEC, int NPT>
 __global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
@@ -172,7 +160,7 @@ __global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
                     dyv[i] = load_pack<VEC, E>(dy_row + col);
                     xv[i] = load_pack<VEC, E>(x_row + col);
                     float w[E];
-                    load_scale_bwd<W, E>(p, col, w);
+                    load_scale<W, VEC, E>(p.weight, p.offset, col, w);
 #pragma unroll
                     for (int e = 0; e < E; ++e) {
                         const float xf = to_float(xv[i].v[e]);
@@ -185,7 +173,7 @@ __global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
             for (i64 col = (i64)lane * E; active && col < p.hidden; col += step) {
                 const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
                 float w[E];
-                load_scale_bwd<W, E>(p, col, w);
+                load_scale<W, VEC, E>(p.weight, p.offset, col, w);
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
                     const float xf = to_float(xx.v[e]);
@@ -210,7 +198,7 @@ __global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
                 const i64 col = (i64)lane * E + i * step;
                 if (col < p.hidden) {
                     float w[E];
-                    load_scale_bwd<W, E>(p, col, w);
+                    load_scale<W, VEC, E>(p.weight, p.offset, col, w);
                     Pack<T, E> out;
 #pragma unroll
                     for (int e = 0; e < E; ++e) {
@@ -225,7 +213,7 @@ __global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
             for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
                 const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
                 float w[E];
-                load_scale_bwd<W, E>(p, col, w);
+                load_scale<W, VEC, E>(p.weight, p.offset, col, w);
                 Pack<T, E> out;
 #pragma unroll
                 for (int e = 0; e < E; ++e) {

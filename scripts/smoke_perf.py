@@ -1,5 +1,7 @@
 """Quick GPU timing smoke test (not the benchmark suite): big-shape bandwidth and per-call overhead."""
 
+import os
+import sys
 import time
 
 import cupy
@@ -37,7 +39,7 @@ def eager_us(fn, n=2000):
 
 
 bw = copy_bw()
-print(f"copy bandwidth {bw:.0f} GB/s")
+print(f"copy bandwidth {bw:.0f} GB/s; options {os.environ.get('CUPYROPE_EXTRA_NVRTC_OPTIONS', '(default)')}")
 T, H, D = 32768, 32, 128
 x = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
 out = torch.empty_like(x)
@@ -51,6 +53,10 @@ for impl in ("vector", "scalar"):
 q = torch.randn(T, 32, D, device=dev, dtype=torch.bfloat16)
 k = torch.randn(T, 8, D, device=dev, dtype=torch.bfloat16)
 bench(lambda: cupyrope.rope_qk(q, k, pos), (q.numel() + k.numel()) * 4 + T * 8, "rope_qk bf16 32q+8k", bw)
+x16 = torch.randn(65536, 32, 128, device=dev, dtype=torch.float16)
+bench(lambda: cupyrope.rope_(x16, torch.arange(65536, device=dev)), x16.numel() * 4, "rope_ fp16 65536x32x128", bw)
+if "--rope-only" in sys.argv:
+    sys.exit(0)
 
 for (M, N, dt) in [(32768, 4096, torch.bfloat16), (8192, 16384, torch.float32), (8192, 1027, torch.float32)]:
     xx = torch.randn(M, N, device=dev, dtype=dt)
@@ -79,3 +85,11 @@ w1 = torch.randn(4096, device=dev, dtype=torch.bfloat16)
 x1 = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
 print(f"rms_norm torch [1,4096]      {eager_us(lambda: cupyrope.rms_norm(x1, w1)):6.2f} us/call")
 print(f"F.rms_norm torch [1,4096]    {eager_us(lambda: torch.nn.functional.rms_norm(x1, (4096,), w1)):6.2f} us/call")
+
+# where the host time goes (torch decode call)
+from cupyrope import _arrays, _launch  # noqa: E402
+
+print(f"  describe(q)                {eager_us(lambda: _arrays.describe(qs, 'q')):6.2f} us")
+print(f"  current_stream             {eager_us(lambda: torch._C._cuda_getCurrentRawStream(0)):6.2f} us")
+print(f"  cupy getDevice             {eager_us(lambda: cupy.cuda.runtime.getDevice()):6.2f} us")
+print(f"  torch.empty_like           {eager_us(lambda: torch.empty_like(qs)):6.2f} us")

@@ -25,21 +25,21 @@ def plan(groups, pos, cache=None, **kw):
     return plan_rope(groups, pos, cache, **opts)
 
 
-def test_llama_prefill_bf16_is_vectorized_with_heads_shared():
+def test_llama_prefill_bf16_is_vectorized_and_shares_cos_sin():
     x, y = arr((32768, 32, 128)), arr((32768, 32, 128), ptr=BASE + 2**30)
     p = plan([(x, y)], arr((32768,), "int64"))
     assert p.vectorized
     assert "rope_kernel<__nv_bfloat16, float, long long, 0, true, false>" in p.name
-    assert p.block == (8, 32)  # 8 lanes x 8 bf16 = one 64-pair half per head; 32 tokens per block
-    assert p.head_groups == 2  # 32768 tokens x 8 lanes x 2 groups fills 132 SMs x 2048 threads
-    assert p.grid == 32768 * 2 // 32
+    assert p.lanes == (8, 0)  # 8 lanes x 8 bf16 = one 64-pair half of a head per lane
+    assert p.tokens_per_block == 4  # 4 tokens x 32 heads x 8 lanes = 1024 items for 256 threads
+    assert p.grid == 32768 // 4 and p.block == (256, 1)
+    assert p.shared_mem == 4 * 128 * 4  # one cos/sin row per token of the block
 
 
-def test_decode_spreads_heads_over_threads():
+def test_decode_is_one_block():
     q, k = arr((1, 32, 128)), arr((1, 8, 128), ptr=BASE + 4096 * 2)
     p = plan([(q, q), (k, k)], arr((1,), "int32"))
-    assert p.head_groups == 40  # one head per unit: 40 units of 8 lanes
-    assert p.grid == 2
+    assert p.tokens_per_block == 1 and p.grid == 1  # 40 heads x 8 lanes: 320 items in one block
 
 
 def test_misaligned_pointer_falls_back_to_scalar_and_vector_request_is_refused():
@@ -86,8 +86,8 @@ def test_cache_variant_and_alignment():
     cache = arr((100, 64), "float32")
     p = plan([(x, x)], arr((5,), "int32"), cache)
     assert "rope_kernel<__nv_bfloat16, float, int, 0, true, true>" in p.name
-    odd_cache = arr((100, 64), "float32", ptr=BASE + 4)
-    assert not plan([(x, x)], arr((5,), "int32"), odd_cache).vectorized
+    odd_cache = arr((100, 64), "float32", ptr=BASE + 4)  # read once per (token, frequency): any alignment
+    assert plan([(x, x)], arr((5,), "int32"), odd_cache).vectorized
 
 
 @pytest.mark.parametrize(
@@ -101,10 +101,12 @@ def test_rms_norm_row_shape(hidden, elems, width, slots):
 
 def test_rms_norm_plans():
     x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
-    p = plan_forward(x, y, None, "bfloat16", (4096, 4096), 8192, 4096)
+    p = plan_forward(x, y, None, arr((4096,), ptr=BASE + 2**29), (4096, 4096), 8192, 4096)
     assert p.vectorized and p.block == (128, 2) and p.grid == 4096
     assert p.name == "cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, true, 4, false>"
     odd = arr((7, 1027))
-    assert not plan_forward(odd, odd, None, "float32", (1027, 1027), 7, 1027).vectorized
-    b = plan_backward(x, x, y, "float32", (4096,) * 3, 8192, 4096, n_sm=132)
+    assert not plan_forward(odd, odd, None, None, (1027, 1027), 7, 1027).vectorized
+    misaligned_weight = arr((4096,), "float32", ptr=BASE + 4)
+    assert not plan_forward(x, y, None, misaligned_weight, (4096, 4096), 8192, 4096).vectorized
+    b = plan_backward(x, x, y, arr((4096,), "float32"), (4096,) * 3, 8192, 4096, n_sm=132)
     assert b.grid <= 132 * 8 and b.name.startswith("cupyrope::rms_norm_bwd<__nv_bfloat16, float, true,")
