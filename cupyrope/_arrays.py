@@ -88,12 +88,8 @@ def describe(obj, name: str) -> Array:
 def current_stream(array: Array) -> int:
     """Raw handle of the caller's current stream on the array's device."""
     if array.kind == "torch":
-        import torch
-
-        return torch._C._cuda_getCurrentRawStream(array.device)
-    import cupy
-
-    return cupy.cuda.get_current_stream(array.device).ptr
+        return sys.modules["torch"]._C._cuda_getCurrentRawStream(array.device)
+    return sys.modules["cupy"].cuda.get_current_stream(array.device).ptr
 
 
 def empty(like: Array, shape, dtype: str):
@@ -165,9 +161,36 @@ def extent(array: Array) -> tuple[int, int]:
     return low * array.itemsize, (high + 1) * array.itemsize
 
 
-def check_disjoint(a_ptr: int, a_extent, b_ptr: int, b_extent, name_a: str, name_b: str, hint: str) -> None:
-    if a_ptr + a_extent[0] < b_ptr + b_extent[1] and b_ptr + b_extent[0] < a_ptr + a_extent[1]:
-        raise ValueError(f"{name_b}: overlaps {name_a} in memory; {hint}")
+def row_extent(array: Array):
+    """(outer stride in bytes, extent of one outer row) -- lets interleaved views of one buffer (q and k
+    as column slices of a fused qkv tensor) be told apart from overlapping ones."""
+    if len(array.shape) < 2 or array.shape[0] < 2:
+        return None
+    inner = Array(None, array.kind, 0, array.dtype, tuple(array.shape[1:]), tuple(array.strides[1:]), array.device)
+    return array.strides[0] * array.itemsize, array.shape[0], extent(inner)
+
+
+def layout_key(array: Array):
+    """What check_disjoint needs about an array, computed once per plan."""
+    return extent(array), row_extent(array)
+
+
+def check_disjoint(a_ptr: int, a_layout, b_ptr: int, b_layout, name_a: str, name_b: str, hint: str) -> None:
+    """Raise unless a and b provably share no element: their byte ranges are disjoint, or both are
+    row-interleaved with the same row stride and disjoint ranges within a row."""
+    (a_lo, a_hi), a_rows = a_layout
+    (b_lo, b_hi), b_rows = b_layout
+    if not (a_ptr + a_lo < b_ptr + b_hi and b_ptr + b_lo < a_ptr + a_hi):
+        return
+    if a_rows and b_rows and a_rows[0] == b_rows[0] and a_rows[0] > 0:
+        stride = a_rows[0]
+        shift = (b_ptr - a_ptr) % stride  # where b's rows start within a's rows
+        (ra_lo, ra_hi), (rb_lo, rb_hi) = a_rows[2], b_rows[2]
+        if ra_lo >= 0 and rb_lo >= 0 and ra_hi <= stride and rb_hi <= stride:
+            b_start, b_end = shift + rb_lo, shift + rb_hi
+            if (ra_hi <= b_start and b_end <= stride + ra_lo) or (b_end <= stride and ra_hi <= b_start):
+                return
+    raise ValueError(f"{name_b}: overlaps {name_a} in memory; {hint}")
 
 
 def contiguous_like(like: Array, shape, dtype: str) -> Array:

@@ -16,15 +16,17 @@ FWD_MAX_WIDTH = 1024
 BWD_MAX_WIDTH = 512  # the backward keeps x, dy and dweight sums in registers: 128 registers a thread
 BLOCK_THREADS = 256
 THREADS_PER_SM = 2048
+FWD_CHUNKS_PER_THREAD = 4  # target 16-byte chunks per thread (tuning: docs/perf-notes.md)
+BWD_CHUNKS_PER_THREAD = 4
 
-# Mirror NormParams, NormBwdParams and DweightParams in kernels_src/rms_norm.cu.
-_FWD_PARAMS = struct.Struct("<5Q5q2f")
-_BWD_PARAMS = struct.Struct("<6Q5q2f")
-_DW_PARAMS = struct.Struct("<2Q2q")
+# Mirror NormParams, NormBwdParams and DweightParams in kernels_src/rms_norm.cu: pointers, then these.
+_FWD_TAIL = struct.Struct("<5q2f")
+_BWD_TAIL = struct.Struct("<5q2f")
+_DW_TAIL = struct.Struct("<2q")
 
 
 class NormPlan:
-    __slots__ = ("name", "grid", "block", "vectorized", "slots", "tail", "extents")
+    __slots__ = ("name", "grid", "block", "vectorized", "slots", "tail", "extents", "kernel", "dw_kernel")
 
     def __init__(self, name, grid, block, vectorized, slots):
         self.name = name
@@ -41,11 +43,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def row_shape(hidden: int, elems: int, max_width: int) -> tuple[int, int]:
+def row_shape(hidden: int, elems: int, max_width: int, chunks_per_thread: int = 4) -> tuple[int, int]:
     """(threads per row, register slots per thread; 0 = loop) for a row of ``hidden`` elements moved
-    ``elems`` at a time: about four 16-byte chunks a thread, as few threads as that allows."""
+    ``elems`` at a time: about ``chunks_per_thread`` 16-byte chunks a thread."""
     chunks = -(-hidden // elems)
-    width = min(_next_pow2(-(-chunks // 4)), max_width // 2 if max_width > 512 else max_width)
+    width = min(_next_pow2(-(-chunks // chunks_per_thread)), max_width // 2 if max_width > 512 else max_width)
     if -(-chunks // width) > REGISTER_SLOTS[-1]:
         width = max_width
     needed = -(-chunks // width)
@@ -65,12 +67,12 @@ def _vectorizable(arrays, row_strides, hidden, dtype) -> bool:
     )
 
 
-def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_width, extra, impl):
+def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_width, extra, impl, chunks):
     vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
     if impl == "vector" and not vectorized:
         raise ValueError("impl: 'vector' needs hidden a multiple of 16 bytes and 16-byte aligned rows")
     elems = 16 // _arrays.ITEMSIZE[dtype] if vectorized else 1
-    width, slots = row_shape(hidden, elems, max_width)
+    width, slots = row_shape(hidden, elems, max_width, chunks)
     rows_per_block = max(1, BLOCK_THREADS // width)
     blocks = -(-rows // rows_per_block)
     args = ", ".join([CTYPE[dtype], CTYPE[weight_dtype], "true" if vectorized else "false", str(slots), *extra])
@@ -81,13 +83,14 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto")
     arrays = [x, y, residual, weight]
     add = "true" if residual is not None else "false"
     weight_dtype = weight.dtype if weight is not None else "float32"
-    return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_WIDTH, [add], impl)
+    return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_WIDTH, [add], impl,
+                 FWD_CHUNKS_PER_THREAD)
 
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto") -> NormPlan:
     weight_dtype = weight.dtype if weight is not None else "float32"
     plan = _plan("rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
-                 BWD_MAX_WIDTH, [], impl)
+                 BWD_MAX_WIDTH, [], impl, BWD_CHUNKS_PER_THREAD)
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     plan.grid = max(1, min(plan.grid, n_sm * max(1, THREADS_PER_SM // threads)))
@@ -256,18 +259,15 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, im
     partial_ptr = _arrays.data_ptr(partial) if wa else 0
     stream = _arrays.current_stream(xa)
     pointers = (da.ptr, xa.ptr, wa.ptr if wa else 0, ra.ptr if ra else 0, _arrays.data_ptr(dx), partial_ptr)
-    _launch.launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, _BWD_PARAMS,
-                   pointers + plan.tail, stream, xa.device)
+    _launch.launch(plan.kernel, plan.grid, plan.block, pointers, plan.tail, stream, xa.device)
     if wa:
-        dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[wa.dtype]}>", xa.device)
-        _launch.launch(dw_kernel, -(-hidden // BLOCK_THREADS), (BLOCK_THREADS, 1), _DW_PARAMS,
-                       (partial_ptr, _arrays.data_ptr(dweight), plan.grid, hidden), stream, xa.device)
+        _launch.launch(plan.dw_kernel, -(-hidden // BLOCK_THREADS), (BLOCK_THREADS, 1),
+                       (partial_ptr, _arrays.data_ptr(dweight)), _DW_TAIL.pack(plan.grid, hidden), stream, xa.device)
     return dx, dweight
 
 
 def _launch_plan(plan, pointers, like) -> None:
-    _launch.launch(get_kernel(SOURCE, plan.name, like.device), plan.grid, plan.block, _FWD_PARAMS,
-                   pointers + plan.tail, _arrays.current_stream(like), like.device)
+    _launch.launch(plan.kernel, plan.grid, plan.block, pointers, plan.tail, _arrays.current_stream(like), like.device)
 
 
 def _plan_forward_call(xa, wa, oa, eps, offset, impl):
@@ -284,7 +284,8 @@ def _plan_forward_call(xa, wa, oa, eps, offset, impl):
     rows, hidden = _rows(xa.shape), xa.shape[-1]
     strides = _row_strides([xa, ya], ["x", "out"])
     plan = plan_forward(xa, ya, None, wa, strides, rows, hidden, impl)
-    plan.tail = (rows, hidden, strides[0], strides[1], 0, float(eps), float(offset))
+    plan.tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[1], 0, float(eps), float(offset))
+    plan.kernel = get_kernel(SOURCE, plan.name, xa.device)
     return plan
 
 
@@ -301,8 +302,9 @@ def _plan_fused_add_call(xa, ra, wa, eps, offset, impl):
     rows, hidden = _rows(xa.shape), xa.shape[-1]
     strides = _row_strides([xa, ra], ["x", "residual"])
     plan = plan_forward(xa, xa, ra, wa, (strides[0], strides[0], strides[1]), rows, hidden, impl)
-    plan.tail = (rows, hidden, strides[0], strides[0], strides[1], float(eps), float(offset))
-    plan.extents = (_arrays.extent(xa), _arrays.extent(ra))
+    plan.tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[0], strides[1], float(eps), float(offset))
+    plan.extents = (_arrays.layout_key(xa), _arrays.layout_key(ra))
+    plan.kernel = get_kernel(SOURCE, plan.name, xa.device)
     return plan
 
 
@@ -327,5 +329,8 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
     dxa = _arrays.contiguous_like(xa, xa.shape, xa.dtype)
     strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
     plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl)
-    plan.tail = (rows, hidden, strides[0], strides[1], strides[2], float(eps), float(offset))
+    plan.tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], float(eps), float(offset))
+    plan.kernel = get_kernel(SOURCE, plan.name, xa.device)
+    if wa is not None:
+        plan.dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[wa.dtype]}>", xa.device)
     return plan

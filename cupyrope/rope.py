@@ -26,19 +26,20 @@ COS_SIN_FLOATS = 8192  # shared-memory cos/sin table per block: 32 KiB
 MAX_ROTARY_DIM = 1024
 BLOCKS_PER_SM = 2  # below this many blocks per SM, fewer tokens per block
 
-# Mirrors RopeParams in kernels_src/rope.cu.
-_PARAMS = struct.Struct("<6Q3q16q3q2q3q3qdq")
+# Mirrors RopeParams in kernels_src/rope.cu: six pointers, then this tail.
+_TAIL = struct.Struct("<3q16q3q2q3q3qdq")
 
 
 class RopePlan:
-    __slots__ = ("name", "grid", "block", "shared_mem", "tail", "vectorized", "tokens_per_block", "lanes", "extents")
+    __slots__ = ("name", "grid", "block", "shared_mem", "tail", "vectorized", "tokens_per_block", "lanes", "extents",
+                 "kernel")
 
     def __init__(self, name, grid, shared_mem, tail, vectorized, tokens_per_block, lanes):
         self.name = name
         self.grid = grid
         self.block = (BLOCK_THREADS, 1)
         self.shared_mem = shared_mem
-        self.tail = tail  # RopeParams after the six pointers, in order
+        self.tail = tail  # RopeParams after the six pointers, packed
         self.vectorized = vectorized
         self.tokens_per_block = tokens_per_block
         self.lanes = lanes  # (rotating lanes, copying lanes) per head
@@ -132,7 +133,7 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         float(theta), int(bool(inverse)),
     )  # fmt: skip
     name = kernel_name(dtype, cache.dtype if use_cache else "float32", positions.dtype, style, vectorized, use_cache)
-    return RopePlan(name, grid, tokens * rotary_dim * 4, tail, vectorized, tokens, (rot_lanes, copy_lanes))
+    return RopePlan(name, grid, tokens * rotary_dim * 4, _TAIL.pack(*tail), vectorized, tokens, (rot_lanes, copy_lanes))
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -216,7 +217,7 @@ def check_not_overlapping(a, b, name_a, name_b, same_allowed=False):
         return
     if a.size and b.size:
         hint = f"pass {name_b}={name_a} (in place) or separate memory" if same_allowed else "pass separate memory"
-        _arrays.check_disjoint(a.ptr, _arrays.extent(a), b.ptr, _arrays.extent(b), name_a, name_b, hint)
+        _arrays.check_disjoint(a.ptr, _arrays.layout_key(a), b.ptr, _arrays.layout_key(b), name_a, name_b, hint)
 
 
 def _check_out(o, x, x_name):
@@ -315,8 +316,10 @@ def _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl):
     if not xa.size:
         return _Empty()
     out = oa if oa is not None else _arrays.contiguous_like(xa, xa.shape, xa.dtype)
-    return plan_rope([(xa, out)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse,
+    plan = plan_rope([(xa, out)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse,
                      impl=impl, n_sm=sm_count(xa.device))
+    plan.kernel = get_kernel(SOURCE, plan.name, xa.device)
+    return plan
 
 
 def _plan_rope_qk_call(qa, ka, pa, ca, theta, style, rotary_dim, inverse, impl):
@@ -338,14 +341,14 @@ def _plan_rope_qk_call(qa, ka, pa, ca, theta, style, rotary_dim, inverse, impl):
         return _Empty()
     plan = plan_rope([(qa, qa), (ka, ka)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta,
                      inverse=inverse, impl=impl, n_sm=sm_count(qa.device))
-    plan.extents = (_arrays.extent(qa), _arrays.extent(ka))
+    plan.extents = (_arrays.layout_key(qa), _arrays.layout_key(ka))
+    plan.kernel = get_kernel(SOURCE, plan.name, qa.device)
     return plan
 
 
 def _run(plan: RopePlan, pointers, like) -> None:
-    kernel = get_kernel(SOURCE, plan.name, like.device)
-    _launch.launch(kernel, plan.grid, plan.block, _PARAMS, pointers + plan.tail, _arrays.current_stream(like),
-                   like.device, plan.shared_mem)
+    _launch.launch(plan.kernel, plan.grid, plan.block, pointers, plan.tail, _arrays.current_stream(like), like.device,
+                   plan.shared_mem)
 
 
 def rope_cache(max_position, rotary_dim, theta=10000.0, *, dtype="float32", kind="cupy", device=0):
@@ -364,10 +367,12 @@ def rope_cache(max_position, rotary_dim, theta=10000.0, *, dtype="float32", kind
         raise TypeError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype!r}")
     if kind not in ("cupy", "torch"):
         raise ValueError(f"kind: expected 'cupy' or 'torch', got {kind!r}")
-    table = reference.rope_cache(int(max_position), int(rotary_dim), theta)
+    # Round float64 -> dtype once, on the host (torch's double -> half cast rounds twice, via float).
+    host = reference.rope_cache(int(max_position), int(rotary_dim), theta).astype(_arrays._cupy_dtype(dtype))
     if kind == "torch":
         import torch
 
-        return torch.from_numpy(table).to(device=f"cuda:{device}", dtype=getattr(torch, dtype))
-    host = table.astype(_arrays._cupy_dtype(dtype))
+        if dtype == "bfloat16":
+            return torch.from_numpy(host.view("uint16")).view(torch.bfloat16).to(f"cuda:{device}")
+        return torch.from_numpy(host).to(f"cuda:{device}")
     return _arrays.from_host(host, "cupy", device)

@@ -11,6 +11,14 @@
 
 namespace cupyrope {
 
+// Tuning knobs (docs/perf-notes.md): weight bytes per thread kept in registers from the first pass.
+#ifndef RMS_FWD_PRELOAD_BYTES
+#define RMS_FWD_PRELOAD_BYTES 64
+#endif
+#ifndef RMS_BWD_PRELOAD_BYTES
+#define RMS_BWD_PRELOAD_BYTES 32
+#endif
+
 struct NormParams {  // mirrored by rmsnorm.py's _FWD_PARAMS
     const void* x;
     void* y;
@@ -22,17 +30,20 @@ struct NormParams {  // mirrored by rmsnorm.py's _FWD_PARAMS
     float eps, offset;
 };
 
-// (weight + offset) for E columns; VEC: the planner checked the weight is 16-byte aligned.
+// Weight for E columns, raw (VEC: the planner checked the weight is 16-byte aligned); no weight: 1.
 template <typename W, bool VEC, int E>
-__device__ __forceinline__ void load_scale(const void* weight, float offset, i64 col, float (&w)[E]) {
-    if (weight) {
-        const Pack<W, E> pk = load_pack<VEC, E>(static_cast<const W*>(weight) + col);
+__device__ __forceinline__ Pack<W, E> load_weight(const void* weight, i64 col) {
+    if (weight) return load_pack<VEC, E>(static_cast<const W*>(weight) + col);
+    Pack<W, E> one;
 #pragma unroll
-        for (int e = 0; e < E; ++e) w[e] = to_float(pk.v[e]) + offset;
-    } else {
-#pragma unroll
-        for (int e = 0; e < E; ++e) w[e] = 1.f;
-    }
+    for (int e = 0; e < E; ++e) one.v[e] = from_float<W>(1.f);
+    return one;
+}
+
+// weight + offset (no weight: 1, whatever the offset).
+template <typename W, int E>
+__device__ __forceinline__ float scale(const void* weight, float offset, const Pack<W, E>& w, int e) {
+    return weight ? to_float(w.v[e]) + offset : 1.f;
 }
 
 template <typename T, bool VEC, int E, bool ADD>
@@ -49,17 +60,18 @@ __device__ __forceinline__ Pack<T, E> load_input(const NormParams& p, i64 row, i
 }
 
 template <typename T, typename W, bool VEC, int E>
-__device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 col, const Pack<T, E>& v, float rstd) {
-    float w[E];
-    load_scale<W, VEC, E>(p.weight, p.offset, col, w);
+__device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 col, const Pack<T, E>& v, float rstd,
+                                             const Pack<W, E>& w) {
     Pack<T, E> y;
 #pragma unroll
-    for (int e = 0; e < E; ++e) y.v[e] = from_float<T>(to_float(v.v[e]) * rstd * w[e]);
+    for (int e = 0; e < E; ++e) y.v[e] = from_float<T>(to_float(v.v[e]) * rstd * scale<W, E>(p.weight, p.offset, w, e));
     store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, y);
 }
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD>
-__global__ void __launch_bounds__(1024) rms_norm_fwd(const NormParams p) {
+// Rows wide enough for 1024 threads only take NPT 8 or the loop (rmsnorm.row_shape); the others get
+// 128 registers a thread.
+__global__ void __launch_bounds__(NPT == 8 || NPT == 0 ? 1024 : 512) rms_norm_fwd(const NormParams p) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     __shared__ float scratch[32];
     const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
@@ -69,11 +81,15 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd(const NormParams p) {
     float sum_sq = 0.f;
 
     if constexpr (NPT > 0) {
+        // The weight is loaded with x, not behind the stores (which may alias it), where registers allow.
+        constexpr bool PRELOAD = NPT * E * sizeof(W) <= RMS_FWD_PRELOAD_BYTES;
         Pack<T, E> v[NPT];
+        Pack<W, E> w[PRELOAD ? NPT : 1];
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const i64 col = (i64)lane * E + i * step;
             if (active && col < p.hidden) {
+                if constexpr (PRELOAD) w[i] = load_weight<W, VEC, E>(p.weight, col);
                 v[i] = load_input<T, VEC, E, ADD>(p, row, col);
 #pragma unroll
                 for (int e = 0; e < E; ++e) sum_sq += to_float(v[i].v[e]) * to_float(v[i].v[e]);
@@ -85,7 +101,10 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd(const NormParams p) {
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const i64 col = (i64)lane * E + i * step;
-            if (col < p.hidden) store_output<T, W, VEC, E>(p, row, col, v[i], rstd);
+            if (col < p.hidden) {
+                store_output<T, W, VEC, E>(p, row, col, v[i], rstd,
+                                           PRELOAD ? w[PRELOAD ? i : 0] : load_weight<W, VEC, E>(p.weight, col));
+            }
         }
     } else {
         for (i64 col = (i64)lane * E; active && col < p.hidden; col += step) {
@@ -101,7 +120,7 @@ __global__ void __launch_bounds__(1024) rms_norm_fwd(const NormParams p) {
         const i64 src_stride = ADD ? p.residual_stride : p.x_stride;
         for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
             const Pack<T, E> v = load_pack<VEC, E>(src + row * src_stride + col);
-            store_output<T, W, VEC, E>(p, row, col, v, rstd);
+            store_output<T, W, VEC, E>(p, row, col, v, rstd, load_weight<W, VEC, E>(p.weight, col));
         }
     }
 }
@@ -152,6 +171,8 @@ __global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
         float sum_sq = 0.f, dot = 0.f;
         Pack<T, E> dyv[SLOTS], xv[SLOTS];
+        constexpr bool PRELOAD = NPT * E * sizeof(W) <= RMS_BWD_PRELOAD_BYTES;  // else loaded again
+        Pack<W, E> wv[PRELOAD ? SLOTS : 1];
         if constexpr (NPT > 0) {
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
@@ -159,26 +180,25 @@ __global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
                 if (active && col < p.hidden) {
                     dyv[i] = load_pack<VEC, E>(dy_row + col);
                     xv[i] = load_pack<VEC, E>(x_row + col);
-                    float w[E];
-                    load_scale<W, VEC, E>(p.weight, p.offset, col, w);
+                    const Pack<W, E> w = load_weight<W, VEC, E>(p.weight, col);
+                    if constexpr (PRELOAD) wv[i] = w;
 #pragma unroll
                     for (int e = 0; e < E; ++e) {
                         const float xf = to_float(xv[i].v[e]);
                         sum_sq += xf * xf;
-                        dot += to_float(dyv[i].v[e]) * w[e] * xf;
+                        dot += to_float(dyv[i].v[e]) * scale<W, E>(p.weight, p.offset, w, e) * xf;
                     }
                 }
             }
         } else {
             for (i64 col = (i64)lane * E; active && col < p.hidden; col += step) {
                 const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
-                float w[E];
-                load_scale<W, VEC, E>(p.weight, p.offset, col, w);
+                const Pack<W, E> w = load_weight<W, VEC, E>(p.weight, col);
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
                     const float xf = to_float(xx.v[e]);
                     sum_sq += xf * xf;
-                    dot += to_float(d.v[e]) * w[e] * xf;
+                    dot += to_float(d.v[e]) * scale<W, E>(p.weight, p.offset, w, e) * xf;
                 }
             }
         }
@@ -197,13 +217,12 @@ __global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
             for (int i = 0; i < NPT; ++i) {
                 const i64 col = (i64)lane * E + i * step;
                 if (col < p.hidden) {
-                    float w[E];
-                    load_scale<W, VEC, E>(p.weight, p.offset, col, w);
+                    const Pack<W, E> w = PRELOAD ? wv[PRELOAD ? i : 0] : load_weight<W, VEC, E>(p.weight, col);
                     Pack<T, E> out;
 #pragma unroll
                     for (int e = 0; e < E; ++e) {
                         const float xf = to_float(xv[i].v[e]), d = to_float(dyv[i].v[e]);
-                        out.v[e] = from_float<T>(rstd * d * w[e] - xf * coef);
+                        out.v[e] = from_float<T>(rstd * d * scale<W, E>(p.weight, p.offset, w, e) - xf * coef);
                         acc[i][e] += d * xf * rstd;
                     }
                     store_pack<VEC, E>(dx_row + col, out);
@@ -212,13 +231,12 @@ __global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
         } else {
             for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
                 const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
-                float w[E];
-                load_scale<W, VEC, E>(p.weight, p.offset, col, w);
+                const Pack<W, E> w = load_weight<W, VEC, E>(p.weight, col);
                 Pack<T, E> out;
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
                     const float xf = to_float(xx.v[e]), df = to_float(d.v[e]);
-                    out.v[e] = from_float<T>(rstd * df * w[e] - xf * coef);
+                    out.v[e] = from_float<T>(rstd * df * scale<W, E>(p.weight, p.offset, w, e) - xf * coef);
                     if (p.weight) partial[col + e] += df * xf * rstd;
                 }
                 store_pack<VEC, E>(dx_row + col, out);

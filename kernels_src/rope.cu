@@ -20,10 +20,10 @@ constexpr int NEOX = 0;
 constexpr int GPTJ = 1;
 // Tuning knob (docs/perf-notes.md): items whose loads are issued before the first store.
 #ifndef ROPE_ITEM_UNROLL
-#define ROPE_ITEM_UNROLL 2
+#define ROPE_ITEM_UNROLL 1
 #endif
 #ifndef ROPE_MIN_BLOCKS  // blocks per SM the register budget must allow
-#define ROPE_MIN_BLOCKS 3
+#define ROPE_MIN_BLOCKS 6
 #endif
 constexpr int UNROLL = ROPE_ITEM_UNROLL;
 constexpr int BLOCK_THREADS = 256;

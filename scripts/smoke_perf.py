@@ -8,9 +8,18 @@ import cupy
 import torch
 import triton.testing
 
+import importlib
+
 import cupyrope
 
 dev = torch.device("cuda")
+# Planner overrides for tuning sweeps: ROPE_ITEMS=2048 FWD_CHUNKS=2 BWD_CHUNKS=8 ...
+for var, module, attr in [("ROPE_ITEMS", "cupyrope.rope", "ITEMS_PER_BLOCK"),
+                          ("FWD_CHUNKS", "cupyrope.rmsnorm", "FWD_CHUNKS_PER_THREAD"),
+                          ("BWD_CHUNKS", "cupyrope.rmsnorm", "BWD_CHUNKS_PER_THREAD")]:
+    if var in os.environ:
+        setattr(importlib.import_module(module), attr, int(os.environ[var]))
+        print(f"{module}.{attr} = {os.environ[var]}")
 
 
 def copy_bw():
@@ -46,19 +55,23 @@ out = torch.empty_like(x)
 pos = torch.randint(0, 1 << 20, (T,), device=dev)
 cache = cupyrope.rope_cache(1 << 20, D, kind="torch")
 n = x.numel() * 2 * 2 + T * 8
-for impl in ("vector", "scalar"):
+ONLY_NORM = "--norm-only" in sys.argv
+for impl in () if ONLY_NORM else ("vector", "scalar"):
     bench(lambda: cupyrope.rope(x, pos, out=out, impl=impl), n, f"rope bf16 {T}x{H}x{D} theta {impl}", bw)
     bench(lambda: cupyrope.rope(x, pos, out=out, impl=impl, cos_sin_cache=cache), n + T * D * 4,
           f"rope bf16 {T}x{H}x{D} cache {impl}", bw)
 q = torch.randn(T, 32, D, device=dev, dtype=torch.bfloat16)
 k = torch.randn(T, 8, D, device=dev, dtype=torch.bfloat16)
-bench(lambda: cupyrope.rope_qk(q, k, pos), (q.numel() + k.numel()) * 4 + T * 8, "rope_qk bf16 32q+8k", bw)
-x16 = torch.randn(65536, 32, 128, device=dev, dtype=torch.float16)
-bench(lambda: cupyrope.rope_(x16, torch.arange(65536, device=dev)), x16.numel() * 4, "rope_ fp16 65536x32x128", bw)
+if not ONLY_NORM:
+    bench(lambda: cupyrope.rope_qk(q, k, pos), (q.numel() + k.numel()) * 4 + T * 8, "rope_qk bf16 32q+8k", bw)
+    x16 = torch.randn(65536, 32, 128, device=dev, dtype=torch.float16)
+    bench(lambda: cupyrope.rope_(x16, torch.arange(65536, device=dev)), x16.numel() * 4, "rope_ fp16 65536x32x128", bw)
+    del x16
 if "--rope-only" in sys.argv:
     sys.exit(0)
 
-for (M, N, dt) in [(32768, 4096, torch.bfloat16), (8192, 16384, torch.float32), (8192, 1027, torch.float32)]:
+for (M, N, dt) in [(32768, 4096, torch.bfloat16), (8192, 16384, torch.float32), (8192, 1027, torch.float32),
+                   (16384, 8192, torch.bfloat16), (8192, 4096, torch.float32)]:
     xx = torch.randn(M, N, device=dev, dtype=dt)
     w = torch.randn(N, device=dev, dtype=dt)
     yy = torch.empty_like(xx)
