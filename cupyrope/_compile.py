@@ -61,12 +61,13 @@ class Kernel:
     """A loaded kernel: ``ptr`` is its CUfunction handle on one device; ``raw`` keeps the module alive
     (and reports registers and local memory through cupy.RawKernel's attributes)."""
 
-    __slots__ = ("ptr", "raw", "name")
+    __slots__ = ("ptr", "raw", "name", "_shared_allowed")
 
     def __init__(self, ptr: int, raw, name: str):
         self.ptr = ptr
         self.raw = raw
         self.name = name
+        self._shared_allowed = 0
 
 
 def get_kernel(source_file: str, name_expression: str, device: int) -> Kernel:
@@ -81,6 +82,20 @@ def get_kernel(source_file: str, name_expression: str, device: int) -> Kernel:
                 kernel = _load(source_file, name_expression, device)
                 _functions[key] = kernel
     return kernel
+
+
+DEFAULT_SHARED_LIMIT = 48 * 1024
+
+
+def allow_shared_memory(kernel: Kernel, nbytes: int, device: int) -> None:
+    """Opt the kernel in to more than 48 KiB of dynamic shared memory (once per kernel and size)."""
+    if nbytes <= DEFAULT_SHARED_LIMIT or getattr(kernel, "_shared_allowed", 0) >= nbytes:
+        return
+    import cupy
+
+    with cupy.cuda.Device(device):
+        kernel.raw.max_dynamic_shared_size_bytes = nbytes
+    kernel._shared_allowed = nbytes
 
 
 def _load(source_file: str, name_expression: str, device: int):

@@ -5,28 +5,31 @@ import struct
 
 from . import _arrays, _launch
 from ._arrays import FLOAT_DTYPES, describe
-from ._compile import get_kernel
+from ._compile import allow_shared_memory, get_kernel
 from ._device import sm_count
 from ._layout import _merge
 from .rope import CTYPE, check_not_overlapping
 
 SOURCE = "rms_norm.cu"
 REGISTER_SLOTS = (1, 2, 4, 8)  # NPT: 16-byte chunks per thread kept in registers (0: two-pass loop)
-FWD_MAX_WIDTH = 1024
-BWD_MAX_WIDTH = 512  # the backward keeps x, dy and dweight sums in registers: 128 registers a thread
+MAX_WIDTH = 1024  # threads per row
+FWD_MAX_SLOTS = 8
+BWD_MAX_SLOTS = {4: 4, 2: 2}  # by element size: dy and x packs per slot within 64 registers, no spills
+SHARED_ACC_LIMIT = 160 * 1024  # bytes of per-block dweight sums kept in shared memory
 BLOCK_THREADS = 256
 THREADS_PER_SM = 2048
-FWD_CHUNKS_PER_THREAD = 4  # target 16-byte chunks per thread (tuning: docs/perf-notes.md)
-BWD_CHUNKS_PER_THREAD = 4
+FWD_CHUNKS_PER_THREAD = 2  # target 16-byte chunks per thread (tuning: docs/perf-notes.md)
+BWD_CHUNKS_PER_THREAD = 2
 
 # Mirror NormParams, NormBwdParams and DweightParams in kernels_src/rms_norm.cu: pointers, then these.
 _FWD_TAIL = struct.Struct("<5q2f")
-_BWD_TAIL = struct.Struct("<5q2f")
+_BWD_TAIL = struct.Struct("<6q2f")
 _DW_TAIL = struct.Struct("<2q")
 
 
 class NormPlan:
-    __slots__ = ("name", "grid", "block", "vectorized", "slots", "tail", "extents", "kernel", "dw_kernel")
+    __slots__ = ("name", "grid", "block", "vectorized", "slots", "tail", "extents", "kernel", "dw_kernel",
+                 "shared_mem")
 
     def __init__(self, name, grid, block, vectorized, slots):
         self.name = name
@@ -34,6 +37,7 @@ class NormPlan:
         self.block = block
         self.vectorized = vectorized
         self.slots = slots
+        self.shared_mem = 0
 
     def __repr__(self):
         return f"NormPlan({self.name}, grid={self.grid}, block={self.block})"
@@ -43,16 +47,14 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def row_shape(hidden: int, elems: int, max_width: int, chunks_per_thread: int = 4) -> tuple[int, int]:
-    """(threads per row, register slots per thread; 0 = loop) for a row of ``hidden`` elements moved
-    ``elems`` at a time: about ``chunks_per_thread`` 16-byte chunks a thread."""
+def row_shape(hidden: int, elems: int, chunks_per_thread: int = 2, max_slots: int = 8) -> tuple[int, int]:
+    """(threads per row, register slots per thread; 0 = two-pass loop) for a row of ``hidden`` elements
+    moved ``elems`` at a time: about ``chunks_per_thread`` 16-byte chunks a thread."""
     chunks = -(-hidden // elems)
-    width = min(_next_pow2(-(-chunks // chunks_per_thread)), max_width // 2 if max_width > 512 else max_width)
-    if -(-chunks // width) > REGISTER_SLOTS[-1]:
-        width = max_width
+    width = min(_next_pow2(-(-chunks // chunks_per_thread)), MAX_WIDTH)
     needed = -(-chunks // width)
-    if needed > REGISTER_SLOTS[-1]:
-        return width, 0
+    if needed > max_slots:
+        return MAX_WIDTH, 0
     return width, next(s for s in REGISTER_SLOTS if s >= needed)
 
 
@@ -67,12 +69,12 @@ def _vectorizable(arrays, row_strides, hidden, dtype) -> bool:
     )
 
 
-def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_width, extra, impl, chunks):
+def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, extra, impl, chunks):
     vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
     if impl == "vector" and not vectorized:
         raise ValueError("impl: 'vector' needs hidden a multiple of 16 bytes and 16-byte aligned rows")
     elems = 16 // _arrays.ITEMSIZE[dtype] if vectorized else 1
-    width, slots = row_shape(hidden, elems, max_width, chunks)
+    width, slots = row_shape(hidden, elems, chunks, max_slots)
     rows_per_block = max(1, BLOCK_THREADS // width)
     blocks = -(-rows // rows_per_block)
     args = ", ".join([CTYPE[dtype], CTYPE[weight_dtype], "true" if vectorized else "false", str(slots), *extra])
@@ -83,17 +85,21 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto")
     arrays = [x, y, residual, weight]
     add = "true" if residual is not None else "false"
     weight_dtype = weight.dtype if weight is not None else "float32"
-    return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_WIDTH, [add], impl,
+    return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS, [add], impl,
                  FWD_CHUNKS_PER_THREAD)
 
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto") -> NormPlan:
     weight_dtype = weight.dtype if weight is not None else "float32"
     plan = _plan("rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
-                 BWD_MAX_WIDTH, [], impl, BWD_CHUNKS_PER_THREAD)
+                 BWD_MAX_SLOTS[_arrays.ITEMSIZE[x.dtype]], [], impl, BWD_CHUNKS_PER_THREAD)
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     plan.grid = max(1, min(plan.grid, n_sm * max(1, THREADS_PER_SM // threads)))
+    # dweight sums: shared memory per row slot of the block, or (long rows, one slot) the partial row.
+    plan.shared_mem = plan.block[1] * hidden * 4 if weight is not None else 0
+    if plan.shared_mem > SHARED_ACC_LIMIT:
+        plan.shared_mem = 0
     return plan
 
 
@@ -105,7 +111,8 @@ def all_variants():
                     w = f"{CTYPE[dtype]}, {CTYPE[weight]}, {vec}, {slots}"
                     yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, false>"
                     yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, true>"
-                    yield SOURCE, f"cupyrope::rms_norm_bwd<{w}>"
+                    if slots <= BWD_MAX_SLOTS[_arrays.ITEMSIZE[dtype]]:
+                        yield SOURCE, f"cupyrope::rms_norm_bwd<{w}>"
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 
 
@@ -259,7 +266,7 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, im
     partial_ptr = _arrays.data_ptr(partial) if wa else 0
     stream = _arrays.current_stream(xa)
     pointers = (da.ptr, xa.ptr, wa.ptr if wa else 0, ra.ptr if ra else 0, _arrays.data_ptr(dx), partial_ptr)
-    _launch.launch(plan.kernel, plan.grid, plan.block, pointers, plan.tail, stream, xa.device)
+    _launch.launch(plan.kernel, plan.grid, plan.block, pointers, plan.tail, stream, xa.device, plan.shared_mem)
     if wa:
         _launch.launch(plan.dw_kernel, -(-hidden // BLOCK_THREADS), (BLOCK_THREADS, 1),
                        (partial_ptr, _arrays.data_ptr(dweight)), _DW_TAIL.pack(plan.grid, hidden), stream, xa.device)
@@ -329,8 +336,10 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
     dxa = _arrays.contiguous_like(xa, xa.shape, xa.dtype)
     strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
     plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl)
-    plan.tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], float(eps), float(offset))
+    plan.tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_mem > 0), float(eps),
+                               float(offset))
     plan.kernel = get_kernel(SOURCE, plan.name, xa.device)
+    allow_shared_memory(plan.kernel, plan.shared_mem, xa.device)
     if wa is not None:
         plan.dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[wa.dtype]}>", xa.device)
     return plan

@@ -107,4 +107,26 @@ __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >
     return total;
 }
 
+// Two sums at once (one pass of barriers): same contract as row_sum; scratch >= 2 * warps.
+__device__ __forceinline__ float2 row_sum2(float a, float b, int width, float* scratch) {
+    if (width <= 32) return make_float2(row_sum(a, width, scratch), row_sum(b, width, scratch));
+    a = group_sum<32>(a);
+    b = group_sum<32>(b);
+    const int warps = width / 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float* slots = scratch + 2 * threadIdx.y * warps;
+    __syncthreads();
+    if (lane == 0) {
+        slots[2 * warp] = a;
+        slots[2 * warp + 1] = b;
+    }
+    __syncthreads();
+    float2 total = make_float2(0.f, 0.f);
+    for (int w = 0; w < warps; ++w) {  // fixed order
+        total.x += slots[2 * w];
+        total.y += slots[2 * w + 1];
+    }
+    return total;
+}
+
 }  // namespace cupyrope

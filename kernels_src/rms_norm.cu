@@ -13,7 +13,7 @@ namespace cupyrope {
 
 // Tuning knobs (docs/perf-notes.md): weight bytes per thread kept in registers from the first pass.
 #ifndef RMS_FWD_PRELOAD_BYTES
-#define RMS_FWD_PRELOAD_BYTES 64
+#define RMS_FWD_PRELOAD_BYTES 32
 #endif
 #ifndef RMS_BWD_PRELOAD_BYTES
 #define RMS_BWD_PRELOAD_BYTES 32
@@ -69,9 +69,8 @@ __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 c
 }
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD>
-// Rows wide enough for 1024 threads only take NPT 8 or the loop (rmsnorm.row_shape); the others get
-// 128 registers a thread.
-__global__ void __launch_bounds__(NPT == 8 || NPT == 0 ? 1024 : 512) rms_norm_fwd(const NormParams p) {
+// 64 registers a thread at most: occupancy matters more than keeping everything in registers.
+__global__ void __launch_bounds__(1024) rms_norm_fwd(const NormParams p) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     __shared__ float scratch[32];
     const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
@@ -127,40 +126,51 @@ __global__ void __launch_bounds__(NPT == 8 || NPT == 0 ? 1024 : 512) rms_norm_fw
 
 // ------------------------------------------------------------------------------------------ backward
 // dx = rstd * g - x * rstd^3 * mean(g * x), g = dy * (w + offset); dweight = sum over rows of
-// dy * x * rstd. Each block walks rows blockIdx.x*rpb + ty, + gridDim.x*rpb, ... and leaves its dweight
-// sums in partial[blockIdx.x, :]; rms_norm_dw adds the partials in block order (deterministic).
+// dy * x * rstd. Each block walks rows blockIdx.x*rpb + ty, + gridDim.x*rpb, ... Its dweight sums live
+// in shared memory (one row of `hidden` floats per ty, each column owned by one thread: no atomics),
+// are added over ty in order at the end into partial[blockIdx.x, :], and rms_norm_dw adds the
+// partials in block order: bitwise deterministic.
 
-struct NormBwdParams {  // mirrored by rmsnorm.py's _BWD_PARAMS
+struct NormBwdParams {  // mirrored by rmsnorm.py's _BWD_TAIL
     const void* dy;
     const void* x;
-    const void* weight;  // may be null
+    const void* weight;  // may be null: no dweight
     const float* rstd;   // may be null: recomputed
     void* dx;
     float* partial;      // [gridDim.x, hidden]; unused without weight
     i64 rows, hidden;
     i64 dy_stride, x_stride, dx_stride;
+    i64 shared_acc;  // 1: dweight sums in dynamic shared memory; 0: in partial (rows too long for it)
     float eps, offset;
 };
 
+template <typename T, typename W, bool VEC, int E>
+__device__ __forceinline__ void bwd_chunk(const NormBwdParams& p, const Pack<T, E>& d, const Pack<T, E>& xx,
+                                          const Pack<W, E>& w, float rstd, float coef, T* dx, float* acc) {
+    Pack<T, E> out;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const float xf = to_float(xx.v[e]), df = to_float(d.v[e]);
+        out.v[e] = from_float<T>(rstd * df * scale<W, E>(p.weight, p.offset, w, e) - xf * coef);
+        if (p.weight) acc[e] += df * xf * rstd;
+    }
+    store_pack<VEC, E>(dx, out);
+}
+
 template <typename T, typename W, bool VEC, int NPT>
-__global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
+__global__ void __launch_bounds__(1024) rms_norm_bwd(const NormBwdParams p) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
-    __shared__ float scratch[32];
-    __shared__ float column_sums[256 * 8];  // blockDim.y > 1 only when blockDim.x * blockDim.y == 256
+    constexpr bool PRELOAD = NPT * E * sizeof(W) <= RMS_BWD_PRELOAD_BYTES;  // else loaded again
+    __shared__ float scratch[64];
+    extern __shared__ __align__(16) float dw_acc[];  // [blockDim.y][hidden] when weight
     const int lane = threadIdx.x, width = blockDim.x;
     const i64 step = (i64)width * E;
     const i64 rows_per_pass = (i64)gridDim.x * blockDim.y;
-    float acc[SLOTS][E];
-#pragma unroll
-    for (int i = 0; i < SLOTS; ++i)
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[i][e] = 0.f;
-    float* partial = p.partial + (i64)blockIdx.x * p.hidden;
-    if constexpr (NPT == 0) {  // one row per block at a time: this block owns its partial row
-        if (p.weight)
-            for (i64 col = lane; col < p.hidden; col += width) partial[col] = 0.f;
-    }
+    // Without shared_acc the planner made blockDim.y == 1: this block owns its partial row.
+    float* acc = p.shared_acc ? dw_acc + threadIdx.y * p.hidden : p.partial + (i64)blockIdx.x * p.hidden;
+    if (p.weight)
+        for (i64 col = lane; col < p.hidden; col += width) acc[col] = 0.f;
 
     // The loop bound is uniform across the block (the reductions contain barriers).
     for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += rows_per_pass) {
@@ -171,7 +181,6 @@ __global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
         float sum_sq = 0.f, dot = 0.f;
         Pack<T, E> dyv[SLOTS], xv[SLOTS];
-        constexpr bool PRELOAD = NPT * E * sizeof(W) <= RMS_BWD_PRELOAD_BYTES;  // else loaded again
         Pack<W, E> wv[PRELOAD ? SLOTS : 1];
         if constexpr (NPT > 0) {
 #pragma unroll
@@ -202,14 +211,9 @@ __global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
                 }
             }
         }
-        float rstd;
-        if (p.rstd) {
-            rstd = active ? p.rstd[row] : 0.f;
-        } else {
-            rstd = 1.f / sqrtf(row_sum(sum_sq, width, scratch) / (float)p.hidden + p.eps);
-        }
-        const float mean_dot = row_sum(dot, width, scratch) / (float)p.hidden;
-        const float coef = rstd * rstd * rstd * mean_dot;
+        const float2 sums = row_sum2(sum_sq, dot, width, scratch);
+        const float rstd = p.rstd ? (active ? p.rstd[row] : 0.f) : 1.f / sqrtf(sums.x / (float)p.hidden + p.eps);
+        const float coef = rstd * rstd * rstd * (sums.y / (float)p.hidden);
         if (!active) continue;
 
         if constexpr (NPT > 0) {
@@ -218,62 +222,25 @@ __global__ void __launch_bounds__(512) rms_norm_bwd(const NormBwdParams p) {
                 const i64 col = (i64)lane * E + i * step;
                 if (col < p.hidden) {
                     const Pack<W, E> w = PRELOAD ? wv[PRELOAD ? i : 0] : load_weight<W, VEC, E>(p.weight, col);
-                    Pack<T, E> out;
-#pragma unroll
-                    for (int e = 0; e < E; ++e) {
-                        const float xf = to_float(xv[i].v[e]), d = to_float(dyv[i].v[e]);
-                        out.v[e] = from_float<T>(rstd * d * scale<W, E>(p.weight, p.offset, w, e) - xf * coef);
-                        acc[i][e] += d * xf * rstd;
-                    }
-                    store_pack<VEC, E>(dx_row + col, out);
+                    bwd_chunk<T, W, VEC, E>(p, dyv[i], xv[i], w, rstd, coef, dx_row + col, acc + col);
                 }
             }
         } else {
             for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
                 const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
-                const Pack<W, E> w = load_weight<W, VEC, E>(p.weight, col);
-                Pack<T, E> out;
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const float xf = to_float(xx.v[e]), df = to_float(d.v[e]);
-                    out.v[e] = from_float<T>(rstd * df * scale<W, E>(p.weight, p.offset, w, e) - xf * coef);
-                    if (p.weight) partial[col + e] += df * xf * rstd;
-                }
-                store_pack<VEC, E>(dx_row + col, out);
+                bwd_chunk<T, W, VEC, E>(p, d, xx, load_weight<W, VEC, E>(p.weight, col), rstd, coef, dx_row + col,
+                                        acc + col);
             }
         }
     }
-
-    if constexpr (NPT > 0) {
-        if (!p.weight) return;  // uniform across the grid
-        if (blockDim.y == 1) {
-#pragma unroll
-            for (int i = 0; i < NPT; ++i) {
-                const i64 col = (i64)lane * E + i * step;
-#pragma unroll
-                for (int e = 0; e < E; ++e)
-                    if (col + e < p.hidden) partial[col + e] = acc[i][e];
-            }
-            return;
-        }
-        // Sum the blockDim.y rows' accumulators in fixed order, one register slot at a time.
-#pragma unroll
-        for (int i = 0; i < NPT; ++i) {
-            __syncthreads();
-#pragma unroll
-            for (int e = 0; e < E; ++e) column_sums[(threadIdx.y * width + lane) * E + e] = acc[i][e];
-            __syncthreads();
-            if (threadIdx.y == 0) {
-                const i64 col = (i64)lane * E + i * step;
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    if (col + e >= p.hidden) break;
-                    float total = 0.f;
-                    for (int r = 0; r < (int)blockDim.y; ++r) total += column_sums[(r * width + lane) * E + e];
-                    partial[col + e] = total;
-                }
-            }
-        }
+    if (!p.weight || !p.shared_acc) return;  // uniform across the grid
+    __syncthreads();
+    // partial[block, col] = sum over the block's rows slots, in order.
+    float* partial = p.partial + (i64)blockIdx.x * p.hidden;
+    for (i64 col = threadIdx.y * width + lane; col < p.hidden; col += width * blockDim.y) {
+        float total = 0.f;
+        for (int r = 0; r < (int)blockDim.y; ++r) total += dw_acc[r * p.hidden + col];
+        partial[col] = total;
     }
 }
 

@@ -91,22 +91,26 @@ def test_cache_variant_and_alignment():
 
 
 @pytest.mark.parametrize(
-    "hidden,elems,width,slots",
-    [(4096, 8, 128, 4), (16384, 4, 512, 8), (65536, 8, 1024, 8), (65536, 4, 1024, 0), (61, 1, 16, 4),
-     (1, 1, 1, 1), (32, 4, 2, 4), (1027, 1, 512, 4)],
+    "hidden,elems,max_slots,width,slots",
+    [(4096, 8, 8, 256, 2), (16384, 4, 8, 1024, 4), (65536, 8, 8, 1024, 8), (65536, 8, 4, 1024, 0),
+     (65536, 4, 8, 1024, 0), (61, 1, 8, 32, 2), (1, 1, 8, 1, 1), (32, 4, 8, 4, 2), (1027, 1, 8, 1024, 2)],
 )
-def test_rms_norm_row_shape(hidden, elems, width, slots):
-    assert row_shape(hidden, elems, 1024) == (width, slots)
+def test_rms_norm_row_shape(hidden, elems, max_slots, width, slots):
+    assert row_shape(hidden, elems, 2, max_slots) == (width, slots)
 
 
 def test_rms_norm_plans():
     x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
     p = plan_forward(x, y, None, arr((4096,), ptr=BASE + 2**29), (4096, 4096), 8192, 4096)
-    assert p.vectorized and p.block == (128, 2) and p.grid == 4096
-    assert p.name == "cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, true, 4, false>"
+    assert p.vectorized and p.block == (256, 1) and p.grid == 8192
+    assert p.name == "cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, true, 2, false>"
     odd = arr((7, 1027))
     assert not plan_forward(odd, odd, None, None, (1027, 1027), 7, 1027).vectorized
     misaligned_weight = arr((4096,), "float32", ptr=BASE + 4)
     assert not plan_forward(x, y, None, misaligned_weight, (4096, 4096), 8192, 4096).vectorized
     b = plan_backward(x, x, y, arr((4096,), "float32"), (4096,) * 3, 8192, 4096, n_sm=132)
     assert b.grid <= 132 * 8 and b.name.startswith("cupyrope::rms_norm_bwd<__nv_bfloat16, float, true,")
+    assert b.shared_mem == b.block[1] * 4096 * 4  # dweight sums of each row slot
+    huge = arr((64, 65536), "float32")
+    h = plan_backward(huge, huge, huge, arr((65536,), "float32"), (65536,) * 3, 64, 65536, n_sm=132)
+    assert h.slots == 0 and h.block[1] == 1 and h.shared_mem == 0  # sums go to the partial row instead
