@@ -34,8 +34,9 @@ def _param_block():
     block = getattr(_local, "block", None)
     if block is None:
         buffer = ctypes.create_string_buffer(_PARAM_BYTES)
-        pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
-        block = _local.block = (buffer, pointers)
+        address = ctypes.addressof(buffer)
+        pointers = (ctypes.c_void_p * 1)(address)
+        block = _local.block = (buffer, address, pointers)
     return block
 
 
@@ -45,10 +46,10 @@ def launch(kernel, grid: int, block: tuple[int, int], pointers: tuple, tail: byt
     each) then ``tail``; on ``stream`` with ``device`` current. Never synchronizes."""
     if _cu_launch is None:
         _bind()
-    buffer, params = _param_block()
+    buffer, address, params = _param_block()
     packer = _POINTER_PACKERS[len(pointers)]
     packer.pack_into(buffer, 0, *pointers)
-    buffer[packer.size : packer.size + len(tail)] = tail
+    ctypes.memmove(address + packer.size, tail, len(tail))  # (slice assignment copies byte by byte)
     previous = _runtime.getDevice()
     if previous != device:
         _runtime.setDevice(device)

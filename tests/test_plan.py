@@ -31,9 +31,9 @@ def test_llama_prefill_bf16_is_vectorized_and_shares_cos_sin():
     assert p.vectorized
     assert "rope_kernel<__nv_bfloat16, float, long long, 0, true, false>" in p.name
     assert p.lanes == (8, 0)  # 8 lanes x 8 bf16 = one 64-pair half of a head per lane
-    assert p.tokens_per_block == 4  # 4 tokens x 32 heads x 8 lanes = 1024 items for 256 threads
-    assert p.grid == 32768 // 4 and p.block == (256, 1)
-    assert p.shared_mem == 4 * 128 * 4  # one cos/sin row per token of the block
+    assert p.tokens_per_block == 2  # 2 tokens x 32 heads x 8 lanes = 512 items for 256 threads
+    assert p.grid == 32768 // 2 and p.block == (256, 1)
+    assert p.shared_mem == 2 * 128 * 4  # one cos/sin row per token of the block
 
 
 def test_decode_is_one_block():
