@@ -12,14 +12,14 @@ from .rope import CTYPE, check_not_overlapping
 
 SOURCE = "rms_norm.cu"
 REGISTER_SLOTS = (1, 2, 4, 8)  # NPT: 16-byte chunks per thread kept in registers (0: two-pass loop)
-MAX_WIDTH = 1024  # threads per row
-FWD_MAX_SLOTS = 8
-BWD_MAX_SLOTS = {4: 4, 2: 2}  # by element size: dy and x packs per slot within 64 registers, no spills
+MAX_WIDTH = 512  # threads per row: a 1024-thread row block leaves one block per SM (no overlap)
+ELEMS_PER_THREAD = 8  # measured best on an H100 for both ops (docs/perf-notes.md)
+# Register slots (16-byte chunks per thread) by element size, chosen so that 64 registers hold them.
+FWD_MAX_SLOTS = {4: 8, 2: 4}
+BWD_MAX_SLOTS = {4: 4, 2: 2}
 SHARED_ACC_LIMIT = 160 * 1024  # bytes of per-block dweight sums kept in shared memory
 BLOCK_THREADS = 256
 THREADS_PER_SM = 2048
-FWD_CHUNKS_PER_THREAD = 2  # target 16-byte chunks per thread (tuning: docs/perf-notes.md)
-BWD_CHUNKS_PER_THREAD = 2
 
 # Mirror NormParams, NormBwdParams and DweightParams in kernels_src/rms_norm.cu: pointers, then these.
 _FWD_TAIL = struct.Struct("<5q2f")
@@ -47,7 +47,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def row_shape(hidden: int, elems: int, chunks_per_thread: int = 2, max_slots: int = 8) -> tuple[int, int]:
+def row_shape(hidden: int, elems: int, chunks_per_thread: int = 1, max_slots: int = 8) -> tuple[int, int]:
     """(threads per row, register slots per thread; 0 = two-pass loop) for a row of ``hidden`` elements
     moved ``elems`` at a time: about ``chunks_per_thread`` 16-byte chunks a thread."""
     chunks = -(-hidden // elems)
@@ -69,12 +69,12 @@ def _vectorizable(arrays, row_strides, hidden, dtype) -> bool:
     )
 
 
-def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, extra, impl, chunks):
+def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, extra, impl):
     vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
     if impl == "vector" and not vectorized:
         raise ValueError("impl: 'vector' needs hidden a multiple of 16 bytes and 16-byte aligned rows")
     elems = 16 // _arrays.ITEMSIZE[dtype] if vectorized else 1
-    width, slots = row_shape(hidden, elems, chunks, max_slots)
+    width, slots = row_shape(hidden, elems, max(1, ELEMS_PER_THREAD // elems), max_slots[_arrays.ITEMSIZE[dtype]])
     rows_per_block = max(1, BLOCK_THREADS // width)
     blocks = -(-rows // rows_per_block)
     args = ", ".join([CTYPE[dtype], CTYPE[weight_dtype], "true" if vectorized else "false", str(slots), *extra])
@@ -85,14 +85,13 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto")
     arrays = [x, y, residual, weight]
     add = "true" if residual is not None else "false"
     weight_dtype = weight.dtype if weight is not None else "float32"
-    return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS, [add], impl,
-                 FWD_CHUNKS_PER_THREAD)
+    return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS, [add], impl)
 
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto") -> NormPlan:
     weight_dtype = weight.dtype if weight is not None else "float32"
     plan = _plan("rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
-                 BWD_MAX_SLOTS[_arrays.ITEMSIZE[x.dtype]], [], impl, BWD_CHUNKS_PER_THREAD)
+                 BWD_MAX_SLOTS, [], impl)
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     plan.grid = max(1, min(plan.grid, n_sm * max(1, THREADS_PER_SM // threads)))
@@ -107,11 +106,13 @@ def all_variants():
     for dtype in FLOAT_DTYPES:
         for weight in sorted({"float32", dtype}):
             for vec in ("false", "true"):
+                size = _arrays.ITEMSIZE[dtype]
                 for slots in (0, *REGISTER_SLOTS):
                     w = f"{CTYPE[dtype]}, {CTYPE[weight]}, {vec}, {slots}"
-                    yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, false>"
-                    yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, true>"
-                    if slots <= BWD_MAX_SLOTS[_arrays.ITEMSIZE[dtype]]:
+                    if slots <= FWD_MAX_SLOTS[size]:
+                        yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, false>"
+                        yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, true>"
+                    if slots <= BWD_MAX_SLOTS[size]:
                         yield SOURCE, f"cupyrope::rms_norm_bwd<{w}>"
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 

@@ -13,10 +13,10 @@ namespace cupyrope {
 
 // Tuning knobs (docs/perf-notes.md): weight bytes per thread kept in registers from the first pass.
 #ifndef RMS_FWD_PRELOAD_BYTES
-#define RMS_FWD_PRELOAD_BYTES 32
+#define RMS_FWD_PRELOAD_BYTES 16
 #endif
 #ifndef RMS_BWD_PRELOAD_BYTES
-#define RMS_BWD_PRELOAD_BYTES 32
+#define RMS_BWD_PRELOAD_BYTES 0
 #endif
 
 struct NormParams {  // mirrored by rmsnorm.py's _FWD_PARAMS
@@ -69,8 +69,9 @@ __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 c
 }
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD>
-// 64 registers a thread at most: occupancy matters more than keeping everything in registers.
-__global__ void __launch_bounds__(1024) rms_norm_fwd(const NormParams p) {
+// Register budget by row slots: occupancy (bytes in flight) matters more than keeping everything in
+// registers; 1-2 slots fit in 32 registers (full occupancy), more get 64.
+__global__ void __launch_bounds__(1024, NPT == 1 || NPT == 2 ? 2 : 1) rms_norm_fwd(const NormParams p) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     __shared__ float scratch[32];
     const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
@@ -148,13 +149,16 @@ template <typename T, typename W, bool VEC, int E>
 __device__ __forceinline__ void bwd_chunk(const NormBwdParams& p, const Pack<T, E>& d, const Pack<T, E>& xx,
                                           const Pack<W, E>& w, float rstd, float coef, T* dx, float* acc) {
     Pack<T, E> out;
+    // dweight sums: read-modify-write in 16-byte pieces (acc is 16-byte aligned when VEC).
+    Pack<float, E> sums = load_pack<VEC, E>(acc);
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         const float xf = to_float(xx.v[e]), df = to_float(d.v[e]);
         out.v[e] = from_float<T>(rstd * df * scale<W, E>(p.weight, p.offset, w, e) - xf * coef);
-        if (p.weight) acc[e] += df * xf * rstd;
+        sums.v[e] += df * xf * rstd;
     }
     store_pack<VEC, E>(dx, out);
+    if (p.weight) store_pack<VEC, E>(acc, sums);
 }
 
 template <typename T, typename W, bool VEC, int NPT>

@@ -91,19 +91,20 @@ def test_cache_variant_and_alignment():
 
 
 @pytest.mark.parametrize(
-    "hidden,elems,max_slots,width,slots",
-    [(4096, 8, 8, 256, 2), (16384, 4, 8, 1024, 4), (65536, 8, 8, 1024, 8), (65536, 8, 4, 1024, 0),
-     (65536, 4, 8, 1024, 0), (61, 1, 8, 32, 2), (1, 1, 8, 1, 1), (32, 4, 8, 4, 2), (1027, 1, 8, 1024, 2)],
+    "hidden,elems,chunks,max_slots,width,slots",
+    [(4096, 8, 1, 4, 512, 1), (16384, 4, 2, 8, 512, 8), (32768, 8, 1, 4, 512, 0),
+     (65536, 8, 1, 4, 512, 0), (65536, 4, 2, 8, 512, 0), (61, 1, 8, 8, 8, 8), (1, 1, 8, 8, 1, 1), (32, 4, 2, 8, 4, 2),
+     (1027, 1, 8, 8, 256, 8)],
 )
-def test_rms_norm_row_shape(hidden, elems, max_slots, width, slots):
-    assert row_shape(hidden, elems, 2, max_slots) == (width, slots)
+def test_rms_norm_row_shape(hidden, elems, chunks, max_slots, width, slots):
+    assert row_shape(hidden, elems, chunks, max_slots) == (width, slots)
 
 
 def test_rms_norm_plans():
     x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
     p = plan_forward(x, y, None, arr((4096,), ptr=BASE + 2**29), (4096, 4096), 8192, 4096)
-    assert p.vectorized and p.block == (256, 1) and p.grid == 8192
-    assert p.name == "cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, true, 2, false>"
+    assert p.vectorized and p.block == (512, 1) and p.grid == 8192  # 8 bf16 (one 16-byte chunk) a thread
+    assert p.name == "cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, true, 1, false>"
     odd = arr((7, 1027))
     assert not plan_forward(odd, odd, None, None, (1027, 1027), 7, 1027).vectorized
     misaligned_weight = arr((4096,), "float32", ptr=BASE + 4)
