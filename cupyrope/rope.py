@@ -280,24 +280,36 @@ def rope_(x, positions, **options):
 
 
 def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None,
-            inverse=False, impl="auto"):
-    """Rotate q (..., Hq, head_dim) and k (..., Hk, head_dim) in place, in one launch; cos/sin are
-    computed once per token and shared by all heads. q and k may be strided views (e.g. column slices
-    of a fused qkv tensor) as long as their last dimension is contiguous. Returns (q, k)."""
+            inverse=False, impl="auto", out=None):
+    """Rotate q (..., Hq, head_dim) and k (..., Hk, head_dim) in one launch; cos/sin are computed once
+    per token and shared by all heads. In place by default; out=(q_out, k_out) writes elsewhere. q and
+    k may be strided views (e.g. column slices of a fused qkv tensor) as long as their last dimension
+    is contiguous. Returns (q, k), or out."""
     qa = describe(q, "q")
     ka = describe(k, "k")
     pa = describe(positions, "positions")
     ca = None if cos_sin_cache is None else describe(cos_sin_cache, "cos_sin_cache")
+    if out is None:
+        qo, ko = qa, ka
+    else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError("out: expected a pair (q_out, k_out)")
+        qo, ko = describe(out[0], "out[0]"), describe(out[1], "out[1]")
     key = ("rope_qk", _arrays.signature(qa), _arrays.signature(ka), _arrays.signature(pa), _arrays.signature(ca),
+           _arrays.signature(qo) if out is not None else None, _arrays.signature(ko) if out is not None else None,
            theta, style, rotary_dim, inverse, impl)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan_rope_qk_call(qa, ka, pa, ca, theta, style, rotary_dim, inverse, impl)
+        plan = _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, theta, style, rotary_dim, inverse, impl)
         _plans.put(key, plan)
     if plan.grid:
         _arrays.check_disjoint(qa.ptr, plan.extents[0], ka.ptr, plan.extents[1], "q", "k", "pass separate memory")
-        _run(plan, (qa.ptr, qa.ptr, ka.ptr, ka.ptr, pa.ptr, ca.ptr if ca else 0), qa)
-    return q, k
+        if out is not None:
+            for o, name in ((qo, "out[0]"), (ko, "out[1]")):
+                for a, a_name in ((qa, "q"), (ka, "k")):
+                    check_not_overlapping(a, o, a_name, name)
+        _run(plan, (qa.ptr, qo.ptr, ka.ptr, ko.ptr, pa.ptr, ca.ptr if ca else 0), qa)
+    return (q, k) if out is None else tuple(out)
 
 
 class _Empty:
@@ -322,7 +334,7 @@ def _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl):
     return plan
 
 
-def _plan_rope_qk_call(qa, ka, pa, ca, theta, style, rotary_dim, inverse, impl):
+def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, theta, style, rotary_dim, inverse, impl):
     _check_options(style, impl, theta, inverse)
     _check_heads(qa, "q")
     _check_heads(ka, "k")
@@ -337,9 +349,12 @@ def _plan_rope_qk_call(qa, ka, pa, ca, theta, style, rotary_dim, inverse, impl):
     rotary_dim = _check_rotary_dim(rotary_dim, qa.shape[-1])
     _check_positions(pa, qa, "q")
     cache = _check_cache(ca, qa, "q", rotary_dim)
+    if qo is not qa:
+        _check_out(qo, qa, "q")
+        _check_out(ko, ka, "k")
     if not (qa.size or ka.size):
         return _Empty()
-    plan = plan_rope([(qa, qa), (ka, ka)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta,
+    plan = plan_rope([(qa, qo), (ka, ko)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta,
                      inverse=inverse, impl=impl, n_sm=sm_count(qa.device))
     plan.extents = (_arrays.layout_key(qa), _arrays.layout_key(ka))
     plan.kernel = get_kernel(SOURCE, plan.name, qa.device)

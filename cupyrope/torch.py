@@ -1,0 +1,342 @@
+"""PyTorch integration: differentiable ops, torch.compile / CUDA-graph support, drop-in modules.
+
+Eager calls go straight to the kernels (no dispatcher): autograd through ``torch.autograd.Function``
+when a gradient is needed, a plain call otherwise. Under ``torch.compile`` the same functions call the
+ops registered with ``torch.library`` (``torch.ops.cupyrope.*``), which have fake (meta) kernels and
+registered autograd, so graphs trace with no breaks and ``mode="reduce-overhead"`` captures them in
+CUDA graphs. CPU tensors fall back to the same formulas in plain torch, so the modules stay drop-in
+replacements everywhere.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import rmsnorm as _rmsnorm_module  # noqa: F401  (imported for the kernels' side)
+from .rmsnorm import fused_add_rms_norm as _fused_add_rms_norm
+from .rmsnorm import rms_norm as _rms_norm
+from .rmsnorm import rms_norm_backward as _rms_norm_backward
+from .rope import rope as _rope
+from .rope import rope_cache as _rope_cache
+from .rope import rope_qk as _rope_qk
+from . import reference as _reference
+
+__all__ = ["RMSNorm", "RotaryEmbedding", "fused_add_rms_norm", "rms_norm", "rope", "rope_qk", "rope_qk_"]
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _contiguous_last(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 or t.size(-1) <= 1 else t.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+
+
+def _rope_cpu(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse):
+    """The reference formula in torch (CPU tensors), float32 math, x's dtype out."""
+    rotary_dim = rotary_dim or x.shape[-1]
+    half = rotary_dim // 2
+    pos = positions.reshape(tuple(positions.shape) + (1,) * (x.dim() - 1 - positions.dim()))
+    if cos_sin_cache is None:
+        inv = torch.tensor(_reference.inv_freq(rotary_dim, theta), dtype=torch.float64)
+        angles = pos.to(torch.float64).unsqueeze(-1) * inv
+        cos, sin = angles.cos().float(), angles.sin().float()
+    else:
+        rows = cos_sin_cache.float()[pos.clamp(0, cos_sin_cache.shape[0] - 1)]
+        bad = ((pos < 0) | (pos >= cos_sin_cache.shape[0])).unsqueeze(-1)
+        rows = rows.masked_fill(bad, float("nan"))
+        cos, sin = rows[..., :half], rows[..., half:rotary_dim]
+    if inverse:
+        sin = -sin
+    xf = x.float()
+    out = xf.clone()
+    if style == "neox":
+        x1, x2 = xf[..., :half], xf[..., half:rotary_dim]
+        out[..., :half] = x1 * cos - x2 * sin
+        out[..., half:rotary_dim] = x2 * cos + x1 * sin
+    else:
+        x1, x2 = xf[..., 0:rotary_dim:2], xf[..., 1:rotary_dim:2]
+        out[..., 0:rotary_dim:2] = x1 * cos - x2 * sin
+        out[..., 1:rotary_dim:2] = x2 * cos + x1 * sin
+    return out.to(x.dtype)
+
+
+def _rope_any(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse):
+    if x.device.type != "cuda":
+        return _rope_cpu(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
+    return _rope(_contiguous_last(x), positions, theta=theta, style=style, rotary_dim=rotary_dim,
+                 cos_sin_cache=cos_sin_cache, inverse=inverse)
+
+
+@torch.library.custom_op("cupyrope::rope", mutates_args=(), device_types=("cuda", "cpu"))
+def _rope_op(x: Tensor, positions: Tensor, cos_sin_cache: Optional[Tensor], theta: float, style: str,
+             rotary_dim: Optional[int], inverse: bool) -> Tensor:
+    return _rope_any(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
+
+
+@_rope_op.register_fake
+def _(x, positions, cos_sin_cache, theta, style, rotary_dim, inverse):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, positions, cos_sin_cache, theta, style, rotary_dim, inverse = inputs
+    ctx.save_for_backward(positions, cos_sin_cache)
+    ctx.options = (theta, style, rotary_dim, inverse)
+
+
+def _rope_grad(ctx, grad):
+    positions, cos_sin_cache = ctx.saved_tensors
+    theta, style, rotary_dim, inverse = ctx.options
+    # The rotation is orthogonal: its gradient is the inverse rotation, by the same kernel.
+    return _rope_op(grad, positions, cos_sin_cache, theta, style, rotary_dim, not inverse), None, None, None, None, None, None
+
+
+_rope_op.register_autograd(_rope_grad, setup_context=_rope_setup)
+
+
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, positions, cos_sin_cache, theta, style, rotary_dim, inverse):
+        ctx.save_for_backward(positions, cos_sin_cache)
+        ctx.options = (theta, style, rotary_dim, inverse)
+        return _rope_any(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        positions, cos_sin_cache = ctx.saved_tensors
+        theta, style, rotary_dim, inverse = ctx.options
+        return _rope_any(grad, positions, theta, style, rotary_dim, cos_sin_cache, not inverse), *(None,) * 6
+
+
+def rope(x: Tensor, positions: Tensor, *, theta: float = 10000.0, style: str = "neox",
+         rotary_dim: Optional[int] = None, cos_sin_cache: Optional[Tensor] = None, inverse: bool = False) -> Tensor:
+    """Differentiable, torch.compile-able ``cupyrope.rope`` (out of place). Positions and the cache get
+    no gradient; x's gradient is the inverse rotation."""
+    if _compiling():
+        return _rope_op(x, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RopeFunction.apply(x, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
+    return _rope_any(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
+
+
+def rope_qk(q: Tensor, k: Tensor, positions: Tensor, **options) -> tuple[Tensor, Tensor]:
+    """Differentiable RoPE of q and k (out of place). On CUDA without autograd both are rotated in one
+    launch; otherwise each goes through ``rope``."""
+    if not _compiling() and q.device.type == "cuda" and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        return _rope_qk(_contiguous_last(q), _contiguous_last(k), positions, out=(q_out, k_out), **options)
+    return rope(q, positions, **options), rope(k, positions, **options)
+
+
+@torch.library.custom_op("cupyrope::rope_qk_", mutates_args=("q", "k"), device_types="cuda")
+def _rope_qk_inplace_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Optional[Tensor], theta: float,
+                        style: str, rotary_dim: Optional[int]) -> None:
+    _rope_qk(q, k, positions, theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache)
+
+
+@_rope_qk_inplace_op.register_fake
+def _(q, k, positions, cos_sin_cache, theta, style, rotary_dim):
+    return None
+
+
+def rope_qk_(q: Tensor, k: Tensor, positions: Tensor, *, theta: float = 10000.0, style: str = "neox",
+             rotary_dim: Optional[int] = None, cos_sin_cache: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """In-place RoPE of q and k in one launch (inference/serving; not differentiable)."""
+    if _compiling():
+        _rope_qk_inplace_op(q, k, positions, cos_sin_cache, theta, style, rotary_dim)
+    elif q.device.type != "cuda":
+        q.copy_(_rope_cpu(q, positions, theta, style, rotary_dim, cos_sin_cache, False))
+        k.copy_(_rope_cpu(k, positions, theta, style, rotary_dim, cos_sin_cache, False))
+    else:
+        _rope_qk(q, k, positions, theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache)
+    return q, k
+
+
+# ------------------------------------------------------------------------------------------- RMSNorm
+
+
+def _rms_norm_cpu(x, weight, eps, offset):
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    y = xf * rstd.unsqueeze(-1)
+    if weight is not None:
+        y = y * (weight.float() + offset)
+    return y.to(x.dtype), rstd
+
+
+def _rms_norm_backward_cpu(dy, x, weight, rstd, eps, offset):
+    xf, dyf = x.float(), dy.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps) if rstd is None else rstd
+    r = rstd.unsqueeze(-1)
+    g = dyf * ((weight.float() + offset) if weight is not None else 1.0)
+    dx = r * g - xf * r.pow(3) * (g * xf).mean(-1, keepdim=True)
+    dw = None if weight is None else (dyf * xf * r).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    return dx.to(x.dtype), dw
+
+
+def _rms_norm_any(x, weight, eps, offset):
+    if x.device.type != "cuda":
+        return _rms_norm_cpu(x, weight, eps, offset)
+    return _rms_norm(_contiguous_last(x), weight, eps, offset=offset, return_rstd=True)
+
+
+def _rms_norm_backward_any(dy, x, weight, rstd, eps, offset):
+    if x.device.type != "cuda":
+        return _rms_norm_backward_cpu(dy, x, weight, rstd, eps, offset)
+    return _rms_norm_backward(_contiguous_last(dy), x, weight, rstd, eps, offset)
+
+
+@torch.library.custom_op("cupyrope::rms_norm", mutates_args=(), device_types=("cuda", "cpu"))
+def _rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float, offset: float) -> tuple[Tensor, Tensor]:
+    return _rms_norm_any(x, weight, eps, offset)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, offset):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape[:-1], dtype=torch.float32,
+                                                                            device=x.device)
+
+
+@torch.library.custom_op("cupyrope::rms_norm_backward", mutates_args=(), device_types=("cuda", "cpu"))
+def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, eps: float,
+                          offset: float) -> tuple[Tensor, Tensor]:
+    """(dx, dweight); dweight is an empty tensor without weight (ops cannot return None)."""
+    dx, dw = _rms_norm_backward_any(dy, x, weight, rstd, eps, offset)
+    return dx, (dw if dw is not None else dx.new_empty(0))
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd, eps, offset):
+    dw = x.new_empty(0) if weight is None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, eps, offset = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.options = (eps, offset)
+
+
+def _rms_grad(ctx, grad_y, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    eps, offset = ctx.options
+    dx, dw = _rms_norm_backward_op(grad_y, x, weight, rstd, eps, offset)
+    return (dx if ctx.needs_input_grad[0] else None), (dw if weight is not None and ctx.needs_input_grad[1] else None), None, None
+
+
+_rms_norm_op.register_autograd(_rms_grad, setup_context=_rms_setup)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset):
+        y, rstd = _rms_norm_any(x, weight, eps, offset)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.options = (eps, offset)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        eps, offset = ctx.options
+        dx, dw = _rms_norm_backward_any(grad, x, weight, rstd, eps, offset)
+        return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None, None
+
+
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, offset: float = 0.0) -> Tensor:
+    """Differentiable, torch.compile-able ``cupyrope.rms_norm``: dx and dweight come from the backward
+    kernels (dweight reduced deterministically)."""
+    if _compiling():
+        return _rms_norm_op(x, weight, eps, offset)[0]
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return _RMSNormFunction.apply(x, weight, eps, offset)
+    return _rms_norm_any(x, weight, eps, offset)[0] if x.device.type != "cuda" else _rms_norm(_contiguous_last(x), weight, eps, offset=offset)
+
+
+@torch.library.custom_op("cupyrope::fused_add_rms_norm_", mutates_args=("x", "residual"), device_types="cuda")
+def _fused_add_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, offset: float) -> None:
+    _fused_add_rms_norm(x, residual, weight, eps, offset=offset)
+
+
+@_fused_add_op.register_fake
+def _(x, residual, weight, eps, offset):
+    return None
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float = 1e-6,
+                       offset: float = 0.0) -> tuple[Tensor, Tensor]:
+    """vLLM's in-place residual add + RMSNorm (inference; not differentiable). Returns (x, residual)."""
+    if _compiling():
+        _fused_add_op(x, residual, weight, eps, offset)
+    elif x.device.type != "cuda":
+        residual.add_(x)
+        x.copy_(_rms_norm_cpu(residual, weight, eps, offset)[0])
+    else:
+        _fused_add_rms_norm(x, residual, weight, eps, offset=offset)
+    return x, residual
+
+
+# ------------------------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nn.Module):
+    """Drop-in for Hugging Face's LlamaRMSNorm / Qwen2RMSNorm and ``torch.nn.RMSNorm`` (state_dict key
+    ``weight``); offset=1.0 gives Gemma's (1 + weight) scaling (weight then starts at zero)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, device=None, dtype=None):
+        super().__init__()
+        init = torch.zeros if offset else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps, self.offset)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, offset={self.offset}"
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE for (q, k, positions): ``forward(q, k, positions, inplace=False) -> (q, k)``.
+
+    By default cos/sin are computed in the kernel from theta (exact to fp32 rounding, no table);
+    ``use_cache=True`` builds a (max_position, rotary_dim) fp32 cos/sin buffer instead (vLLM layout)."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float = 10000.0, style: str = "neox",
+                 rotary_dim: Optional[int] = None, use_cache: bool = False, device=None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.theta = float(theta)
+        self.style = style
+        self.rotary_dim = rotary_dim or head_dim
+        cache = None
+        if use_cache:
+            table = _reference.rope_cache(max_position, self.rotary_dim, self.theta)
+            cache = torch.from_numpy(table.astype("float32")).to(device)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, q: Tensor, k: Tensor, positions: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor]:
+        options = dict(theta=self.theta, style=self.style, rotary_dim=self.rotary_dim, cos_sin_cache=self.cos_sin_cache)
+        if inplace:
+            return rope_qk_(q, k, positions, **options)
+        return rope_qk(q, k, positions, **options)
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, max_position={self.max_position}, theta={self.theta}, "
+                f"style={self.style!r}, rotary_dim={self.rotary_dim}")
+
+
+def rope_cache(max_position: int, rotary_dim: int, theta: float = 10000.0, *, dtype=torch.float32, device="cuda"):
+    """``cupyrope.rope_cache`` as a torch tensor on ``device``."""
+    index = torch.device(device).index or 0
+    return _rope_cache(max_position, rotary_dim, theta, dtype=str(dtype).removeprefix("torch."), kind="torch",
+                       device=index)

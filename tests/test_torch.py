@@ -1,0 +1,273 @@
+"""cupyrope.torch: autograd, torch.library registration, torch.compile, CUDA graphs, modules."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+ct = pytest.importorskip("cupyrope.torch")
+
+from cupyrope import reference  # noqa: E402
+from helpers import DTYPES, requires_torch_cuda  # noqa: E402
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+GRAD_TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+
+def hf_rms_norm(x, weight, eps):
+    """Hugging Face LlamaRMSNorm.forward, verbatim in substance."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def hf_rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def hf_rope(q, k, positions, theta):
+    """HF apply_rotary_pos_emb on (T, H, D), with cos/sin from float64 angles."""
+    d = q.shape[-1]
+    inv = torch.tensor(reference.inv_freq(d, theta), dtype=torch.float64, device=q.device)
+    ang = positions.to(torch.float64)[:, None] * inv
+    emb = torch.cat([ang, ang], -1)
+    cos, sin = emb.cos()[:, None, :].to(q.dtype), emb.sin()[:, None, :].to(q.dtype)
+    return q * cos + hf_rotate_half(q) * sin, k * cos + hf_rotate_half(k) * sin
+
+
+# ------------------------------------------------------------------------------------- CPU (runs in CI)
+
+
+def test_ops_are_registered_with_fake_kernels():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert hasattr(torch.ops.cupyrope, "rope") and hasattr(torch.ops.cupyrope, "rms_norm")
+    with FakeTensorMode():
+        x = torch.empty(5, 4, 64, device="cuda", dtype=torch.bfloat16)
+        pos = torch.empty(5, dtype=torch.int64, device="cuda")
+        y = torch.ops.cupyrope.rope(x, pos, None, 1e4, "neox", None, False)
+        assert y.shape == x.shape and y.dtype == x.dtype and y.device.type == "cuda"
+        out, rstd = torch.ops.cupyrope.rms_norm(x, torch.empty(64, device="cuda"), 1e-6, 0.0)
+        assert out.shape == x.shape and rstd.shape == (5, 4) and rstd.dtype == torch.float32
+        dx, dw = torch.ops.cupyrope.rms_norm_backward(x, x, torch.empty(64, device="cuda"), rstd, 1e-6, 0.0)
+        assert dx.shape == x.shape and dw.shape == (64,)
+
+
+def test_core_package_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, cupyrope; assert 'torch' not in sys.modules, 'cupyrope imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_cpu_fallback_rope_gradient_is_the_inverse_rotation(style):
+    x = torch.randn(6, 3, 32, dtype=torch.float64, requires_grad=True)
+    pos = torch.randint(0, 1000, (6,))
+    y = ct.rope(x.float(), pos, style=style)
+    np.testing.assert_allclose(y.detach().numpy(), reference.rope(x.detach().numpy(), pos.numpy(), style=style), atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    expected = reference.rope(g.double().numpy(), pos.numpy(), style=style, inverse=True)
+    np.testing.assert_allclose(x.grad.numpy(), expected, atol=1e-5)
+
+
+def test_modules_are_drop_in_on_cpu():
+    hf_weight = torch.randn(64)
+    ours = ct.RMSNorm(64, eps=1e-5)
+    ours.load_state_dict({"weight": hf_weight})
+    assert list(ours.state_dict()) == ["weight"]
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(ours(x), hf_rms_norm(x, hf_weight, 1e-5))
+    native = torch.nn.RMSNorm(64, eps=1e-5)
+    ours.load_state_dict(native.state_dict())
+    torch.testing.assert_close(ours(x), native(x))
+    gemma = ct.RMSNorm(64, offset=1.0)
+    assert torch.all(gemma.weight == 0)
+    torch.testing.assert_close(gemma(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+def gpu(test):
+    return pytest.mark.gpu(requires_torch_cuda(test))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_rope_gradient_against_float64_autograd(dtype, use_cache, rng):
+    td = TORCH_DTYPES[dtype]
+    x = torch.randn(37, 4, 128, device="cuda", dtype=td, requires_grad=True)
+    pos = torch.from_numpy(rng.integers(0, 4096, 37)).cuda()
+    cache = ct.rope_cache(4096, 96) if use_cache else None
+    y = ct.rope(x, pos, rotary_dim=96, cos_sin_cache=cache)
+    g = torch.randn_like(y)
+    y.backward(g)
+    # float64 autograd of the reference formula
+    x64 = x.detach().double().requires_grad_()
+    ang = pos.double()[:, None] * torch.tensor(reference.inv_freq(96), dtype=torch.float64, device="cuda")
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x1, x2, rest = x64[..., :48], x64[..., 48:96], x64[..., 96:]
+    y64 = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], -1)
+    y64.backward(g.double())
+    torch.testing.assert_close(y.double(), y64, atol=GRAD_TOL[dtype] * 4, rtol=GRAD_TOL[dtype])
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=GRAD_TOL[dtype] * 4, rtol=GRAD_TOL[dtype])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("needs", ["x", "weight", "both"])
+def test_rms_norm_gradients_against_float64_autograd(dtype, needs):
+    td = TORCH_DTYPES[dtype]
+    x = torch.randn(4, 33, 130, device="cuda", dtype=td, requires_grad=needs in ("x", "both"))
+    w = torch.randn(130, device="cuda", dtype=td, requires_grad=needs in ("weight", "both"))
+    y = ct.rms_norm(x, w, 1e-5, offset=0.5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * (w64 + 0.5)
+    y64.backward(g.double())
+    tol = GRAD_TOL[dtype]
+    torch.testing.assert_close(y.double(), y64, atol=tol * 8, rtol=tol)
+    if x.requires_grad:
+        torch.testing.assert_close(x.grad.double(), x64.grad, atol=tol * 8, rtol=tol)
+    else:
+        assert x.grad is None
+    if w.requires_grad:
+        torch.testing.assert_close(w.grad.double(), w64.grad, atol=tol * 30, rtol=tol * 4)
+    else:
+        assert w.grad is None
+
+
+@gpu
+def test_opcheck():
+    from torch.library import opcheck
+
+    x = torch.randn(9, 4, 64, device="cuda", requires_grad=True)
+    pos = torch.randint(0, 1000, (9,), device="cuda")
+    opcheck(torch.ops.cupyrope.rope.default, (x, pos, None, 1e4, "neox", None, False))
+    w = torch.randn(64, device="cuda", requires_grad=True)
+    opcheck(torch.ops.cupyrope.rms_norm.default, (x, w, 1e-6, 0.0))
+    q, k = torch.randn(9, 4, 64, device="cuda"), torch.randn(9, 2, 64, device="cuda")
+    opcheck(torch.ops.cupyrope.rope_qk_.default, (q, k, pos, None, 1e4, "neox", None))
+    r = torch.randn(9, 4, 64, device="cuda")
+    opcheck(torch.ops.cupyrope.fused_add_rms_norm_.default, (x.detach().clone(), r, w.detach(), 1e-6, 0.0))
+
+
+class Block(torch.nn.Module):
+    """A Llama-style attention block: RMSNorm, q/k/v projections, RoPE, causal GQA attention, residual."""
+
+    def __init__(self, hidden=256, heads=4, kv_heads=2, use_cupyrope=True):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.norm = ct.RMSNorm(hidden, eps=1e-5)
+        self.q = torch.nn.Linear(hidden, hidden, bias=False)
+        self.k = torch.nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v = torch.nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o = torch.nn.Linear(hidden, hidden, bias=False)
+        self.rotary = ct.RotaryEmbedding(self.head_dim, 4096, theta=500000.0)
+        self.use_cupyrope = use_cupyrope
+
+    def forward(self, x, positions):
+        t = x.shape[0]
+        h = self.norm(x) if self.use_cupyrope else hf_rms_norm(x, self.norm.weight, 1e-5)
+        q = self.q(h).view(t, self.heads, self.head_dim)
+        k = self.k(h).view(t, self.kv_heads, self.head_dim)
+        v = self.v(h).view(t, self.kv_heads, self.head_dim)
+        q, k = self.rotary(q, k, positions) if self.use_cupyrope else hf_rope(q, k, positions, 500000.0)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        return x + self.o(attn.transpose(0, 1).reshape(t, -1))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_block_matches_hf_formulas_forward_and_backward(dtype):
+    torch.manual_seed(0)
+    td = TORCH_DTYPES[dtype]
+    ours = Block().cuda().to(td)
+    hf = Block(use_cupyrope=False).cuda().to(td)
+    hf.load_state_dict(ours.state_dict())
+    x = torch.randn(50, 256, device="cuda", dtype=td)
+    pos = torch.arange(50, device="cuda") + 1000
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa, pos), hf(xb, pos)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=6e-2, rtol=3e-2)
+    torch.testing.assert_close(ya, yb, **tol)
+    torch.testing.assert_close(xa.grad, xb.grad, **tol)
+    for (name, pa), pb in zip(ours.named_parameters(), hf.parameters()):
+        scale = pb.grad.abs().max().item()
+        torch.testing.assert_close(pa.grad / scale, pb.grad / scale, **tol, msg=name)
+
+
+@gpu
+def test_hf_transformers_modules_swap_in():
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
+    hf = modeling.LlamaRMSNorm(512, eps=1e-5).cuda().to(torch.bfloat16)
+    torch.nn.init.normal_(hf.weight)
+    ours = ct.RMSNorm(512, eps=1e-5).cuda().to(torch.bfloat16)
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(7, 512, device="cuda", dtype=torch.bfloat16)
+    # HF rounds x/rms to bf16 before the weight multiply; we round once: one bf16 ulp apart at most.
+    torch.testing.assert_close(ours(x), hf(x), atol=0.0625, rtol=2**-7)
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_torch_compile_fullgraph(mode):
+    torch._dynamo.reset()
+    block = Block().cuda()
+    x = torch.randn(64, 256, device="cuda")
+    pos = torch.arange(64, device="cuda")
+    expected = block(x, pos)
+    compiled = torch.compile(block, fullgraph=True, mode=mode)  # fullgraph: any graph break raises
+    for _ in range(3):
+        got = compiled(x, pos)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    explanation = torch._dynamo.explain(block)(x, pos)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+    def train_step(inp):
+        return block(inp, pos).square().mean()
+
+    xg = x.clone().requires_grad_()
+    torch.compile(train_step, fullgraph=True, mode=mode)(xg).backward()
+    xe = x.clone().requires_grad_()
+    train_step(xe).backward()
+    torch.testing.assert_close(xg.grad, xe.grad, atol=1e-5, rtol=1e-4)
+
+
+@gpu
+def test_inplace_ops_and_modules_under_compile_and_graphs():
+    torch._dynamo.reset()
+    q = torch.randn(16, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(16, device="cuda")
+    rot = ct.RotaryEmbedding(64, 1024, use_cache=True).cuda()
+    eq, ek = rot(q, k, pos)
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, pos):
+        return rot(q, k, pos, inplace=True)
+
+    q2, k2 = q.clone(), k.clone()
+    step(q2, k2, pos)
+    torch.testing.assert_close(q2, eq)
+    torch.testing.assert_close(k2, ek)
+    x, r = torch.randn(16, 512, device="cuda"), torch.randn(16, 512, device="cuda")
+    w = torch.randn(512, device="cuda")
+    ex = hf_rms_norm(x + r, w, 1e-6)
+    x2, r2 = x.clone(), r.clone()
+    torch.compile(ct.fused_add_rms_norm, fullgraph=True)(x2, r2, w, 1e-6)
+    torch.testing.assert_close(r2, x + r)
+    torch.testing.assert_close(x2, ex, atol=1e-5, rtol=1e-5)
+
+
