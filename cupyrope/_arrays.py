@@ -52,31 +52,40 @@ def _is_torch_tensor(obj) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
+_TORCH_TYPES: set = set()  # tensor classes seen already: the hot path skips the module checks
+_CUPY_TYPES: set = set()
+
+
+def _from_torch(obj) -> Array:
+    return Array(obj, "torch", obj.data_ptr(), _torch_dtype_name(obj.dtype), obj.shape, obj.stride(), obj.get_device())
+
+
+def _from_cupy(obj) -> Array:
+    itemsize = obj.itemsize
+    return Array(obj, "cupy", obj.data.ptr, obj.dtype.name, obj.shape, tuple(s // itemsize for s in obj.strides),
+                 obj.device.id)
+
+
 def describe(obj, name: str) -> Array:
     """Describe ``obj`` (the argument called ``name``) or raise a TypeError saying what to pass."""
     cls = type(obj)
+    if cls in _TORCH_TYPES and obj.is_cuda:
+        return _from_torch(obj)
+    if cls in _CUPY_TYPES:
+        return _from_cupy(obj)
     module = cls.__module__
-    if module.startswith("cupy"):
-        if hasattr(obj, "data") and hasattr(obj, "device"):
-            itemsize = obj.itemsize
-            return Array(
-                obj,
-                "cupy",
-                obj.data.ptr,
-                obj.dtype.name,
-                obj.shape,
-                tuple(s // itemsize for s in obj.strides),
-                obj.device.id,
-            )
-    elif _is_torch_tensor(obj):
+    if module.startswith("cupy") and hasattr(obj, "data") and hasattr(obj, "device"):
+        _CUPY_TYPES.add(cls)
+        return _from_cupy(obj)
+    if _is_torch_tensor(obj):
         if obj.device.type != "cuda":
             raise TypeError(
                 f"{name}: expected a CUDA tensor, got a tensor on {obj.device}; move it with "
                 f"{name}.cuda() (cupyrope runs on the GPU only)"
             )
-        return Array(obj, "torch", obj.data_ptr(), _torch_dtype_name(obj.dtype), obj.shape, obj.stride(),
-                     obj.get_device())
-    elif module == "numpy":
+        _TORCH_TYPES.add(cls)
+        return _from_torch(obj)
+    if module == "numpy":
         raise TypeError(
             f"{name}: expected a cupy.ndarray or a CUDA torch.Tensor, got a NumPy array; move it to "
             f"the GPU with cupy.asarray({name}) (cupyrope runs on the GPU only; for a CPU "

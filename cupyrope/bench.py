@@ -1,0 +1,421 @@
+"""Benchmarks against the peers: ``python -m cupyrope bench`` and tests/benchmarks (pytest-benchmark).
+
+Two regimes per case:
+- GPU time per call: a CUDA graph of many calls replayed, timed with CUDA events; inputs rotate over
+  enough copies that their total exceeds twice the L2 cache, so no round re-reads cached data.
+- eager time per call: what a Python loop sees (host overhead included), synchronized at the end.
+Every provider is checked against the float64 reference once before it is timed; providers that are
+not installed are skipped, never faked. Bandwidth is reported against the device-to-device copy
+bandwidth measured in the same run. Needs torch with CUDA (the peers are torch libraries).
+"""
+
+import dataclasses
+import math
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from . import reference
+
+L2_BYTES_FLOOR = 2 * 50 * 2**20  # H100: 50 MB of L2; inputs rotate over at least twice that
+MAX_COPIES = 64
+CHECK_ROWS = 256
+GRAPH_TARGET_US = 2000.0  # calls per graph chosen so one replay lasts about this long
+
+
+@dataclasses.dataclass
+class Case:
+    op: str  # "rope", "rope_qk", "rms_fwd", "rms_bwd"
+    label: str  # shape, for tables
+    dtype: str
+    make: object  # () -> dict of inputs (torch tensors)
+    bytes_moved: int
+    reference: object  # inputs -> float64 numpy result(s) to check against
+    size: int  # x-axis of the plot
+
+
+@dataclasses.dataclass
+class Result:
+    case: Case
+    provider: str
+    gpu_us: float
+    eager_us: float
+
+    @property
+    def gbps(self) -> float:
+        return self.case.bytes_moved / self.gpu_us / 1e3
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def copy_bandwidth_gbps(torch) -> float:
+    """Device-to-device copy, bytes read + written, median of graph replays."""
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = gpu_time_us(torch, [lambda: b.copy_(a)], calls=10)
+    return 2 * a.numel() / us / 1e3
+
+
+def gpu_time_us(torch, fns, calls=None, replays=15) -> float:
+    """Median GPU time per call of fns (one per input copy, cycled) captured in one CUDA graph; calls
+    that cannot be captured (autograd-driven peers) are timed with events around an eager loop."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    try:
+        return _graph_time_us(torch, fns, calls, replays)
+    except Exception:  # capture refused: events around eager calls (GPU-bound for large shapes)
+        torch.cuda.synchronize()
+        return _event_time_us(torch, fns, replays)
+
+
+def _event_time_us(torch, fns, replays) -> float:
+    times = []
+    for _ in range(replays):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for fn in fns:
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / len(fns))
+    return statistics.median(times)
+
+
+def _graph_time_us(torch, fns, calls, replays) -> float:
+    if calls is None:
+        start = time.perf_counter()
+        for i in range(len(fns) * 2):
+            fns[i % len(fns)]()
+        torch.cuda.synchronize()
+        per = (time.perf_counter() - start) / (len(fns) * 2) * 1e6
+        calls = int(min(2000, max(len(fns), GRAPH_TARGET_US / max(per, 1.0))))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fns[0]()  # warm-up on the capture stream (allocator pools)
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(calls):
+                fns[i % len(fns)]()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def eager_time_us(torch, fns, seconds=0.2) -> float:
+    """Host loop time per call (launch overhead included), synchronized at the end."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    n = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds or n < 20:
+        fns[n % len(fns)]()
+        n += 1
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def copies_for(nbytes: int) -> int:
+    return max(1, min(MAX_COPIES, math.ceil(L2_BYTES_FLOOR / max(nbytes, 1))))
+
+
+# ------------------------------------------------------------------------------------------- providers
+
+
+def _torch_rope_cache_formula(torch, x, cos, sin, positions):
+    """HF/vLLM-style eager RoPE from a cos/sin cache (gather, rotate_half)."""
+    c = cos[positions][:, None, :]
+    s = sin[positions][:, None, :]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def rope_providers(torch):
+    """name -> factory(inputs) -> callable returning the rotated x (or (q, k))."""
+    import cupyrope
+
+    providers = {}
+    for impl in ("vector", "scalar"):
+        providers[f"cupyrope {impl}"] = lambda d, impl=impl: (
+            lambda: cupyrope.rope(d["x"], d["pos"], out=d["out"], impl=impl))
+        providers[f"cupyrope {impl} cache"] = lambda d, impl=impl: (
+            lambda: cupyrope.rope(d["x"], d["pos"], out=d["out"], impl=impl, cos_sin_cache=d["cache"]))
+
+    def torch_naive(d):
+        x, pos = d["x"], d["pos"]
+        inv = d["inv_freq"]
+
+        def run():
+            ang = pos[:, None].float() * inv
+            return _torch_rope_cache_formula(torch, x, ang.cos().to(x.dtype), ang.sin().to(x.dtype),
+                                             torch.arange(x.shape[0], device=x.device))
+
+        return run
+
+    providers["torch eager (recompute cos/sin)"] = torch_naive
+    providers["torch eager (cos/sin cache)"] = lambda d: (
+        lambda: _torch_rope_cache_formula(torch, d["x"], d["cos"], d["sin"], d["pos"]))
+    compiled = torch.compile(lambda x, cos, sin, pos: _torch_rope_cache_formula(torch, x, cos, sin, pos))
+    providers["torch.compile (cos/sin cache)"] = lambda d: (lambda: compiled(d["x"], d["cos"], d["sin"], d["pos"]))
+    def qk(d):
+        # q and k as views of one (T, 40, D) buffer: Llama-3-8B's 32 q heads + 8 k heads, one launch.
+        x, out = d["x"], d["out"]
+        if x.shape[1] != 40:
+            raise ValueError("rope_qk case needs 40 heads (32 q + 8 k)")
+        return lambda: cupyrope.rope_qk(x[:, :32], x[:, 32:], d["pos"], out=(out[:, :32], out[:, 32:])) and out
+
+    providers["cupyrope rope_qk"] = qk
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except ImportError:
+        pass
+    else:
+        def liger(d):
+            # Liger rotates q and k laid out (B, H, S, D), in place, with cos/sin (1, S, D) per token:
+            # give it that layout (prepared outside the timing) and a one-head k.
+            q = d["x"].unsqueeze(0).transpose(1, 2).contiguous()
+            k = torch.zeros(1, 1, q.shape[2], q.shape[3], device="cuda", dtype=q.dtype)
+            cos = torch.cat([d["cos"], d["cos"]], -1)[d["pos"]].unsqueeze(0)
+            sin = torch.cat([d["sin"], d["sin"]], -1)[d["pos"]].unsqueeze(0)
+            return lambda: LigerRopeFunction.apply(q, k, cos, sin)[0].transpose(1, 2)[0]
+
+        providers["liger"] = liger
+    return providers
+
+
+def rms_providers(torch, backward):
+    import cupyrope
+
+    providers = {}
+    if backward:
+        providers["cupyrope"] = lambda d: (lambda: cupyrope.rms_norm_backward(d["dy"], d["x"], d["w"], d["rstd"]))
+
+        def torch_autograd(fn):
+            def factory(d):
+                x = d["x"].detach().requires_grad_()
+                w = d["w"].detach().requires_grad_()
+                y = fn(x, w)
+                return lambda: torch.autograd.grad(y, (x, w), d["dy"], retain_graph=True)
+
+            return factory
+
+        providers["F.rms_norm"] = torch_autograd(lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6))
+    else:
+        providers["cupyrope"] = lambda d: (lambda: cupyrope.rms_norm(d["x"], d["w"], 1e-6, out=d["out"]))
+        providers["F.rms_norm"] = lambda d: (lambda: torch.nn.functional.rms_norm(d["x"], (d["x"].shape[-1],), d["w"], 1e-6))
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError:
+        return providers
+    if backward:
+        def liger_bwd(d):
+            x = d["x"].detach().requires_grad_()
+            w = d["w"].detach().requires_grad_()
+            y = LigerRMSNormFunction.apply(x, w, 1e-6)
+            return lambda: torch.autograd.grad(y, (x, w), d["dy"], retain_graph=True)
+
+        providers["liger"] = liger_bwd
+    else:
+        providers["liger"] = lambda d: (lambda: LigerRMSNormFunction.apply(d["x"], d["w"], 1e-6))
+    return providers
+
+
+# --------------------------------------------------------------------------------------------- shapes
+
+
+def _host(torch, t):
+    return t.detach().float().cpu().numpy().astype(np.float64)
+
+
+def rope_case(torch, tokens, heads, head_dim, dtype, label=None):
+    td = getattr(torch, dtype)
+    import cupyrope
+
+    def make():
+        x = torch.randn(tokens, heads, head_dim, device="cuda", dtype=td)
+        pos = torch.randint(0, 32768, (tokens,), device="cuda")
+        table = cupyrope.rope_cache(32768, head_dim, kind="torch")
+        inv = torch.tensor(reference.inv_freq(head_dim), device="cuda", dtype=torch.float32)
+        return {"x": x, "pos": pos, "out": torch.empty_like(x), "cache": table,
+                "cos": table[:, : head_dim // 2].to(td), "sin": table[:, head_dim // 2 :].to(td), "inv_freq": inv}
+
+    def ref(d):
+        return reference.rope(_host(torch, d["x"]), d["pos"].cpu().numpy())
+
+    nbytes = 2 * tokens * heads * head_dim * (2 if dtype != "float32" else 4) + tokens * 8
+    return Case("rope", label or f"{tokens}x{heads}x{head_dim}", dtype, make, nbytes, ref, tokens * heads * head_dim)
+
+
+def rms_case(torch, rows, hidden, dtype, backward, label=None):
+    td = getattr(torch, dtype)
+    import cupyrope
+
+    def make():
+        x = torch.randn(rows, hidden, device="cuda", dtype=td)
+        w = torch.randn(hidden, device="cuda", dtype=td)
+        dy = torch.randn_like(x)
+        _, rstd = cupyrope.rms_norm(x, w, 1e-6, return_rstd=True)
+        return {"x": x, "w": w, "dy": dy, "rstd": rstd, "out": torch.empty_like(x)}
+
+    def ref(d):
+        # Sampled rows keep the float64 check affordable; dweight needs every row (small cases only).
+        x, w, dy = d["x"][:CHECK_ROWS], d["w"], d["dy"][:CHECK_ROWS]
+        if backward:
+            dx, dw = reference.rms_norm_backward(_host(torch, dy), _host(torch, x), _host(torch, w))
+            return dx, (dw if rows <= CHECK_ROWS else None)
+        return reference.rms_norm(_host(torch, x), _host(torch, w), 1e-6)
+
+    item = 2 if dtype != "float32" else 4
+    nbytes = (3 if backward else 2) * rows * hidden * item + hidden * item
+    op = "rms_bwd" if backward else "rms_fwd"
+    return Case(op, label or f"{rows}x{hidden}", dtype, make, nbytes, ref, rows * hidden)
+
+
+def rope_cases(torch, full=False):
+    cases = [rope_case(torch, 32768, 32, 128, "bfloat16", "Llama q 32768x32x128"),
+             rope_case(torch, 32768, 40, 128, "bfloat16", "Llama-3-8B q+k T=32768"),
+             rope_case(torch, 65536, 32, 128, "float16"),
+             rope_case(torch, 1, 32, 128, "bfloat16", "decode 1x32x128")]
+    if full:
+        cases += [rope_case(torch, n, 32, m, "float32", f"seed {n}x32x{m}") for n in (512, 1024, 2048, 4096, 8192)
+                  for m in (128, 256)]
+        cases += [rope_case(torch, t, 40, 128, "bfloat16", f"Llama-3-8B q+k T={t}") for t in (1, 16, 256, 4096)]
+        cases += [rope_case(torch, 2048 * b, 32, 128, "bfloat16", f"batch {b}x2048") for b in (1, 2, 4, 8, 16)]
+    return cases
+
+
+RMS_S = (128, 512, 2048)
+RMS_H = (32, 61, 64, 128, 130, 256, 512, 1024, 1027, 2048, 4096, 8192, 16384)
+
+
+def rms_cases(torch, full=False):
+    big = [(32768, 4096, "bfloat16"), (8192, 16384, "float32"), (8192, 1027, "float32"), (16384, 8192, "bfloat16"),
+           (1, 4096, "bfloat16")]
+    cases = [rms_case(torch, r, h, dt, bwd) for bwd in (False, True) for r, h, dt in big]
+    if full:
+        cases += [rms_case(torch, 4 * s, h, "bfloat16", bwd, f"[4,{s},{h}]") for bwd in (False, True) for s in RMS_S
+                  for h in RMS_H]
+        cases += [rms_case(torch, t, h, "bfloat16", bwd, f"[{t},{h}]") for bwd in (False, True) for h in (4096, 8192)
+                  for t in (1, 16, 128, 1024, 8192)]
+    return cases
+
+
+# --------------------------------------------------------------------------------------------- running
+
+
+def check(case, provider, inputs, fn, torch):
+    """Run a provider once and compare with the float64 reference (a wrong but fast result cannot win)."""
+    out = fn()
+    expected = case.reference(inputs)
+    if case.op == "rms_bwd":
+        got = [_host(torch, out[0][:CHECK_ROWS]), _host(torch, out[1])]
+        ok = all(e is None or np.allclose(g, e, rtol=0.05, atol=0.05 * np.abs(e).max()) for g, e in zip(got, expected))
+    else:
+        got = _host(torch, out[: expected.shape[0]])
+        ok = np.allclose(got, expected, rtol=0.02, atol=0.02 * np.abs(expected).max())
+    if not ok:
+        raise AssertionError(f"{provider} gives wrong results for {case.op} {case.label} {case.dtype}")
+
+
+def run_case(torch, case, providers):
+    first = case.make()
+    copies = [first] + [case.make() for _ in range(copies_for(case.bytes_moved) - 1)]
+    results = []
+    for name, factory in providers.items():
+        try:
+            fns = [factory(d) for d in copies]
+            check(case, name, copies[0], fns[0], torch)
+            results.append(Result(case, name, gpu_time_us(torch, fns), eager_time_us(torch, fns)))
+        except AssertionError:
+            raise
+        except Exception as error:  # a peer that cannot run this case (unsupported shape or dtype)
+            print(f"  skipped {name} on {case.label}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+    return results
+
+
+def table(results, copy_gbps):
+    """Markdown table: one row per case and provider, speedup of cupyrope over the best peer."""
+    lines = ["| op | shape | dtype | provider | GPU us/call | eager us/call | GB/s | % of copy BW | speedup vs best peer |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    by_case = {}
+    for r in results:
+        by_case.setdefault((r.case.op, r.case.label, r.case.dtype), []).append(r)
+    for (op, label, dtype), rs in by_case.items():
+        peers = [r for r in rs if not r.provider.startswith("cupyrope")]
+        best_peer = min((r.gpu_us for r in peers), default=None)
+        for r in rs:
+            speedup = f"{best_peer / r.gpu_us:.2f}x" if best_peer and r.provider.startswith("cupyrope") else ""
+            lines.append(f"| {op} | {label} | {dtype} | {r.provider} | {r.gpu_us:.1f} | {r.eager_us:.1f} | "
+                         f"{r.gbps:.0f} | {100 * r.gbps / copy_gbps:.0f}% | {speedup} |")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r.case.op for r in results})
+    fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.5), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for provider in sorted({r.provider for r in results if r.case.op == op}):
+            rs = sorted((r for r in results if r.case.op == op and r.provider == provider), key=lambda r: r.case.size)
+            ax.plot([r.case.size for r in rs], [r.gbps for r in rs], marker="o", label=provider)
+        ax.set_xscale("log")
+        ax.set_title(op)
+        ax.set_xlabel("elements")
+        ax.set_ylabel("GB/s (GPU time, CUDA graph)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def environment(torch) -> str:
+    import cupy
+
+    import cupyrope
+
+    return (f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, cupyrope {cupyrope.__version__}, "
+            f"torch {torch.__version__}, CuPy {cupy.__version__}, CUDA {torch.version.cuda}")
+
+
+def main(args) -> int:
+    try:
+        import torch
+    except ImportError:
+        print("python -m cupyrope bench needs torch with CUDA (the peers are torch libraries)")
+        return 2
+    if not torch.cuda.is_available():
+        print("python -m cupyrope bench: no CUDA device")
+        return 2
+    copy_gbps = copy_bandwidth_gbps(torch)
+    print(f"{environment(torch)}; device copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+    results = []
+    if args.op in ("rope", "all"):
+        providers = rope_providers(torch)
+        for case in rope_cases(torch, args.full):
+            results += run_case(torch, case, providers)
+    if args.op in ("rmsnorm", "all"):
+        for case in rms_cases(torch, args.full):
+            results += run_case(torch, case, rms_providers(torch, case.op == "rms_bwd"))
+    print(table(results, copy_gbps))
+    if args.plot:
+        plot(results, args.plot)
+        print(f"plot: {args.plot}")
+    return 0

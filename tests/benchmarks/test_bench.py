@@ -1,0 +1,58 @@
+"""pytest --benchmark-only: cupyrope against the installed peers (see cupyrope/bench.py for the method).
+
+Each benchmark's pedantic timing is one call plus a synchronize; extra_info carries the honest numbers
+(GPU time per call from CUDA-graph replays with rotated inputs, eager time per call, GB/s and % of the
+copy bandwidth measured in the same run). CUPYROPE_BENCH_FULL=1 runs the full grids.
+"""
+
+import os
+
+import pytest
+
+from helpers import requires_torch_cuda
+
+torch = pytest.importorskip("torch")
+bench = pytest.importorskip("cupyrope.bench")
+
+pytestmark = [pytest.mark.gpu, requires_torch_cuda]
+FULL = os.environ.get("CUPYROPE_BENCH_FULL") == "1"
+ROPE_PROVIDERS = ["cupyrope vector", "cupyrope scalar", "cupyrope vector cache", "cupyrope scalar cache",
+                  "cupyrope rope_qk", "torch eager (recompute cos/sin)", "torch eager (cos/sin cache)",
+                  "torch.compile (cos/sin cache)", "liger"]
+RMS_PROVIDERS = ["cupyrope", "F.rms_norm", "liger"]
+
+
+@pytest.fixture(scope="session")
+def copy_gbps():
+    return bench.copy_bandwidth_gbps(torch)
+
+
+def _run(benchmark, case, name, providers, copy_gbps):
+    if name not in providers:
+        pytest.skip(f"{name} is not installed")
+    copies = [case.make() for _ in range(bench.copies_for(case.bytes_moved))]
+    try:
+        fns = [providers[name](d) for d in copies]
+    except ValueError as error:
+        pytest.skip(str(error))
+    bench.check(case, name, copies[0], fns[0], torch)
+    gpu_us = bench.gpu_time_us(torch, fns)
+    eager_us = bench.eager_time_us(torch, fns)
+    gbps = case.bytes_moved / gpu_us / 1e3
+    benchmark.group = f"{case.op} {case.label} {case.dtype}"
+    benchmark.extra_info.update(bytes=case.bytes_moved, gpu_us_per_call=round(gpu_us, 2),
+                                eager_us_per_call=round(eager_us, 2), gbps=round(gbps, 1),
+                                pct_copy_bw=round(100 * gbps / copy_gbps, 1), copy_gbps=round(copy_gbps))
+    benchmark.pedantic(lambda: (fns[0](), torch.cuda.synchronize()), rounds=20, warmup_rounds=2)
+
+
+@pytest.mark.parametrize("name", ROPE_PROVIDERS)
+@pytest.mark.parametrize("case", bench.rope_cases(torch, FULL), ids=lambda c: f"{c.label}-{c.dtype}")
+def test_rope(benchmark, case, name, copy_gbps):
+    _run(benchmark, case, name, bench.rope_providers(torch), copy_gbps)
+
+
+@pytest.mark.parametrize("name", RMS_PROVIDERS)
+@pytest.mark.parametrize("case", bench.rms_cases(torch, FULL), ids=lambda c: f"{c.op}-{c.label}-{c.dtype}")
+def test_rms_norm(benchmark, case, name, copy_gbps):
+    _run(benchmark, case, name, bench.rms_providers(torch, case.op == "rms_bwd"), copy_gbps)
