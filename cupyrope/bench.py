@@ -177,7 +177,13 @@ def rope_providers(torch):
         x, out = d["x"], d["out"]
         if x.shape[1] != 40:
             raise ValueError("rope_qk case needs 40 heads (32 q + 8 k)")
-        return lambda: cupyrope.rope_qk(x[:, :32], x[:, 32:], d["pos"], out=(out[:, :32], out[:, 32:])) and out
+        q, k, q_out, k_out = x[:, :32], x[:, 32:], out[:, :32], out[:, 32:]
+
+        def run():
+            cupyrope.rope_qk(q, k, d["pos"], out=(q_out, k_out))
+            return out
+
+        return run
 
     providers["cupyrope rope_qk"] = qk
     try:
