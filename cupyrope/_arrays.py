@@ -104,8 +104,7 @@ def current_stream(array: Array) -> int:
 def empty(like: Array, shape, dtype: str):
     """A new uninitialized array of the caller's kind on ``like``'s device."""
     if like.kind == "torch":
-        import torch
-
+        torch = sys.modules["torch"]  # imported: `like` is a torch tensor
         return torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
     import cupy
 

@@ -55,7 +55,9 @@ def copy_bandwidth_gbps(torch) -> float:
     """Device-to-device copy, bytes read + written, median of graph replays."""
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    us = gpu_time_us(torch, [lambda: b.copy_(a)], calls=10)
+    b.copy_(a)
+    # Eager copies (a kernel); a copy captured in a graph becomes a DMA-engine memcpy node, slower.
+    us = _event_time_us(torch, [lambda: b.copy_(a)] * 10, replays=5)
     return 2 * a.numel() / us / 1e3
 
 
@@ -260,8 +262,8 @@ def rope_case(torch, tokens, heads, head_dim, dtype, label=None):
         return {"x": x, "pos": pos, "out": torch.empty_like(x), "cache": table,
                 "cos": table[:, : head_dim // 2].to(td), "sin": table[:, head_dim // 2 :].to(td), "inv_freq": inv}
 
-    def ref(d):
-        return reference.rope(_host(torch, d["x"]), d["pos"].cpu().numpy())
+    def ref(d):  # sampled tokens keep the float64 check affordable
+        return reference.rope(_host(torch, d["x"][:CHECK_ROWS]), d["pos"][:CHECK_ROWS].cpu().numpy())
 
     nbytes = 2 * tokens * heads * head_dim * (2 if dtype != "float32" else 4) + tokens * 8
     return Case("rope", label or f"{tokens}x{heads}x{head_dim}", dtype, make, nbytes, ref, tokens * heads * head_dim)
@@ -347,8 +349,10 @@ def run_case(torch, case, providers):
             fns = [factory(d) for d in copies]
             check(case, name, copies[0], fns[0], torch)
             results.append(Result(case, name, gpu_time_us(torch, fns), eager_time_us(torch, fns)))
-        except AssertionError:
-            raise
+        except AssertionError as error:
+            if name.startswith("cupyrope"):
+                raise
+            print(f"  excluded {name} on {case.label}: {error}", file=sys.stderr)  # wrong answers never rank
         except Exception as error:  # a peer that cannot run this case (unsupported shape or dtype)
             print(f"  skipped {name} on {case.label}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
     return results

@@ -1,0 +1,256 @@
+"""Reliability: bad input leaves inputs untouched, fuzzed shapes, threads, NaN/Inf, kernel cache
+failures, several GPUs, tensors past 2**31 elements."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import cupyrope
+from cupyrope import _compile, reference
+from helpers import (DTYPES, assert_matches, index_to_device, n_gpus, poison, random_host, requires_gpu, to_device,
+                     to_host)
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def arrays(rng):
+    """Real GPU arguments for the error catalogue."""
+    import cupy
+
+    return {
+        "x": to_device(random_host((6, 4, 64), "float32", rng), "float32", "cupy"),
+        "x16": to_device(random_host((6, 4, 64), "float16", rng), "float16", "cupy"),
+        "pos": cupy.arange(6, dtype=cupy.int64),
+        "h": to_device(random_host((7, 130), "float32", rng), "float32", "cupy"),
+        "w": to_device(random_host((130,), "float32", rng), "float32", "cupy"),
+    }
+
+
+# The README's "Errors" section, one entry per documented mistake: (call, exception, message fragment).
+CATALOGUE = [
+    ("numpy input", lambda a: cupyrope.rope(to_host(a["x"]), a["pos"]), TypeError, "NumPy"),
+    ("float64 x", lambda a: cupyrope.rope(a["x"].astype("float64"), a["pos"]), TypeError, "x: expected dtype"),
+    ("float positions", lambda a: cupyrope.rope(a["x"], a["pos"].astype("float32")), TypeError, "positions"),
+    ("positions shape", lambda a: cupyrope.rope(a["x"], a["pos"][:5]), ValueError, "positions: shape"),
+    ("odd rotary_dim", lambda a: cupyrope.rope(a["x"], a["pos"], rotary_dim=31), ValueError, "rotary_dim"),
+    ("rotary_dim > head_dim", lambda a: cupyrope.rope(a["x"], a["pos"], rotary_dim=66), ValueError, "rotary_dim"),
+    ("narrow cache", lambda a: cupyrope.rope(a["x"], a["pos"], cos_sin_cache=a["x"][0, :2, :32]), ValueError, "narrower"),
+    ("out shape", lambda a: cupyrope.rope(a["x"], a["pos"], out=a["x"][:5]), ValueError, "out: expected shape"),
+    ("out dtype", lambda a: cupyrope.rope(a["x"], a["pos"], out=a["x16"]), TypeError, "out: expected dtype"),
+    ("non-contiguous last dim", lambda a: cupyrope.rope(a["x"][..., ::2], a["pos"]), ValueError, "contiguous"),
+    ("bad style", lambda a: cupyrope.rope(a["x"], a["pos"], style="llama"), ValueError, "style"),
+    ("q/k head_dim", lambda a: cupyrope.rope_qk(a["x"], a["x16"][..., :32].astype("float32"), a["pos"]), ValueError,
+     "head_dim"),
+    ("q/k same memory", lambda a: cupyrope.rope_qk(a["x"], a["x"], a["pos"]), ValueError, "overlaps"),
+    ("weight shape", lambda a: cupyrope.rms_norm(a["h"], a["w"][:129]), ValueError, "weight: expected shape"),
+    ("weight dtype", lambda a: cupyrope.rms_norm(a["x16"], a["w"][:64].astype("float64")), TypeError, "weight"),
+    ("eps <= 0", lambda a: cupyrope.rms_norm(a["h"], a["w"], 0.0), ValueError, "eps"),
+    ("backward shapes", lambda a: cupyrope.rms_norm_backward(a["h"][:6], a["h"], a["w"]), ValueError, "dy"),
+    ("residual shape", lambda a: cupyrope.fused_add_rms_norm(a["h"], a["h"][:6].copy(), a["w"]), ValueError, "residual"),
+]
+
+
+@pytest.mark.parametrize("name,call,error,message", CATALOGUE, ids=[c[0] for c in CATALOGUE])
+def test_bad_input_raises_and_leaves_inputs_untouched(rng, name, call, error, message):
+    import cupy
+
+    a = arrays(rng)
+    before = {k: cupy.asnumpy(v).tobytes() for k, v in a.items()}
+    with pytest.raises(error, match=message):
+        call(a)
+    cupy.cuda.runtime.deviceSynchronize()
+    assert {k: cupy.asnumpy(v).tobytes() for k, v in a.items()} == before
+
+
+def test_nan_and_inf_propagate_as_ieee_says(rng):
+    host = random_host((8, 2, 64), "float32", rng)
+    host[1, 0, 3], host[2, 1, 40], host[3, 0, 0] = np.nan, np.inf, -np.inf
+    pos = rng.integers(0, 1000, 8)
+    with np.errstate(invalid="ignore"):
+        expected = reference.rope(host, pos)
+        out = to_host(cupyrope.rope(to_device(host, "float32", "cupy"), index_to_device(pos, "cupy")))
+        assert np.array_equal(np.isnan(out), np.isnan(expected))
+        assert np.array_equal(np.isinf(out), np.isinf(expected))
+        rows = random_host((4, 130), "float32", rng)
+        rows[1, 5], rows[2, 7] = np.nan, np.inf
+        y = to_host(cupyrope.rms_norm(to_device(rows, "float32", "cupy")))
+        ref = reference.rms_norm(rows)
+    assert np.array_equal(np.isnan(y), np.isnan(ref)) and np.isfinite(y[[0, 3]]).all()
+
+
+def test_eight_threads_compile_each_variant_once(rng, monkeypatch):
+    import cupy
+
+    loads = []
+    real_load = _compile._load
+    monkeypatch.setattr(_compile, "_load", lambda *args: loads.append(args) or real_load(*args))
+    monkeypatch.setattr(_compile, "_functions", {})
+    for module in ("cupyrope.rope", "cupyrope.rmsnorm"):
+        monkeypatch.setattr(sys.modules[module], "_plans", type(sys.modules[module]._plans)())
+    hosts = [random_host((33, 3, 64), "float16", rng) for _ in range(8)]
+    pos = rng.integers(0, 5000, 33).astype(np.int32)
+    results, errors, barrier = [None] * 8, [], threading.Barrier(8)
+
+    def work(i):
+        try:
+            x = to_device(hosts[i], "float16", "cupy")
+            barrier.wait()
+            out = cupyrope.rope(x, cupy.asarray(pos), style="gptj")
+            cupy.cuda.get_current_stream().synchronize()
+            results[i] = to_host(out)
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(loads) == 1  # one compile for the one variant all eight threads needed
+    for host, out in zip(hosts, results):
+        assert_matches(out, reference.rope(host, pos, style="gptj"), "float16")
+
+
+CACHE_SCRIPT = textwrap.dedent("""
+    import warnings, numpy as np, cupy, cupyrope
+    from cupyrope import reference
+    warnings.simplefilter("always")
+    x = np.random.default_rng(0).standard_normal((5, 2, 32)).astype(np.float32)
+    pos = np.arange(5) * 1000
+    out = cupy.asnumpy(cupyrope.rope(cupy.asarray(x), cupy.asarray(pos), style="gptj", theta=12345.0))
+    assert np.allclose(out, reference.rope(x, pos, style="gptj", theta=12345.0), atol=1e-5)
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("damage", ["cache dir is a file", "cache files corrupted"])
+def test_broken_kernel_cache_degrades_to_recompiling(tmp_path, damage):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    cache = tmp_path / "cache"
+    if damage == "cache dir is a file":
+        cache.write_text("not a directory")
+    else:
+        env["CUPY_CACHE_DIR"] = str(cache)
+        subprocess.run([sys.executable, "-c", CACHE_SCRIPT], env=env, check=True, capture_output=True)
+        for f in cache.rglob("*"):
+            if f.is_file():
+                f.write_bytes(b"garbage" * 10)
+    env["CUPY_CACHE_DIR"] = str(cache)
+    done = subprocess.run([sys.executable, "-c", CACHE_SCRIPT], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(n_gpus() < 2, reason="needs 2 GPUs (run it on a 2-GPU machine)")
+@pytest.mark.multigpu
+def test_inputs_on_another_gpu_run_there(rng):
+    import cupy
+    import torch
+
+    host = random_host((40, 8, 128), "bfloat16", rng)
+    pos = rng.integers(0, 8192, 40)
+    with cupy.cuda.Device(1):
+        x = to_device(host, "bfloat16", "cupy", device=1)
+        p = index_to_device(pos, "cupy", device=1)
+    assert cupy.cuda.runtime.getDevice() == 0
+    out = cupyrope.rope(x, p)
+    assert out.device.id == 1 and cupy.cuda.runtime.getDevice() == 0
+    assert_matches(to_host(out), reference.rope(host, pos), "bfloat16")
+    xt = torch.from_numpy(host).to("cuda:1", torch.bfloat16)
+    w = torch.randn(128, device="cuda:1")
+    y = cupyrope.rms_norm(xt, w)
+    assert y.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
+    assert_matches(to_host(y), reference.rms_norm(host, w.cpu().numpy()), "bfloat16", scale=2.0)
+
+
+@pytest.mark.huge
+def test_huge_tensors_past_2_31_elements(rng):
+    import cupy
+
+    torch = pytest.importorskip("torch")
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    if free < 14 * 2**30:
+        pytest.skip("needs 14 GiB of free GPU memory")
+    t, h, d = 537_000, 32, 128  # 2.2e9 bf16 elements
+    x = torch.ones((t, h, d), dtype=torch.bfloat16, device="cuda")
+    rows = np.sort(rng.choice(t, 64, replace=False))
+    rows[-1] = t - 1
+    sample = random_host((64, h, d), "bfloat16", rng)
+    x[torch.from_numpy(rows).cuda()] = to_device(sample, "bfloat16", "torch")
+    pos_host = rng.integers(0, 2**20, t)
+    cupyrope.rope_(x, torch.from_numpy(pos_host).cuda())
+    assert_matches(to_host(x[torch.from_numpy(rows).cuda()]), reference.rope(sample, pos_host[rows]), "bfloat16")
+    del x
+    torch.cuda.empty_cache()
+    # RMSNorm: 2**21 + 3 rows of 1024 (> 2**31 elements), then 2**31 + 5 rows of one element.
+    for n_rows, hidden in ((2**21 + 3, 1024), (2**31 + 5, 1)):
+        xs = cupy.full((n_rows, hidden), 2.0, dtype=cupy.float16)
+        picked = np.array([0, 1, n_rows // 2, n_rows - 1])
+        part = random_host((4, hidden), "float16", rng)
+        xs[cupy.asarray(picked)] = cupy.asarray(part.astype(np.float16))
+        y = cupyrope.rms_norm(xs)
+        assert_matches(to_host(y[cupy.asarray(picked)]), reference.rms_norm(part), "float16")
+        del xs, y
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES), style=st.sampled_from(["neox", "gptj"]), half=st.integers(1, 64),
+    rot_frac=st.sampled_from([1.0, 0.5, 0.25]), tokens=st.integers(0, 70), heads=st.integers(1, 6),
+    layout=st.sampled_from(["contiguous", "strided heads", "transposed"]), in_place=st.booleans(),
+    cache=st.booleans(), pos_dtype=st.sampled_from(["int32", "int64"]), seed=st.integers(0, 2**32 - 1),
+)
+def test_fuzz_rope(dtype, style, half, rot_frac, tokens, heads, layout, in_place, cache, pos_dtype, seed):
+    import cupy
+
+    rng = np.random.default_rng(seed)
+    head_dim = 2 * half
+    rotary_dim = max(2, int(head_dim * rot_frac) // 2 * 2)
+    if layout == "strided heads":  # heads as a column slice of a wider (tokens, 2 * heads * D) buffer
+        wide = random_host((tokens, 2 * heads * head_dim), dtype, rng)
+        buf = to_device(wide, dtype, "cupy")
+        x, host = buf[:, : heads * head_dim].reshape(tokens, heads, head_dim), wide[:, : heads * head_dim].reshape(
+            tokens, heads, head_dim)
+    elif layout == "transposed":  # (heads, tokens, D) memory viewed as (tokens, heads, D)
+        base = random_host((heads, tokens, head_dim), dtype, rng)
+        x, host = to_device(base, dtype, "cupy").transpose(1, 0, 2), base.transpose(1, 0, 2)
+    else:
+        host = random_host((tokens, heads, head_dim), dtype, rng)
+        x = to_device(host, dtype, "cupy")
+    pos = rng.integers(0, 3000 if cache else 2**24, tokens).astype(pos_dtype)
+    table = reference.round_to(reference.rope_cache(3000, rotary_dim), "float32") if cache else None
+    options = dict(style=style, rotary_dim=rotary_dim, cos_sin_cache=cupy.asarray(table) if cache else None)
+    out = x if in_place else poison(cupy.empty(x.shape, x.dtype))
+    cupyrope.rope(x, cupy.asarray(pos), out=out, **options)
+    expected = reference.rope(host, pos, style=style, rotary_dim=rotary_dim, cos_sin_cache=table)
+    assert_matches(to_host(out), expected, dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES), hidden=st.integers(1, 5000), rows=st.integers(0, 40), pad=st.sampled_from([0, 8, 3]),
+    weight=st.sampled_from(["none", "float32", "same"]), offset=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2**32 - 1),
+)
+def test_fuzz_rms_norm(dtype, hidden, rows, pad, weight, offset, seed):
+    rng = np.random.default_rng(seed)
+    wide = random_host((rows, hidden + pad), dtype, rng)
+    x = to_device(wide, dtype, "cupy")[:, :hidden]
+    w_dtype = dtype if weight == "same" else "float32"
+    w_host = None if weight == "none" else random_host((hidden,), w_dtype, rng)
+    w = None if w_host is None else to_device(w_host, w_dtype, "cupy")
+    y = cupyrope.rms_norm(x, w, 1e-5, offset=offset)
+    assert_matches(to_host(y), reference.rms_norm(wide[:, :hidden], w_host, 1e-5, offset), dtype, scale=2.0)
+    if rows and w is not None:
+        dy_host = random_host((rows, hidden), dtype, rng)
+        dx, dw = cupyrope.rms_norm_backward(to_device(dy_host, dtype, "cupy"), x, w, eps=1e-5, offset=offset)
+        ref_dx, ref_dw = reference.rms_norm_backward(dy_host, wide[:, :hidden], w_host, 1e-5, offset)
+        assert_matches(to_host(dx), ref_dx, dtype, scale=np.abs(ref_dx).max())
+        np.testing.assert_allclose(to_host(dw), ref_dw, rtol=2e-2, atol=2e-2 * np.abs(ref_dw).max() + 1e-6)
