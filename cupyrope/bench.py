@@ -349,6 +349,9 @@ def run_case(torch, case, providers):
             fns = [factory(d) for d in copies]
             check(case, name, copies[0], fns[0], torch)
             results.append(Result(case, name, gpu_time_us(torch, fns), eager_time_us(torch, fns)))
+            r = results[-1]
+            print(f"  {case.op} {case.label} {case.dtype} | {name} | GPU {r.gpu_us:.1f} us | eager {r.eager_us:.1f} us "
+                  f"| {r.gbps:.0f} GB/s", flush=True)
         except AssertionError as error:
             if name.startswith("cupyrope"):
                 raise
