@@ -14,8 +14,9 @@ def _info(_args) -> int:
 
     print(f"cupyrope {cupyrope.__version__} on Python {platform.python_version()}")
     try:
-        import cupy
+        from ._cupy import import_cupy
 
+        cupy = import_cupy()
         print(f"CuPy {cupy.__version__}; NVRTC {'.'.join(map(str, cupy.cuda.nvrtc.getVersion()))}; "
               f"CUDA path {cupy.cuda.get_cuda_path()}")
         print(f"CuPy cache: {os.environ.get('CUPY_CACHE_DIR', '~/.cupy/kernel_cache')}")

@@ -5,6 +5,7 @@ caching allocator for torch inputs, so CUDA-graph capture and torch's memory acc
 """
 
 import sys
+from ._cupy import import_cupy
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 INDEX_DTYPES = ("int32", "int64")
@@ -98,7 +99,7 @@ def current_stream(array: Array) -> int:
     """Raw handle of the caller's current stream on the array's device."""
     if array.kind == "torch":
         return sys.modules["torch"]._C._cuda_getCurrentRawStream(array.device)
-    return sys.modules["cupy"].cuda.get_current_stream(array.device).ptr
+    return sys.modules["cupy"].cuda.get_current_stream(array.device).ptr  # imported: array is CuPy's
 
 
 def empty(like: Array, shape, dtype: str):
@@ -106,7 +107,7 @@ def empty(like: Array, shape, dtype: str):
     if like.kind == "torch":
         torch = sys.modules["torch"]  # imported: `like` is a torch tensor
         return torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
-    import cupy
+    cupy = import_cupy()
 
     with cupy.cuda.Device(like.device):
         return cupy.empty(shape, dtype=_cupy_dtype(dtype))
@@ -128,7 +129,7 @@ def from_host(numpy_array, like_kind: str, device: int):
         import torch
 
         return torch.from_numpy(numpy_array).to(f"cuda:{device}")
-    import cupy
+    cupy = import_cupy()
 
     with cupy.cuda.Device(device):
         return cupy.asarray(numpy_array)

@@ -13,6 +13,7 @@ import threading
 import warnings
 
 from ._sources import kernels_dir, sources_hash
+from ._cupy import import_cupy
 
 CXX_STANDARD = "-std=c++17"
 
@@ -22,7 +23,7 @@ class KernelCompileError(RuntimeError):
 
 
 def _cuda_include_dir() -> str | None:
-    import cupy
+    cupy = import_cupy()
 
     root = cupy.cuda.get_cuda_path()
     return f"{root}/include" if root else None
@@ -91,7 +92,7 @@ def allow_shared_memory(kernel: Kernel, nbytes: int, device: int) -> None:
     """Opt the kernel in to more than 48 KiB of dynamic shared memory (once per kernel and size)."""
     if nbytes <= DEFAULT_SHARED_LIMIT or getattr(kernel, "_shared_allowed", 0) >= nbytes:
         return
-    import cupy
+    cupy = import_cupy()
 
     with cupy.cuda.Device(device):
         kernel.raw.max_dynamic_shared_size_bytes = nbytes
@@ -99,8 +100,8 @@ def allow_shared_memory(kernel: Kernel, nbytes: int, device: int) -> None:
 
 
 def _load(source_file: str, name_expression: str, device: int):
-    import cupy
-    from cupy.cuda.compiler import CompileException
+    cupy = import_cupy()
+    CompileException = cupy.cuda.compiler.CompileException
 
     text = program_text(source_file, name_expression)
     with cupy.cuda.Device(device):
@@ -120,7 +121,7 @@ def _load(source_file: str, name_expression: str, device: int):
 
 
 def _compile_with_cupy(text: str, name_expression: str):
-    import cupy
+    cupy = import_cupy()
 
     module = cupy.RawModule(code=text, options=compile_options(), name_expressions=[name_expression])
     kernel = module.get_function(name_expression)
@@ -129,7 +130,7 @@ def _compile_with_cupy(text: str, name_expression: str):
 
 
 def _compile_in_memory(text: str, name_expression: str, device: int):
-    import cupy
+    cupy = import_cupy()
 
     arch = "".join(map(str, cupy.cuda.Device(device).compute_capability))
     binary, mapping = _nvrtc_compile(text, name_expression, f"-arch=sm_{arch}")
@@ -150,7 +151,7 @@ class _LoadedKernel:
 
 
 def _nvrtc_compile(text: str, name_expression: str, arch_option: str):
-    from cupy.cuda import nvrtc
+    nvrtc = import_cupy().cuda.nvrtc
 
     program = nvrtc.createProgram(text, "cupyrope_variant.cu", (), ())
     try:

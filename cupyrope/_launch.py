@@ -8,6 +8,7 @@ The struct is the call's pointers followed by constant bytes the plan packed onc
 import ctypes
 import struct
 import threading
+from ._cupy import import_cupy
 
 CUDA_ERROR_INVALID_CONTEXT = 201
 _PARAM_BYTES = 1024
@@ -20,7 +21,7 @@ _local = threading.local()
 
 def _bind():
     global _driver, _runtime
-    import cupy
+    cupy = import_cupy()
 
     _runtime = cupy.cuda.runtime
     _driver = cupy.cuda.driver

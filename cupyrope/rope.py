@@ -194,9 +194,9 @@ def _check_cache(cache, like, like_name, rotary_dim):
     if cache is None:
         return None
     _arrays.check_same_device(like, cache, like_name, "cos_sin_cache")
-    allowed = ("float32", like.dtype)
+    allowed = sorted({"float32", like.dtype})
     if cache.dtype not in allowed:
-        raise TypeError(f"cos_sin_cache: expected dtype float32 or {like.dtype} (like {like_name}), got {cache.dtype}")
+        raise TypeError(f"cos_sin_cache: expected dtype {' or '.join(allowed)} (like {like_name}), got {cache.dtype}")
     if len(cache.shape) != 2:
         raise ValueError(f"cos_sin_cache: expected shape (max_position, rotary_dim), got {cache.shape}")
     if cache.shape[1] != rotary_dim:

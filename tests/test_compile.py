@@ -68,3 +68,24 @@ def test_cli_compile(capsys, monkeypatch):
     monkeypatch.setattr("cupyrope._variants.all_variants", lambda: all_variants()[:2])
     assert main(["compile", "--arch", "sm_90", "--jobs", "1"]) == 0
     assert "compiled 2 kernel variants for sm_90" in capsys.readouterr().out
+
+
+def test_unusable_kernel_cache_dir_degrades_with_a_warning(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "not-a-dir"
+    bad.write_text("a file where CuPy's cache directory should be")
+    code = (
+        "import warnings, cupyrope\n"
+        "from cupyrope import _compile\n"
+        "from cupyrope._variants import all_variants\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    assert _compile.compile_all('sm_90', all_variants()[:1])\n"
+        "assert any('not usable' in str(w.message) for w in caught), caught\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, CUPY_CACHE_DIR=str(bad), PYTHONPATH=os.getcwd())
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
