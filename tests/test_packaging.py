@@ -1,0 +1,40 @@
+"""The wheel ships the kernel sources, and an installed cupyrope finds them (no network, no GPU)."""
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    builder = pytest.importorskip("hatchling.builders.wheel", reason="packaging tests need hatchling")
+    out = tmp_path_factory.mktemp("dist")
+    (artifact,) = builder.WheelBuilder(str(ROOT)).build(directory=str(out), versions=["standard"])
+    return Path(artifact)
+
+
+def test_wheel_contains_package_and_kernel_sources(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for source in (ROOT / "kernels_src").glob("*.cu*"):
+        assert f"cupyrope/kernels_src/{source.name}" in names
+    assert "cupyrope/__init__.py" in names and "cupyrope/torch.py" in names
+
+
+def test_installed_wheel_finds_its_sources(wheel, tmp_path):
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tmp_path / "site")  # what pip install puts in site-packages
+    code = "import cupyrope._sources as s; print(s.kernels_dir()); print(s.sources_hash())"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    found, digest = done.stdout.split()
+    assert Path(found) == tmp_path / "site" / "cupyrope" / "kernels_src"
+    from cupyrope import _sources
+
+    assert digest == _sources.sources_hash()  # the same sources as the checkout
