@@ -9,6 +9,8 @@ from ._cupy import import_cupy
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 INDEX_DTYPES = ("int32", "int64")
+IMPLS = ("auto", "scalar", "vector")
+CTYPE = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int", "int64": "long long"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "float64": 8}
 
 _TORCH_DTYPE_NAMES: dict = {}
@@ -146,6 +148,40 @@ def check_same_device(a: Array, b: Array, name_a: str, name_b: str) -> None:
 def check_dtype(array: Array, name: str, allowed) -> None:
     if array.dtype not in allowed:
         raise TypeError(f"{name}: expected dtype in {tuple(allowed)}, got {array.dtype}")
+
+
+def check_impl(impl) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+
+
+def check_float_input(array: Array, name: str, last_dim: str) -> None:
+    """A (..., last_dim) fp32/fp16/bf16 array with a contiguous last dimension."""
+    check_dtype(array, name, FLOAT_DTYPES)
+    if len(array.shape) < 1:
+        raise ValueError(f"{name}: expected shape (..., {last_dim}), got a 0-d array")
+    check_last_dim_contiguous(array, name)
+
+
+def check_not_overlapping(a: Array, b: Array, name_a: str, name_b: str, same_allowed: bool = False) -> None:
+    """Distinct arrays must not share memory (a kernel would read what another thread wrote);
+    ``same_allowed``: b may be exactly a (in place)."""
+    if same_allowed and a.ptr == b.ptr and a.strides == b.strides and tuple(a.shape) == tuple(b.shape):
+        return
+    if a.size and b.size:
+        hint = f"pass {name_b}={name_a} (in place) or separate memory" if same_allowed else "pass separate memory"
+        check_disjoint(a.ptr, layout_key(a), b.ptr, layout_key(b), name_a, name_b, hint)
+
+
+def output(x: Array, out: Array | None, launching: bool):
+    """(output object, its pointer): a new array like x, or the caller's ``out``, checked per call not
+    to overlap x partially (it may be x itself)."""
+    if out is None:
+        new = empty(x, x.shape, x.dtype)
+        return new, data_ptr(new)
+    if launching and out.ptr != x.ptr:
+        check_not_overlapping(x, out, "x", "out", same_allowed=True)
+    return out.obj, out.ptr
 
 
 def check_last_dim_contiguous(array: Array, name: str) -> None:

@@ -8,7 +8,7 @@ from ._arrays import FLOAT_DTYPES, describe
 from ._compile import allow_shared_memory, get_kernel
 from ._device import sm_count
 from ._layout import _merge
-from .rope import CTYPE, check_not_overlapping
+from ._arrays import CTYPE, check_not_overlapping
 
 SOURCE = "rms_norm.cu"
 REGISTER_SLOTS = (1, 2, 4, 8)  # NPT: 16-byte chunks per thread kept in registers (0: two-pass loop)
@@ -130,19 +130,6 @@ def _check_offset(offset):
         raise ValueError(f"offset: expected a finite number, got {offset!r}")
 
 
-def _check_impl(impl):
-    if impl not in ("auto", "scalar", "vector"):
-        raise ValueError(f"impl: expected one of ('auto', 'scalar', 'vector'), got {impl!r}")
-
-
-def _check_input(a, name):
-    _arrays.check_dtype(a, name, FLOAT_DTYPES)
-    if len(a.shape) < 1:
-        raise ValueError(f"{name}: expected shape (..., hidden), got a 0-d array")
-    _arrays.check_last_dim_contiguous(a, name)
-    return a
-
-
 def _check_like(a, like, like_name, name, dtype=None):
     _arrays.check_same_device(like, a, like_name, name)
     expected = dtype or like.dtype
@@ -209,13 +196,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
     if plan is None:
         plan = _plan_forward_call(xa, wa, oa, eps, offset, impl)
         _plans.put(key, plan)
-    if oa is None:
-        out = _arrays.empty(xa, xa.shape, xa.dtype)
-        out_ptr = _arrays.data_ptr(out)
-    else:
-        out_ptr = oa.ptr
-        if not in_place and plan.grid:
-            check_not_overlapping(xa, oa, "x", "out", same_allowed=True)
+    out, out_ptr = _arrays.output(xa, oa, bool(plan.grid))
     rstd = _arrays.empty(xa, xa.shape[:-1], "float32") if return_rstd else None
     if plan.grid:
         rstd_ptr = _arrays.data_ptr(rstd) if return_rstd else 0
@@ -281,8 +262,8 @@ def _launch_plan(plan, pointers, like) -> None:
 def _plan_forward_call(xa, wa, oa, eps, offset, impl):
     _check_eps(eps)
     _check_offset(offset)
-    _check_impl(impl)
-    _check_input(xa, "x")
+    _arrays.check_impl(impl)
+    _arrays.check_float_input(xa, "x", "hidden")
     _check_weight(wa, xa, "x")
     if oa is not None:
         _check_like(oa, xa, "x", "out")
@@ -300,8 +281,8 @@ def _plan_forward_call(xa, wa, oa, eps, offset, impl):
 def _plan_fused_add_call(xa, ra, wa, eps, offset, impl):
     _check_eps(eps)
     _check_offset(offset)
-    _check_impl(impl)
-    _check_input(xa, "x")
+    _arrays.check_impl(impl)
+    _arrays.check_float_input(xa, "x", "hidden")
     _check_like(ra, xa, "x", "residual")
     check_not_overlapping(xa, ra, "x", "residual")
     _check_weight(wa, xa, "x")
@@ -319,8 +300,8 @@ def _plan_fused_add_call(xa, ra, wa, eps, offset, impl):
 def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
     _check_eps(eps)
     _check_offset(offset)
-    _check_impl(impl)
-    _check_input(xa, "x")
+    _arrays.check_impl(impl)
+    _arrays.check_float_input(xa, "x", "hidden")
     _check_like(da, xa, "x", "dy")
     _check_weight(wa, xa, "x")
     if ra is not None:

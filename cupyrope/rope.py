@@ -10,15 +10,13 @@ import struct
 import numpy as np
 
 from . import _arrays, _launch
-from ._arrays import FLOAT_DTYPES, INDEX_DTYPES, describe
+from ._arrays import CTYPE, FLOAT_DTYPES, INDEX_DTYPES, check_not_overlapping, describe
 from ._compile import get_kernel
 from ._device import sm_count
 from ._layout import canonical_layout
 
 SOURCE = "rope.cu"
 STYLES = {"neox": 0, "gptj": 1}
-IMPLS = ("auto", "scalar", "vector")
-CTYPE = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int", "int64": "long long"}
 BLOCK_THREADS = 256  # kernels_src/rope.cu: BLOCK_THREADS
 ITEMS_PER_BLOCK = 640  # two tokens of Llama q (or q+k) per block measured best (docs/perf-notes.md)
 MAX_BLOCK_TOKENS = 64
@@ -142,19 +140,11 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
 def _check_options(style, impl, theta, inverse):
     if style not in STYLES:
         raise ValueError(f"style: expected one of {tuple(STYLES)}, got {style!r}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    _arrays.check_impl(impl)
     if not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
         raise ValueError(f"theta: expected a finite number > 0, got {theta!r}")
     if not isinstance(inverse, (bool, np.bool_)):
         raise TypeError(f"inverse: expected a bool, got {type(inverse).__name__}")
-
-
-def _check_heads(array, name):
-    _arrays.check_dtype(array, name, FLOAT_DTYPES)
-    if len(array.shape) < 1:
-        raise ValueError(f"{name}: expected shape (..., head_dim), got a 0-d array")
-    _arrays.check_last_dim_contiguous(array, name)
 
 
 def _check_rotary_dim(rotary_dim, head_dim):
@@ -210,16 +200,6 @@ def _check_cache(cache, like, like_name, rotary_dim):
     return cache
 
 
-def check_not_overlapping(a, b, name_a, name_b, same_allowed=False):
-    """Distinct arrays must not share memory (a kernel would read what another thread wrote);
-    ``same_allowed``: b may be exactly a (in place)."""
-    if same_allowed and a.ptr == b.ptr and a.strides == b.strides and tuple(a.shape) == tuple(b.shape):
-        return
-    if a.size and b.size:
-        hint = f"pass {name_b}={name_a} (in place) or separate memory" if same_allowed else "pass separate memory"
-        _arrays.check_disjoint(a.ptr, _arrays.layout_key(a), b.ptr, _arrays.layout_key(b), name_a, name_b, hint)
-
-
 def _check_out(o, x, x_name):
     if o is None:
         return None
@@ -262,13 +242,7 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
     if plan is None:
         plan = _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl)
         _plans.put(key, plan)
-    if oa is None:
-        out = _arrays.empty(xa, xa.shape, xa.dtype)
-        out_ptr = _arrays.data_ptr(out)
-    else:
-        out_ptr = oa.ptr
-        if not in_place and plan.grid:
-            check_not_overlapping(xa, oa, "x", "out", same_allowed=True)
+    out, out_ptr = _arrays.output(xa, oa, bool(plan.grid))
     if plan.grid:
         _run(plan, (xa.ptr, out_ptr, xa.ptr, out_ptr, pa.ptr, ca.ptr if ca else 0), xa)
     return out
@@ -320,7 +294,7 @@ class _Empty:
 
 def _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl):
     _check_options(style, impl, theta, inverse)
-    _check_heads(xa, "x")
+    _arrays.check_float_input(xa, "x", "head_dim")
     rotary_dim = _check_rotary_dim(rotary_dim, xa.shape[-1])
     _check_positions(pa, xa, "x")
     cache = _check_cache(ca, xa, "x", rotary_dim)
@@ -336,8 +310,8 @@ def _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl):
 
 def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, theta, style, rotary_dim, inverse, impl):
     _check_options(style, impl, theta, inverse)
-    _check_heads(qa, "q")
-    _check_heads(ka, "k")
+    _arrays.check_float_input(qa, "q", "head_dim")
+    _arrays.check_float_input(ka, "k", "head_dim")
     _arrays.check_same_device(qa, ka, "q", "k")
     if ka.dtype != qa.dtype:
         raise TypeError(f"k: expected dtype {qa.dtype} (like q), got {ka.dtype}")

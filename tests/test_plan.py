@@ -115,3 +115,22 @@ def test_rms_norm_plans():
     huge = arr((64, 65536), "float32")
     h = plan_backward(huge, huge, huge, arr((65536,), "float32"), (65536,) * 3, 64, 65536, n_sm=132)
     assert h.slots == 0 and h.block[1] == 1 and h.shared_mem == 0  # sums go to the partial row instead
+
+
+def test_output_allocates_or_checks_the_callers_out():
+    torch = pytest.importorskip("torch")
+    from cupyrope import _arrays
+
+    def wrap(t):  # what describe() gives for a tensor (CPU here: the host-side logic only)
+        return Array(t, "torch", t.data_ptr(), str(t.dtype).removeprefix("torch."), t.shape, t.stride(), 0)
+
+    base = torch.zeros(8, 64, dtype=torch.bfloat16)
+    x = wrap(base[:4])
+    new, ptr = _arrays.output(x, None, True)
+    assert new.shape == (4, 64) and new.dtype == torch.bfloat16 and ptr == new.data_ptr() != x.ptr
+    same, ptr = _arrays.output(x, x, True)  # in place
+    assert same is base[:4] or same.data_ptr() == x.ptr
+    other = wrap(base[4:])
+    assert _arrays.output(x, other, True)[1] == other.ptr  # disjoint rows of one buffer
+    with pytest.raises(ValueError, match="out: overlaps x"):
+        _arrays.output(x, wrap(base[2:6]), True)
