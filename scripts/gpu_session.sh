@@ -1,11 +1,29 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then timings (default build and a tuning sweep). Logs go to $OUT.
+# Everything the GPU must confirm, in one device call (logs under $OUT):
+#   full GPU test suite, reliability suite (fuzz, huge, threads, cache), compute-sanitizer, benchmarks.
+# Usage on the device machine, from the checkout, with the Liger wheel carried in .whl/:
+#   bash scripts/gpu_session.sh            (STEPS="tests reliability sanitize bench pytest-bench" to pick)
 set -u
-export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=.:/tmp/site
+else
+  export PYTHONPATH=.
+fi
+export PYTHONUNBUFFERED=1
+STEPS=${STEPS:-"tests reliability sanitize bench pytest-bench"}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-timeout ${TEST_TIMEOUT:-360} python3 -m pytest -q tests/ -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-timeout 150 python3 scripts/smoke_perf.py 2>&1 | tee "$OUT/perf.log"
-for opts in ${SWEEP:-}; do
-  CUPYROPE_EXTRA_NVRTC_OPTIONS="${opts//,/ }" timeout 60 python3 scripts/smoke_perf.py --rope-only 2>&1 | tee -a "$OUT/sweep.log"
+for step in $STEPS; do
+  echo "== $step"
+  case $step in
+    tests) timeout 300 python3 -m pytest -q tests/ -m "gpu and not huge" --ignore=tests/test_reliability_gpu.py \
+             -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5 ;;
+    reliability) timeout 200 python3 -m pytest -q tests/test_reliability_gpu.py -p no:cacheprovider 2>&1 \
+             | tee "$OUT/reliability.log" | tail -8 ;;
+    sanitize) timeout 300 bash scripts/sanitize.sh 2>&1 | grep -E "SUMMARY|passed|failed|==" | tee "$OUT/sanitize.log" ;;
+    bench) timeout 400 python3 -m cupyrope bench --full --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    pytest-bench) timeout 400 python3 -m pytest -q tests/benchmarks --benchmark-only -p no:cacheprovider \
+             --benchmark-json="$OUT/benchmarks.json" 2>&1 | tail -15 ;;
+  esac
 done

@@ -100,7 +100,7 @@ print(f"rms_norm torch [1,4096]      {eager_us(lambda: cupyrope.rms_norm(x1, w1)
 print(f"F.rms_norm torch [1,4096]    {eager_us(lambda: torch.nn.functional.rms_norm(x1, (4096,), w1)):6.2f} us/call")
 
 # where the host time goes (torch decode call)
-from cupyrope import _arrays, _launch  # noqa: E402
+from cupyrope import _arrays  # noqa: E402
 
 print(f"  describe(q)                {eager_us(lambda: _arrays.describe(qs, 'q')):6.2f} us")
 print(f"  current_stream             {eager_us(lambda: torch._C._cuda_getCurrentRawStream(0)):6.2f} us")

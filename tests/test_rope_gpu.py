@@ -16,7 +16,6 @@ MAX_POS = 2**24
 def run_case(rng, *, dtype, style, source, impl, rotary_dim, in_place, shape=(37, 3, 128), kind="cupy",
              pos_dtype="int64"):
     """Rotate random x at random positions with cupyrope and compare with the reference."""
-    head_dim = shape[-1]
     x_host = random_host(shape, dtype, rng)
     cache_host = cache = None
     max_pos = MAX_POS if source == "theta" else 4096
