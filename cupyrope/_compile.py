@@ -48,9 +48,10 @@ def program_text(source_file: str, name_expression: str) -> str:
 _ERROR_LINE = re.compile(r"([^\s:]+\.cuh?)\((\d+)\): (?:catastrophic )?error[^\n]*")
 
 
-def _compile_error(source_file: str, log: str) -> KernelCompileError:
+def _compile_error(what: str, log: str) -> KernelCompileError:
+    """The error, naming the first file:line NVRTC complains about (else ``what``)."""
     match = _ERROR_LINE.search(log)
-    where = f"{match.group(1)}:{match.group(2)}" if match else f"{kernels_dir() / source_file}"
+    where = f"{match.group(1)}:{match.group(2)}" if match else what
     return KernelCompileError(f"NVRTC failed to compile {where}\n{log.strip()}")
 
 
@@ -159,7 +160,7 @@ def _nvrtc_compile(text: str, name_expression: str, arch_option: str):
         try:
             nvrtc.compileProgram(program, (*compile_options(), arch_option))
         except nvrtc.NVRTCError:
-            raise KernelCompileError(str(_compile_error("", nvrtc.getProgramLog(program)))) from None
+            raise _compile_error(name_expression, nvrtc.getProgramLog(program)) from None
         mapping = {name_expression: nvrtc.getLoweredName(program, name_expression)}
         return nvrtc.getCUBIN(program), mapping
     finally:

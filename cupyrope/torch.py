@@ -13,7 +13,6 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from . import rmsnorm as _rmsnorm_module  # noqa: F401  (imported for the kernels' side)
 from .rmsnorm import fused_add_rms_norm as _fused_add_rms_norm
 from .rmsnorm import rms_norm as _rms_norm
 from .rmsnorm import rms_norm_backward as _rms_norm_backward
