@@ -2,12 +2,12 @@
 
 import cProfile
 import pstats
-import time
 
 import cupy
 import torch
 
 import cupyrope
+from cupyrope import bench
 
 dev = "cuda"
 q = torch.randn(1, 32, 128, device=dev, dtype=torch.bfloat16)
@@ -40,16 +40,8 @@ def gpu_us(fn, n=200):
     return start.elapsed_time(end) * 1000 / (5 * n)
 
 
-def host_us(fn, n=3000):
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return host
+def host_us(fn):
+    return bench.eager_time_us(torch, [fn])  # host loop time per call, synchronized at the end
 
 
 raw = cupy.RawKernel(r'extern "C" __global__ void noop(float* x, long long n) {}', "noop")

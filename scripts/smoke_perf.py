@@ -2,9 +2,7 @@
 
 import os
 import sys
-import time
 
-import cupy
 import torch
 import triton.testing
 
@@ -34,17 +32,6 @@ def bench(fn, nbytes, label, bw):
     ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
     gbs = nbytes / ms / 1e6
     print(f"{label:55s} {ms*1e3:9.1f} us {gbs:8.0f} GB/s {100*gbs/bw:5.1f}%")
-
-
-def eager_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
 
 
 bw = copy_bw()
@@ -80,29 +67,4 @@ for (M, N, dt) in [(32768, 4096, torch.bfloat16), (8192, 16384, torch.float32), 
     dy = torch.randn_like(xx)
     bench(lambda: cupyrope.rms_norm_backward(dy, xx, w), 3 * M * N * es, f"rms_norm bwd {dt} {M}x{N}", bw)
     bench(lambda: torch.nn.functional.rms_norm(xx, (N,), w), 2 * M * N * es, f"  F.rms_norm fwd {dt} {M}x{N}", bw)
-
-# per-call host overhead, tiny inputs
-qs = torch.randn(1, 32, D, device=dev, dtype=torch.bfloat16)
-ks = torch.randn(1, 8, D, device=dev, dtype=torch.bfloat16)
-ps = torch.zeros(1, dtype=torch.int64, device=dev)
-cq = cupy.asarray(qs.float().cpu().numpy())
-ck = cupy.asarray(ks.float().cpu().numpy())
-cp = cupy.zeros(1, dtype=cupy.int64)
-raw = cupy.RawKernel(r'extern "C" __global__ void noop(float* x, long long n) {}', "noop")
-raw((1,), (32,), (cq, 1))
-print(f"bare CuPy RawKernel launch   {eager_us(lambda: raw((1,), (32,), (cq, 1))):6.2f} us/call")
-print(f"rope_qk torch decode         {eager_us(lambda: cupyrope.rope_qk(qs, ks, ps)):6.2f} us/call")
-print(f"rope_qk cupy decode          {eager_us(lambda: cupyrope.rope_qk(cq, ck, cp)):6.2f} us/call")
-print(f"rope (alloc) torch decode    {eager_us(lambda: cupyrope.rope(qs, ps)):6.2f} us/call")
-w1 = torch.randn(4096, device=dev, dtype=torch.bfloat16)
-x1 = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
-print(f"rms_norm torch [1,4096]      {eager_us(lambda: cupyrope.rms_norm(x1, w1)):6.2f} us/call")
-print(f"F.rms_norm torch [1,4096]    {eager_us(lambda: torch.nn.functional.rms_norm(x1, (4096,), w1)):6.2f} us/call")
-
-# where the host time goes (torch decode call)
-from cupyrope import _arrays  # noqa: E402
-
-print(f"  describe(q)                {eager_us(lambda: _arrays.describe(qs, 'q')):6.2f} us")
-print(f"  current_stream             {eager_us(lambda: torch._C._cuda_getCurrentRawStream(0)):6.2f} us")
-print(f"  cupy getDevice             {eager_us(lambda: cupy.cuda.runtime.getDevice()):6.2f} us")
-print(f"  torch.empty_like           {eager_us(lambda: torch.empty_like(qs)):6.2f} us")
+# Per-call host overhead at decode size: scripts/overhead.py.
