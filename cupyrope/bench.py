@@ -233,7 +233,9 @@ def rms_providers(torch, backward):
         def liger_bwd(d):
             x = d["x"].detach().requires_grad_()
             w = d["w"].detach().requires_grad_()
-            y = LigerRMSNormFunction.apply(x, w, 1e-6)
+            # in_place=False: Liger's default writes dx into dy, which every later call and the
+            # reference check read (like ours, this allocates dx).
+            y = LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False)
             return lambda: torch.autograd.grad(y, (x, w), d["dy"], retain_graph=True)
 
         providers["liger"] = liger_bwd

@@ -11,14 +11,19 @@ from ._layout import _merge
 from ._arrays import CTYPE, check_not_overlapping
 
 SOURCE = "rms_norm.cu"
-REGISTER_SLOTS = (1, 2, 4, 8)  # NPT: 16-byte chunks per thread kept in registers (0: two-pass loop)
+REGISTER_SLOTS = (1, 2, 4, 8)  # NPT: accesses per thread kept in registers (0: two-pass loop)
 MAX_WIDTH = 512  # threads per row: a 1024-thread row block leaves one block per SM (no overlap)
-ELEMS_PER_THREAD = 8  # measured best on an H100 for both ops (docs/perf-notes.md)
-# Register slots (16-byte chunks per thread) by element size, chosen so that 64 registers hold them.
-FWD_MAX_SLOTS = {4: 8, 2: 4}
-BWD_MAX_SLOTS = {4: 4, 2: 2}
+# Elements per thread (docs/perf-notes.md); the tuning sweep sets them through scripts/smoke_perf.py.
+FWD_ELEMS_PER_THREAD = 8
+BWD_ELEMS_PER_THREAD = 8
+# Register slots (one 16-byte access when vectorized, one element otherwise) by (vectorized, element
+# size): the most that 64 registers hold without spilling (ptxas -v; the backward also keeps dy and
+# the dweight sums). Scalar slots cover odd hidden sizes up to 4096 in registers.
+FWD_MAX_SLOTS = {(True, 4): 8, (True, 2): 4, (False, 4): 8, (False, 2): 8}
+BWD_MAX_SLOTS = {(True, 4): 2, (True, 2): 2, (False, 4): 8, (False, 2): 8}
 SHARED_ACC_LIMIT = 160 * 1024  # bytes of per-block dweight sums kept in shared memory
 BLOCK_THREADS = 256
+DW_SPLIT = 32  # rms_norm_dw's block is (32 columns, DW_SPLIT); mirrors kernels_src/rms_norm.cu
 THREADS_PER_SM = 2048
 
 # Mirror NormParams, NormBwdParams and DweightParams in kernels_src/rms_norm.cu: pointers, then these.
@@ -69,12 +74,13 @@ def _vectorizable(arrays, row_strides, hidden, dtype) -> bool:
     )
 
 
-def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, extra, impl):
+def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread, extra, impl):
     vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
     if impl == "vector" and not vectorized:
         raise ValueError("impl: 'vector' needs hidden a multiple of 16 bytes and 16-byte aligned rows")
     elems = 16 // _arrays.ITEMSIZE[dtype] if vectorized else 1
-    width, slots = row_shape(hidden, elems, max(1, ELEMS_PER_THREAD // elems), max_slots[_arrays.ITEMSIZE[dtype]])
+    width, slots = row_shape(hidden, elems, max(1, elems_per_thread // elems),
+                             max_slots[vectorized, _arrays.ITEMSIZE[dtype]])
     rows_per_block = max(1, BLOCK_THREADS // width)
     blocks = -(-rows // rows_per_block)
     args = ", ".join([CTYPE[dtype], CTYPE[weight_dtype], "true" if vectorized else "false", str(slots), *extra])
@@ -85,20 +91,25 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto")
     arrays = [x, y, residual, weight]
     add = "true" if residual is not None else "false"
     weight_dtype = weight.dtype if weight is not None else "float32"
-    return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS, [add], impl)
+    return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS,
+                 FWD_ELEMS_PER_THREAD, [add], impl)
 
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto") -> NormPlan:
     weight_dtype = weight.dtype if weight is not None else "float32"
     plan = _plan("rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
-                 BWD_MAX_SLOTS, [], impl)
+                 BWD_MAX_SLOTS, BWD_ELEMS_PER_THREAD, [], impl)
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     plan.grid = max(1, min(plan.grid, n_sm * max(1, THREADS_PER_SM // threads)))
-    # dweight sums: shared memory per row slot of the block, or (long rows, one slot) the partial row.
-    plan.shared_mem = plan.block[1] * hidden * 4 if weight is not None else 0
-    if plan.shared_mem > SHARED_ACC_LIMIT:
+    # dweight sums of each rows slot, added in order at the end: in shared memory, except with one
+    # slot and the sums in registers (written straight to the partial row), or rows too long for it
+    # (one slot, the sums kept in the partial row).
+    rows_slots = plan.block[1]
+    plan.shared_mem = rows_slots * hidden * 4 if weight is not None else 0
+    if plan.shared_mem > SHARED_ACC_LIMIT or (plan.slots and rows_slots == 1):
         plan.shared_mem = 0
+    assert plan.shared_mem or rows_slots == 1 or weight is None, "rows slots would share one partial row"
     return plan
 
 
@@ -106,7 +117,7 @@ def all_variants():
     for dtype in FLOAT_DTYPES:
         for weight in sorted({"float32", dtype}):
             for vec in ("false", "true"):
-                size = _arrays.ITEMSIZE[dtype]
+                size = (vec == "true", _arrays.ITEMSIZE[dtype])
                 for slots in (0, *REGISTER_SLOTS):
                     w = f"{CTYPE[dtype]}, {CTYPE[weight]}, {vec}, {slots}"
                     if slots <= FWD_MAX_SLOTS[size]:
@@ -250,7 +261,7 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, im
     pointers = (da.ptr, xa.ptr, wa.ptr if wa else 0, ra.ptr if ra else 0, _arrays.data_ptr(dx), partial_ptr)
     _launch.launch(plan.kernel, plan.grid, plan.block, pointers, plan.tail, stream, xa.device, plan.shared_mem)
     if wa:
-        _launch.launch(plan.dw_kernel, -(-hidden // BLOCK_THREADS), (BLOCK_THREADS, 1),
+        _launch.launch(plan.dw_kernel, -(-hidden // 32), (32, DW_SPLIT),
                        (partial_ptr, _arrays.data_ptr(dweight)), _DW_TAIL.pack(plan.grid, hidden), stream, xa.device)
     return dx, dweight
 

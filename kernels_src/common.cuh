@@ -24,40 +24,104 @@ struct alignas((N * sizeof(T)) < 16 ? (N * sizeof(T)) : 16) Pack {
     T v[N];
 };
 
+// Raw packs: keep loaded data in its storage type (half the registers of fp32 for 16-bit types).
+// VEC accesses move 32-bit words assembled with integer ops (see store_pack).
+template <typename T> __device__ __forceinline__ T from_bits(unsigned bits);
+template <> __device__ __forceinline__ float from_bits<float>(unsigned bits) { return __uint_as_float(bits); }
+template <> __device__ __forceinline__ __half from_bits<__half>(unsigned bits) {
+    return __ushort_as_half((unsigned short)bits);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_bits<__nv_bfloat16>(unsigned bits) {
+    return __ushort_as_bfloat16((unsigned short)bits);
+}
+
+// Sets 32-bit word k of a pack.
+template <typename T, int N>
+__device__ __forceinline__ void set_word(Pack<T, N>& pk, int k, unsigned w) {
+    if constexpr (sizeof(T) == 4) {
+        pk.v[k] = from_bits<T>(w);
+    } else {
+        pk.v[2 * k] = from_bits<T>(w & 0xffffu);
+        pk.v[2 * k + 1] = from_bits<T>(w >> 16);
+    }
+}
+
+template <bool VEC, int N, typename T>
+__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
+    constexpr int WORDS = (int)sizeof(Pack<T, N>) / 4;
+    Pack<T, N> pk;
+    if constexpr (VEC && WORDS >= 4) {
+#pragma unroll
+        for (int k = 0; k < WORDS / 4; ++k) {
+            const uint4 w = reinterpret_cast<const uint4*>(p)[k];
+            set_word(pk, 4 * k, w.x);
+            set_word(pk, 4 * k + 1, w.y);
+            set_word(pk, 4 * k + 2, w.z);
+            set_word(pk, 4 * k + 3, w.w);
+        }
+    } else if constexpr (VEC && WORDS == 2) {
+        const uint2 w = *reinterpret_cast<const uint2*>(p);
+        set_word(pk, 0, w.x);
+        set_word(pk, 1, w.y);
+    } else if constexpr (VEC && WORDS == 1) {
+        set_word(pk, 0, *reinterpret_cast<const unsigned*>(p));
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) pk.v[i] = p[i];
+    }
+    return pk;
+}
+
+__device__ __forceinline__ unsigned bits_of(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ unsigned bits_of(__half v) { return __half_as_ushort(v); }
+__device__ __forceinline__ unsigned bits_of(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+
+// 32-bit word k of a pack, built with integer ops: a store of such words stays one wide store.
+template <typename T, int N>
+__device__ __forceinline__ unsigned word_of(const Pack<T, N>& pk, int k) {
+    if constexpr (sizeof(T) == 4) return bits_of(pk.v[k]);
+    else return bits_of(pk.v[2 * k]) | (bits_of(pk.v[2 * k + 1]) << 16);
+}
+
+// Wide stores in PTX: NVVM split plain 16-byte stores of packs into 2- and 4-byte stores in several
+// variants (struct copy, memcpy and uint4 stores alike), which cost up to 2.4x in rms_norm_fwd.
+// Generic addressing: the same helper writes global and shared memory.
+__device__ __forceinline__ void store_words(void* p, uint4 w) {
+    asm volatile("st.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w) : "memory");
+}
+__device__ __forceinline__ void store_words(void* p, uint2 w) {
+    asm volatile("st.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(w.x), "r"(w.y) : "memory");
+}
+
+template <bool VEC, int N, typename T>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& pk) {
+    constexpr int WORDS = (int)sizeof(Pack<T, N>) / 4;
+    if constexpr (VEC && WORDS >= 4) {
+#pragma unroll
+        for (int k = 0; k < WORDS / 4; ++k)
+            store_words(reinterpret_cast<uint4*>(p) + k, make_uint4(word_of(pk, 4 * k), word_of(pk, 4 * k + 1),
+                                                                    word_of(pk, 4 * k + 2), word_of(pk, 4 * k + 3)));
+    } else if constexpr (VEC && WORDS == 2) {
+        store_words(p, make_uint2(word_of(pk, 0), word_of(pk, 1)));
+    } else if constexpr (VEC && WORDS == 1) {
+        *reinterpret_cast<unsigned*>(p) = word_of(pk, 0);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) p[i] = pk.v[i];
+    }
+}
+
 // Load N elements to fp32. VEC: the address is aligned to the pack size, so this is one (or a few)
 // 16-byte loads; otherwise N scalar loads, valid at any element address.
 template <bool VEC, int N, typename T>
 __device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
     if constexpr (VEC) {
-        Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+        const Pack<T, N> pk = load_pack<true, N>(p);
 #pragma unroll
         for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
     } else {
 #pragma unroll
         for (int i = 0; i < N; ++i) out[i] = to_float(p[i]);
-    }
-}
-
-// Raw packs: keep loaded data in its storage type (half the registers of fp32 for 16-bit types).
-template <bool VEC, int N, typename T>
-__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
-    if constexpr (VEC) {
-        return *reinterpret_cast<const Pack<T, N>*>(p);
-    } else {
-        Pack<T, N> pk;
-#pragma unroll
-        for (int i = 0; i < N; ++i) pk.v[i] = p[i];
-        return pk;
-    }
-}
-
-template <bool VEC, int N, typename T>
-__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& pk) {
-    if constexpr (VEC) {
-        *reinterpret_cast<Pack<T, N>*>(p) = pk;
-    } else {
-#pragma unroll
-        for (int i = 0; i < N; ++i) p[i] = pk.v[i];
     }
 }
 
@@ -67,7 +131,7 @@ __device__ __forceinline__ void store_float(T* p, const float (&in)[N]) {
         Pack<T, N> pk;
 #pragma unroll
         for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
-        *reinterpret_cast<Pack<T, N>*>(p) = pk;
+        store_pack<true, N>(p, pk);
     } else {
 #pragma unroll
         for (int i = 0; i < N; ++i) p[i] = from_float<T>(in[i]);

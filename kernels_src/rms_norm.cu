@@ -68,10 +68,16 @@ __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 c
     store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, y);
 }
 
+// Blocks have at most 512 threads (rmsnorm.py: MAX_WIDTH, BLOCK_THREADS). Register budget by slots:
+// occupancy (bytes in flight) matters as much as keeping the row in registers; 1 slot fits in 32
+// registers (full occupancy), 2 in 40 (32 spilled), more get 64.
+template <int NPT>
+struct FwdMinBlocks {
+    static constexpr int value = NPT == 1 ? 4 : NPT == 2 ? 3 : 2;
+};
+
 template <typename T, typename W, bool VEC, int NPT, bool ADD>
-// Register budget by row slots: occupancy (bytes in flight) matters more than keeping everything in
-// registers; 1-2 slots fit in 32 registers (full occupancy), more get 64.
-__global__ void __launch_bounds__(1024, NPT == 1 || NPT == 2 ? 2 : 1) rms_norm_fwd(const NormParams p) {
+__global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(const NormParams p) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     __shared__ float scratch[32];
     const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
@@ -127,10 +133,11 @@ __global__ void __launch_bounds__(1024, NPT == 1 || NPT == 2 ? 2 : 1) rms_norm_f
 
 // ------------------------------------------------------------------------------------------ backward
 // dx = rstd * g - x * rstd^3 * mean(g * x), g = dy * (w + offset); dweight = sum over rows of
-// dy * x * rstd. Each block walks rows blockIdx.x*rpb + ty, + gridDim.x*rpb, ... Its dweight sums live
-// in shared memory (one row of `hidden` floats per ty, each column owned by one thread: no atomics),
-// are added over ty in order at the end into partial[blockIdx.x, :], and rms_norm_dw adds the
-// partials in block order: bitwise deterministic.
+// dy * x * rstd. Each block walks rows blockIdx.x*rpb + ty, + gridDim.x*rpb, ... and sums dweight
+// over them in a fixed order: NPT > 0 in registers (a thread owns the same columns in every row it
+// visits); NPT == 0 in shared memory, or for rows too long for it in the block's partial row. The
+// rows slots (ty) are then added in order into partial[blockIdx.x, :] (through shared memory when
+// blockDim.y > 1), and rms_norm_dw adds the partials in a fixed order: bitwise deterministic.
 
 struct NormBwdParams {  // mirrored by rmsnorm.py's _BWD_TAIL
     const void* dy;
@@ -141,16 +148,15 @@ struct NormBwdParams {  // mirrored by rmsnorm.py's _BWD_TAIL
     float* partial;      // [gridDim.x, hidden]; unused without weight
     i64 rows, hidden;
     i64 dy_stride, x_stride, dx_stride;
-    i64 shared_acc;  // 1: dweight sums in dynamic shared memory; 0: in partial (rows too long for it)
+    i64 shared_acc;  // 1: dynamic shared memory holds [blockDim.y, hidden] floats of dweight sums
     float eps, offset;
 };
 
+// dx for E columns; adds dy * x * rstd to sums.
 template <typename T, typename W, bool VEC, int E>
 __device__ __forceinline__ void bwd_chunk(const NormBwdParams& p, const Pack<T, E>& d, const Pack<T, E>& xx,
-                                          const Pack<W, E>& w, float rstd, float coef, T* dx, float* acc) {
+                                          const Pack<W, E>& w, float rstd, float coef, T* dx, Pack<float, E>& sums) {
     Pack<T, E> out;
-    // dweight sums: read-modify-write in 16-byte pieces (acc is 16-byte aligned when VEC).
-    Pack<float, E> sums = load_pack<VEC, E>(acc);
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         const float xf = to_float(xx.v[e]), df = to_float(d.v[e]);
@@ -158,23 +164,33 @@ __device__ __forceinline__ void bwd_chunk(const NormBwdParams& p, const Pack<T, 
         sums.v[e] += df * xf * rstd;
     }
     store_pack<VEC, E>(dx, out);
-    if (p.weight) store_pack<VEC, E>(acc, sums);
+}
+
+template <int E>
+__device__ __forceinline__ Pack<float, E> zeros() {
+    Pack<float, E> z;
+#pragma unroll
+    for (int e = 0; e < E; ++e) z.v[e] = 0.f;
+    return z;
 }
 
 template <typename T, typename W, bool VEC, int NPT>
-__global__ void __launch_bounds__(1024) rms_norm_bwd(const NormBwdParams p) {
+__global__ void __launch_bounds__(512, 2) rms_norm_bwd(const NormBwdParams p) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
     constexpr bool PRELOAD = NPT * E * sizeof(W) <= RMS_BWD_PRELOAD_BYTES;  // else loaded again
     __shared__ float scratch[64];
-    extern __shared__ __align__(16) float dw_acc[];  // [blockDim.y][hidden] when weight
+    extern __shared__ __align__(16) float dw_acc[];  // [blockDim.y][hidden] when shared_acc
     const int lane = threadIdx.x, width = blockDim.x;
     const i64 step = (i64)width * E;
     const i64 rows_per_pass = (i64)gridDim.x * blockDim.y;
-    // Without shared_acc the planner made blockDim.y == 1: this block owns its partial row.
-    float* acc = p.shared_acc ? dw_acc + threadIdx.y * p.hidden : p.partial + (i64)blockIdx.x * p.hidden;
-    if (p.weight)
-        for (i64 col = lane; col < p.hidden; col += width) acc[col] = 0.f;
+    float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
+    float* const my_acc = p.shared_acc ? dw_acc + threadIdx.y * p.hidden : my_partial;  // NPT == 0
+    Pack<float, E> dw[SLOTS];  // NPT > 0
+#pragma unroll
+    for (int i = 0; i < SLOTS; ++i) dw[i] = zeros<E>();
+    if (NPT == 0 && p.weight)  // without shared_acc the planner made blockDim.y == 1: the partial row is ours
+        for (i64 col = lane; col < p.hidden; col += width) my_acc[col] = 0.f;
 
     // The loop bound is uniform across the block (the reductions contain barriers).
     for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += rows_per_pass) {
@@ -226,25 +242,36 @@ __global__ void __launch_bounds__(1024) rms_norm_bwd(const NormBwdParams p) {
                 const i64 col = (i64)lane * E + i * step;
                 if (col < p.hidden) {
                     const Pack<W, E> w = PRELOAD ? wv[PRELOAD ? i : 0] : load_weight<W, VEC, E>(p.weight, col);
-                    bwd_chunk<T, W, VEC, E>(p, dyv[i], xv[i], w, rstd, coef, dx_row + col, acc + col);
+                    bwd_chunk<T, W, VEC, E>(p, dyv[i], xv[i], w, rstd, coef, dx_row + col, dw[i]);
                 }
             }
         } else {
             for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
                 const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
+                Pack<float, E> acc = p.weight ? load_pack<VEC, E>(my_acc + col) : zeros<E>();
                 bwd_chunk<T, W, VEC, E>(p, d, xx, load_weight<W, VEC, E>(p.weight, col), rstd, coef, dx_row + col,
-                                        acc + col);
+                                        acc);
+                if (p.weight) store_pack<VEC, E>(my_acc + col, acc);
             }
         }
     }
-    if (!p.weight || !p.shared_acc) return;  // uniform across the grid
+    if (!p.weight) return;  // uniform across the grid
+    if constexpr (NPT > 0) {
+        // Register sums -> the partial row (one rows slot) or this slot's shared row.
+        float* const dst = p.shared_acc ? dw_acc + threadIdx.y * p.hidden : my_partial;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const i64 col = (i64)lane * E + i * step;
+            if (col < p.hidden) store_pack<VEC, E>(dst + col, dw[i]);
+        }
+    }
+    if (!p.shared_acc) return;
     __syncthreads();
     // partial[block, col] = sum over the block's rows slots, in order.
-    float* partial = p.partial + (i64)blockIdx.x * p.hidden;
     for (i64 col = threadIdx.y * width + lane; col < p.hidden; col += width * blockDim.y) {
         float total = 0.f;
         for (int r = 0; r < (int)blockDim.y; ++r) total += dw_acc[r * p.hidden + col];
-        partial[col] = total;
+        my_partial[col] = total;
     }
 }
 
@@ -254,14 +281,23 @@ struct DweightParams {  // mirrored by rmsnorm.py's _DW_PARAMS
     i64 blocks, hidden;
 };
 
-// dweight[c] = sum over blocks b (in order) of partial[b, c].
+// dweight[c] = sum over blocks b of partial[b, c] in a fixed order: with a (32, DW_SPLIT) block,
+// thread row ty adds b = ty, ty + DW_SPLIT, ... in order, then the DW_SPLIT sums are added in ty
+// order. Many partials are read in parallel (a serial loop over them took up to 50 us).
+constexpr int DW_SPLIT = 32;
+
 template <typename W>
-__global__ void __launch_bounds__(256) rms_norm_dw(const DweightParams p) {
-    const i64 col = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= p.hidden) return;
+__global__ void __launch_bounds__(32 * DW_SPLIT) rms_norm_dw(const DweightParams p) {
+    __shared__ float sums[DW_SPLIT][33];
+    const i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
     float total = 0.f;
-#pragma unroll 8
-    for (i64 b = 0; b < p.blocks; ++b) total += p.partial[b * p.hidden + col];
+    if (col < p.hidden)
+        for (i64 b = threadIdx.y; b < p.blocks; b += DW_SPLIT) total += p.partial[b * p.hidden + col];
+    sums[threadIdx.y][threadIdx.x] = total;
+    __syncthreads();
+    if (threadIdx.y != 0 || col >= p.hidden) return;
+    total = 0.f;
+    for (int r = 0; r < DW_SPLIT; ++r) total += sums[r][threadIdx.x];
     static_cast<W*>(p.dweight)[col] = from_float<W>(total);
 }
 

@@ -11,10 +11,10 @@ import importlib
 import cupyrope
 
 dev = torch.device("cuda")
-# Planner overrides for tuning sweeps: ROPE_ITEMS=2048 FWD_CHUNKS=2 BWD_CHUNKS=8 ...
+# Planner overrides for tuning sweeps: ROPE_ITEMS=2048 FWD_ELEMS=16 BWD_ELEMS=8 ...
 for var, module, attr in [("ROPE_ITEMS", "cupyrope.rope", "ITEMS_PER_BLOCK"),
-                          ("FWD_CHUNKS", "cupyrope.rmsnorm", "FWD_CHUNKS_PER_THREAD"),
-                          ("BWD_CHUNKS", "cupyrope.rmsnorm", "BWD_CHUNKS_PER_THREAD")]:
+                          ("FWD_ELEMS", "cupyrope.rmsnorm", "FWD_ELEMS_PER_THREAD"),
+                          ("BWD_ELEMS", "cupyrope.rmsnorm", "BWD_ELEMS_PER_THREAD")]:
     if var in os.environ:
         setattr(importlib.import_module(module), attr, int(os.environ[var]))
         print(f"{module}.{attr} = {os.environ[var]}")

@@ -111,7 +111,10 @@ def test_rms_norm_plans():
     assert not plan_forward(x, y, None, misaligned_weight, (4096, 4096), 8192, 4096).vectorized
     b = plan_backward(x, x, y, arr((4096,), "float32"), (4096,) * 3, 8192, 4096, n_sm=132)
     assert b.grid <= 132 * 8 and b.name.startswith("cupyrope::rms_norm_bwd<__nv_bfloat16, float, true,")
-    assert b.shared_mem == b.block[1] * 4096 * 4  # dweight sums of each row slot
+    assert b.block[1] == 1 and b.slots and b.shared_mem == 0  # register sums go straight to the partial row
+    small = arr((8192, 64))
+    s = plan_backward(small, small, small, arr((64,)), (64,) * 3, 8192, 64, n_sm=132)
+    assert s.block[1] > 1 and s.shared_mem == s.block[1] * 64 * 4  # each rows slot's sums, added in order
     huge = arr((64, 65536), "float32")
     h = plan_backward(huge, huge, huge, arr((65536,), "float32"), (65536,) * 3, 64, 65536, n_sm=132)
     assert h.slots == 0 and h.block[1] == 1 and h.shared_mem == 0  # sums go to the partial row instead
