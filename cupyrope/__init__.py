@@ -2,11 +2,14 @@
 with NVRTC (no compiler toolchain, no build step)."""
 
 from . import reference
+from ._cupy import vet_cache_dir
 from ._compile import KernelCompileError
 from .rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_backward
 from .rope import rope, rope_, rope_cache, rope_qk
 
 __version__ = "0.1.0"
+
+vet_cache_dir()  # before anything imports CuPy: an unusable cache directory would make that fail
 
 __all__ = [
     "KernelCompileError",

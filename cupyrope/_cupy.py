@@ -1,9 +1,10 @@
 """Import CuPy safely: an unusable kernel cache directory must not make cupyrope fail.
 
 CuPy creates CUPY_CACHE_DIR when it is imported, and fails to import when that path cannot be a
-directory. Before cupyrope first imports CuPy it checks the directory; if it cannot be created or
-written, it warns and points CuPy at a fresh temporary directory, so kernels are compiled again
-rather than read from the cache. (A program that imports CuPy itself first is beyond our reach.)
+directory. When cupyrope is imported, and again before it first imports CuPy, it checks the
+directory; if it cannot be created or written, it warns and points CuPy at a fresh temporary
+directory, so kernels are compiled again rather than read from the cache. (A program that imports
+CuPy itself before cupyrope is beyond our reach.)
 """
 
 import os
@@ -21,7 +22,7 @@ def _usable(directory: str) -> bool:
         return False
 
 
-def import_cupy():
+def vet_cache_dir() -> None:
     if "cupy" not in sys.modules:
         directory = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
         if not _usable(directory):
@@ -33,6 +34,10 @@ def import_cupy():
                 stacklevel=3,
             )
             os.environ["CUPY_CACHE_DIR"] = fallback
+
+
+def import_cupy():
+    vet_cache_dir()
     import cupy
 
     return cupy

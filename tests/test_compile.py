@@ -83,11 +83,12 @@ def test_unusable_kernel_cache_dir_degrades_with_a_warning(tmp_path):
     bad = tmp_path / "not-a-dir"
     bad.write_text("a file where CuPy's cache directory should be")
     code = (
-        "import warnings, cupyrope\n"
-        "from cupyrope import _compile\n"
-        "from cupyrope._variants import all_variants\n"
+        "import warnings\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
+        "    import cupyrope  # vets the directory before anything imports CuPy\n"
+        "    from cupyrope import _compile\n"
+        "    from cupyrope._variants import all_variants\n"
         "    assert _compile.compile_all('sm_90', all_variants()[:1])\n"
         "assert any('not usable' in str(w.message) for w in caught), caught\n"
         "print('ok')\n"
