@@ -56,7 +56,8 @@ def row_shape(hidden: int, elems: int, chunks_per_thread: int = 1, max_slots: in
     """(threads per row, register slots per thread; 0 = two-pass loop) for a row of ``hidden`` elements
     moved ``elems`` at a time: about ``chunks_per_thread`` 16-byte chunks a thread."""
     chunks = -(-hidden // elems)
-    width = min(_next_pow2(-(-chunks // chunks_per_thread)), MAX_WIDTH)
+    # More threads per row when the register slots cannot hold the row at this width.
+    width = min(_next_pow2(-(-chunks // min(chunks_per_thread, max_slots))), MAX_WIDTH)
     needed = -(-chunks // width)
     if needed > max_slots:
         return MAX_WIDTH, 0

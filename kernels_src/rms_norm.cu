@@ -11,14 +11,6 @@
 
 namespace cupyrope {
 
-// Tuning knobs (docs/perf-notes.md): weight bytes per thread kept in registers from the first pass.
-#ifndef RMS_FWD_PRELOAD_BYTES
-#define RMS_FWD_PRELOAD_BYTES 16
-#endif
-#ifndef RMS_BWD_PRELOAD_BYTES
-#define RMS_BWD_PRELOAD_BYTES 0
-#endif
-
 struct NormParams {  // mirrored by rmsnorm.py's _FWD_PARAMS
     const void* x;
     void* y;
@@ -68,16 +60,16 @@ __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 c
     store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, y);
 }
 
-// Blocks have at most 512 threads (rmsnorm.py: MAX_WIDTH, BLOCK_THREADS). Register budget by slots:
-// occupancy (bytes in flight) matters as much as keeping the row in registers; 1 slot fits in 32
-// registers (full occupancy), 2 in 40 (32 spilled), more get 64.
+// Blocks have at most 512 threads (rmsnorm.py: MAX_WIDTH, BLOCK_THREADS). Register budget by slots
+// (x and the weight stay in registers): 1 slot fits in 32 registers (full occupancy), 2 in 64, more
+// get 128 (one 512-thread block per SM, which keeps 32-64 KB of loads in flight, like Liger's).
 template <int NPT>
-struct FwdMinBlocks {
-    static constexpr int value = NPT == 1 ? 4 : NPT == 2 ? 3 : 2;
+struct MinBlocks {
+    static constexpr int value = NPT == 1 ? 4 : NPT == 2 ? 2 : 1;
 };
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD>
-__global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(const NormParams p) {
+__global__ void __launch_bounds__(512, MinBlocks<NPT>::value) rms_norm_fwd(const NormParams p) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     __shared__ float scratch[32];
     const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
@@ -87,31 +79,43 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
     float sum_sq = 0.f;
 
     if constexpr (NPT > 0) {
-        // The weight is loaded with x, not behind the stores (which may alias it), where registers allow.
-        constexpr bool PRELOAD = NPT * E * sizeof(W) <= RMS_FWD_PRELOAD_BYTES;
+        // The weight is loaded with x: loads behind the stores (which may alias it) would wait.
         Pack<T, E> v[NPT];
-        Pack<W, E> w[PRELOAD ? NPT : 1];
+        Pack<W, E> w[NPT];
+        Pack<T, E> r[ADD ? NPT : 1];
+        T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
+        // Every load of the row is issued before the first residual store (a store orders later loads).
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const i64 col = (i64)lane * E + i * step;
             if (active && col < p.hidden) {
-                if constexpr (PRELOAD) w[i] = load_weight<W, VEC, E>(p.weight, col);
-                v[i] = load_input<T, VEC, E, ADD>(p, row, col);
+                w[i] = load_weight<W, VEC, E>(p.weight, col);
+                v[i] = load_pack<VEC, E>(static_cast<const T*>(p.x) + row * p.x_stride + col);
+                if constexpr (ADD) r[ADD ? i : 0] = load_pack<VEC, E>(res_row + col);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const i64 col = (i64)lane * E + i * step;
+            if (active && col < p.hidden) {
+                if constexpr (ADD) {
+#pragma unroll
+                    for (int e = 0; e < E; ++e)
+                        v[i].v[e] = from_float<T>(to_float(v[i].v[e]) + to_float(r[ADD ? i : 0].v[e]));
+                    store_pack<VEC, E>(res_row + col, v[i]);
+                }
 #pragma unroll
                 for (int e = 0; e < E; ++e) sum_sq += to_float(v[i].v[e]) * to_float(v[i].v[e]);
             }
         }
         const float rstd = 1.f / sqrtf(row_sum(sum_sq, width, scratch) / (float)p.hidden + p.eps);
         if (!active) return;
-        if (p.rstd && lane == 0) p.rstd[row] = rstd;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const i64 col = (i64)lane * E + i * step;
-            if (col < p.hidden) {
-                store_output<T, W, VEC, E>(p, row, col, v[i], rstd,
-                                           PRELOAD ? w[PRELOAD ? i : 0] : load_weight<W, VEC, E>(p.weight, col));
-            }
+            if (col < p.hidden) store_output<T, W, VEC, E>(p, row, col, v[i], rstd, w[i]);
         }
+        if (p.rstd && lane == 0) p.rstd[row] = rstd;
     } else {
         for (i64 col = (i64)lane * E; active && col < p.hidden; col += step) {
             const Pack<T, E> v = load_input<T, VEC, E, ADD>(p, row, col);
@@ -175,10 +179,9 @@ __device__ __forceinline__ Pack<float, E> zeros() {
 }
 
 template <typename T, typename W, bool VEC, int NPT>
-__global__ void __launch_bounds__(512, 2) rms_norm_bwd(const NormBwdParams p) {
+__global__ void __launch_bounds__(512, NPT == 1 ? 2 : 1) rms_norm_bwd(const NormBwdParams p) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
-    constexpr bool PRELOAD = NPT * E * sizeof(W) <= RMS_BWD_PRELOAD_BYTES;  // else loaded again
     __shared__ float scratch[64];
     extern __shared__ __align__(16) float dw_acc[];  // [blockDim.y][hidden] when shared_acc
     const int lane = threadIdx.x, width = blockDim.x;
@@ -201,7 +204,7 @@ __global__ void __launch_bounds__(512, 2) rms_norm_bwd(const NormBwdParams p) {
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
         float sum_sq = 0.f, dot = 0.f;
         Pack<T, E> dyv[SLOTS], xv[SLOTS];
-        Pack<W, E> wv[PRELOAD ? SLOTS : 1];
+        Pack<W, E> wv[SLOTS];
         if constexpr (NPT > 0) {
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
@@ -209,13 +212,12 @@ __global__ void __launch_bounds__(512, 2) rms_norm_bwd(const NormBwdParams p) {
                 if (active && col < p.hidden) {
                     dyv[i] = load_pack<VEC, E>(dy_row + col);
                     xv[i] = load_pack<VEC, E>(x_row + col);
-                    const Pack<W, E> w = load_weight<W, VEC, E>(p.weight, col);
-                    if constexpr (PRELOAD) wv[i] = w;
+                    wv[i] = load_weight<W, VEC, E>(p.weight, col);  // kept: see the forward
 #pragma unroll
                     for (int e = 0; e < E; ++e) {
                         const float xf = to_float(xv[i].v[e]);
                         sum_sq += xf * xf;
-                        dot += to_float(dyv[i].v[e]) * scale<W, E>(p.weight, p.offset, w, e) * xf;
+                        dot += to_float(dyv[i].v[e]) * scale<W, E>(p.weight, p.offset, wv[i], e) * xf;
                     }
                 }
             }
@@ -240,10 +242,7 @@ __global__ void __launch_bounds__(512, 2) rms_norm_bwd(const NormBwdParams p) {
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
                 const i64 col = (i64)lane * E + i * step;
-                if (col < p.hidden) {
-                    const Pack<W, E> w = PRELOAD ? wv[PRELOAD ? i : 0] : load_weight<W, VEC, E>(p.weight, col);
-                    bwd_chunk<T, W, VEC, E>(p, dyv[i], xv[i], w, rstd, coef, dx_row + col, dw[i]);
-                }
+                if (col < p.hidden) bwd_chunk<T, W, VEC, E>(p, dyv[i], xv[i], wv[i], rstd, coef, dx_row + col, dw[i]);
             }
         } else {
             for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
