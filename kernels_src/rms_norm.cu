@@ -60,16 +60,45 @@ __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 c
     store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, y);
 }
 
-// Blocks have at most 512 threads (rmsnorm.py: MAX_WIDTH, BLOCK_THREADS). Register budget by slots
-// (x and the weight stay in registers): 1 slot fits in 32 registers (full occupancy), 2 in 64, more
-// get 128 (one 512-thread block per SM, which keeps 32-64 KB of loads in flight, like Liger's).
+// Tuning knobs (docs/perf-notes.md; swept with CUPYROPE_EXTRA_NVRTC_OPTIONS by scripts/sweep_norm.py).
+// Weight bytes per thread loaded with x and kept in registers; the other weights are loaded after
+// the reduction, each right before its store (RMS_WEIGHT_BATCH 0) or all before the first (1).
+#ifndef RMS_WEIGHT_EARLY_BYTES
+#define RMS_WEIGHT_EARLY_BYTES 16
+#endif
+#ifndef RMS_WEIGHT_BATCH
+#define RMS_WEIGHT_BATCH 0
+#endif
+// Resident 512-thread blocks per SM asked of the compiler (register budget) by register slots:
+// occupancy mattered more than keeping everything in registers in every measurement so far.
+#ifndef RMS_FWD_MIN_BLOCKS_1
+#define RMS_FWD_MIN_BLOCKS_1 4
+#endif
+#ifndef RMS_FWD_MIN_BLOCKS_2
+#define RMS_FWD_MIN_BLOCKS_2 3
+#endif
+#ifndef RMS_FWD_MIN_BLOCKS_4
+#define RMS_FWD_MIN_BLOCKS_4 2
+#endif
+#ifndef RMS_BWD_MIN_BLOCKS_1
+#define RMS_BWD_MIN_BLOCKS_1 2
+#endif
+#ifndef RMS_BWD_MIN_BLOCKS_2
+#define RMS_BWD_MIN_BLOCKS_2 2
+#endif
+#ifndef RMS_BWD_KEEP_WEIGHT  // 1: the backward keeps the weight from its first pass; 0: loads it again
+#define RMS_BWD_KEEP_WEIGHT 0
+#endif
+
+// Blocks have at most 512 threads (rmsnorm.py: MAX_WIDTH, BLOCK_THREADS).
 template <int NPT>
-struct MinBlocks {
-    static constexpr int value = NPT == 1 ? 4 : NPT == 2 ? 2 : 1;
+struct FwdMinBlocks {
+    static constexpr int value =
+        NPT == 1 ? RMS_FWD_MIN_BLOCKS_1 : NPT == 2 ? RMS_FWD_MIN_BLOCKS_2 : RMS_FWD_MIN_BLOCKS_4;
 };
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD>
-__global__ void __launch_bounds__(512, MinBlocks<NPT>::value) rms_norm_fwd(const NormParams p) {
+__global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(const NormParams p) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     __shared__ float scratch[32];
     const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
@@ -79,7 +108,8 @@ __global__ void __launch_bounds__(512, MinBlocks<NPT>::value) rms_norm_fwd(const
     float sum_sq = 0.f;
 
     if constexpr (NPT > 0) {
-        // The weight is loaded with x: loads behind the stores (which may alias it) would wait.
+        // A weight load behind a store (which may alias it) waits for it: see the knobs above.
+        constexpr bool EARLY = NPT * E * sizeof(W) <= RMS_WEIGHT_EARLY_BYTES;
         Pack<T, E> v[NPT];
         Pack<W, E> w[NPT];
         Pack<T, E> r[ADD ? NPT : 1];
@@ -89,7 +119,7 @@ __global__ void __launch_bounds__(512, MinBlocks<NPT>::value) rms_norm_fwd(const
         for (int i = 0; i < NPT; ++i) {
             const i64 col = (i64)lane * E + i * step;
             if (active && col < p.hidden) {
-                w[i] = load_weight<W, VEC, E>(p.weight, col);
+                if constexpr (EARLY) w[i] = load_weight<W, VEC, E>(p.weight, col);
                 v[i] = load_pack<VEC, E>(static_cast<const T*>(p.x) + row * p.x_stride + col);
                 if constexpr (ADD) r[ADD ? i : 0] = load_pack<VEC, E>(res_row + col);
             }
@@ -110,10 +140,20 @@ __global__ void __launch_bounds__(512, MinBlocks<NPT>::value) rms_norm_fwd(const
         }
         const float rstd = 1.f / sqrtf(row_sum(sum_sq, width, scratch) / (float)p.hidden + p.eps);
         if (!active) return;
+        if constexpr (!EARLY && RMS_WEIGHT_BATCH) {
+#pragma unroll
+            for (int i = 0; i < NPT; ++i) {
+                const i64 col = (i64)lane * E + i * step;
+                if (col < p.hidden) w[i] = load_weight<W, VEC, E>(p.weight, col);
+            }
+        }
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const i64 col = (i64)lane * E + i * step;
-            if (col < p.hidden) store_output<T, W, VEC, E>(p, row, col, v[i], rstd, w[i]);
+            if (col < p.hidden) {
+                if constexpr (!EARLY && !RMS_WEIGHT_BATCH) w[i] = load_weight<W, VEC, E>(p.weight, col);
+                store_output<T, W, VEC, E>(p, row, col, v[i], rstd, w[i]);
+            }
         }
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
     } else {
@@ -179,7 +219,8 @@ __device__ __forceinline__ Pack<float, E> zeros() {
 }
 
 template <typename T, typename W, bool VEC, int NPT>
-__global__ void __launch_bounds__(512, NPT == 1 ? 2 : 1) rms_norm_bwd(const NormBwdParams p) {
+__global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD_MIN_BLOCKS_2)
+    rms_norm_bwd(const NormBwdParams p) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
     __shared__ float scratch[64];
@@ -212,12 +253,13 @@ __global__ void __launch_bounds__(512, NPT == 1 ? 2 : 1) rms_norm_bwd(const Norm
                 if (active && col < p.hidden) {
                     dyv[i] = load_pack<VEC, E>(dy_row + col);
                     xv[i] = load_pack<VEC, E>(x_row + col);
-                    wv[i] = load_weight<W, VEC, E>(p.weight, col);  // kept: see the forward
+                    const Pack<W, E> w = load_weight<W, VEC, E>(p.weight, col);
+                    if constexpr (RMS_BWD_KEEP_WEIGHT) wv[i] = w;
 #pragma unroll
                     for (int e = 0; e < E; ++e) {
                         const float xf = to_float(xv[i].v[e]);
                         sum_sq += xf * xf;
-                        dot += to_float(dyv[i].v[e]) * scale<W, E>(p.weight, p.offset, wv[i], e) * xf;
+                        dot += to_float(dyv[i].v[e]) * scale<W, E>(p.weight, p.offset, w, e) * xf;
                     }
                 }
             }
@@ -242,7 +284,10 @@ __global__ void __launch_bounds__(512, NPT == 1 ? 2 : 1) rms_norm_bwd(const Norm
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
                 const i64 col = (i64)lane * E + i * step;
-                if (col < p.hidden) bwd_chunk<T, W, VEC, E>(p, dyv[i], xv[i], wv[i], rstd, coef, dx_row + col, dw[i]);
+                if (col < p.hidden) {
+                    if constexpr (!RMS_BWD_KEEP_WEIGHT) wv[i] = load_weight<W, VEC, E>(p.weight, col);
+                    bwd_chunk<T, W, VEC, E>(p, dyv[i], xv[i], wv[i], rstd, coef, dx_row + col, dw[i]);
+                }
             }
         } else {
             for (i64 col = (i64)lane * E; col < p.hidden; col += step) {

@@ -1,11 +1,13 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [FWD_ELEMS,BWD_ELEMS ...]   (default: 8,8 16,16 32,16)
+Usage: python scripts/sweep_norm.py [--no-peers] [FWD_ELEMS,BWD_ELEMS ...]   (default: 8,8 16,16 32,16)
+Kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS="-DRMS_WEIGHT_BATCH=1 ..." (kernels_src/rms_norm.cu).
 Each cupyrope setting is checked against torch in fp32 before it is timed. GPU time per call: the
 benchmark suite's CUDA-graph replay over enough input copies to defeat the L2 (autograd peers: events
 around an eager loop), as % of the copy bandwidth measured in the same run.
 """
 
+import os
 import sys
 
 import torch
@@ -17,6 +19,8 @@ dev = torch.device("cuda")
 SHAPES = [(32768, 4096, torch.bfloat16), (16384, 8192, torch.bfloat16), (8192, 16384, torch.bfloat16),
           (8192, 16384, torch.float32), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
 SHAPES += [(8192, h, torch.bfloat16) for h in (61, 130, 256, 512, 1024, 1027, 2048)]
+if "--big" in sys.argv:
+    SHAPES = SHAPES[:6] + [(8192, h, torch.bfloat16) for h in (1024, 1027, 2048)]
 
 
 def time_us(make_fn, copies, capture=True):
@@ -57,10 +61,14 @@ def check(x, w, dy, y, dx, dw):
 
 
 def main():
-    settings = [tuple(map(int, s.split(","))) for s in sys.argv[1:]] or [(8, 8), (16, 16), (32, 16)]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    settings = [tuple(map(int, a.split(","))) for a in args] or [(8, 8), (16, 16), (32, 16)]
+    with_peers = "--no-peers" not in sys.argv
     bw = bench.copy_bandwidth_gbps(torch)
-    print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; % of it below")
-    header = ["shape", "op"] + [f"cupyrope {f},{b}" for f, b in settings] + ["F.rms_norm", "liger"]
+    print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; % of it below; options "
+          f"{os.environ.get('CUPYROPE_EXTRA_NVRTC_OPTIONS', '(default)')}")
+    header = ["shape", "op"] + [f"cupyrope {f},{b}" for f, b in settings]
+    header += ["F.rms_norm", "liger"] if with_peers else []
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for rows, hidden, dt in SHAPES:
         nbytes = 2 * rows * hidden * torch.finfo(dt).bits // 8
@@ -77,7 +85,7 @@ def main():
             check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), dx, dw)
             results["fwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm(x, w, 1e-6)), copies))
             results["bwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm_backward(dy, x, w)), copies))
-        for fwd, bwd in peers().values():
+        for fwd, bwd in peers().values() if with_peers else ():
             results["fwd"].append(time_us(fwd, copies))
             results["bwd"].append(time_us(bwd, copies, capture=False))
         for op, times in results.items():
