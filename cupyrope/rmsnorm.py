@@ -13,9 +13,11 @@ from ._arrays import CTYPE, check_not_overlapping
 SOURCE = "rms_norm.cu"
 REGISTER_SLOTS = (1, 2, 4, 8)  # NPT: accesses per thread kept in registers (0: two-pass loop)
 MAX_WIDTH = 512  # threads per row: a 1024-thread row block leaves one block per SM (no overlap)
-# Elements per thread (docs/perf-notes.md); the tuning sweep sets them through scripts/smoke_perf.py.
-FWD_ELEMS_PER_THREAD = 8
+# Elements per thread, measured best on an H100 (docs/perf-notes.md; scripts/sweep_norm.py sets them).
+FWD_ELEMS_PER_THREAD = 16
 BWD_ELEMS_PER_THREAD = 8
+BWD_ELEMS_PER_THREAD_LONG_ROWS = 16  # rows of 8 KB or more: fewer, fuller threads per row
+LONG_ROW_BYTES = 8192
 # Register slots (one 16-byte access when vectorized, one element otherwise) by (vectorized, element
 # size): the most that 64 registers hold without spilling (ptxas -v; the backward also keeps dy and
 # the dweight sums). Scalar slots cover odd hidden sizes up to 4096 in registers.
@@ -98,8 +100,10 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto")
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto") -> NormPlan:
     weight_dtype = weight.dtype if weight is not None else "float32"
+    long_rows = hidden * _arrays.ITEMSIZE[x.dtype] >= LONG_ROW_BYTES
+    elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD
     plan = _plan("rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
-                 BWD_MAX_SLOTS, BWD_ELEMS_PER_THREAD, [], impl)
+                 BWD_MAX_SLOTS, elems, [], impl)
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     plan.grid = max(1, min(plan.grid, n_sm * max(1, THREADS_PER_SM // threads)))

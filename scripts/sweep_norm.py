@@ -78,7 +78,8 @@ def main():
             copies.append((x, torch.randn(hidden, device=dev, dtype=dt), torch.randn_like(x)))
         results = {"fwd": [], "bwd": []}
         for f, b in settings:
-            rmsnorm.FWD_ELEMS_PER_THREAD, rmsnorm.BWD_ELEMS_PER_THREAD = f, b
+            rmsnorm.FWD_ELEMS_PER_THREAD = f
+            rmsnorm.BWD_ELEMS_PER_THREAD = rmsnorm.BWD_ELEMS_PER_THREAD_LONG_ROWS = b
             rmsnorm._plans = _arrays.PlanCache()
             x, w, dy = copies[0]
             dx, dw = cupyrope.rms_norm_backward(dy, x, w)

@@ -103,8 +103,8 @@ def test_rms_norm_row_shape(hidden, elems, chunks, max_slots, width, slots):
 def test_rms_norm_plans():
     x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
     p = plan_forward(x, y, None, arr((4096,), ptr=BASE + 2**29), (4096, 4096), 8192, 4096)
-    assert p.vectorized and p.block == (512, 1) and p.grid == 8192  # 8 bf16 (one 16-byte chunk) a thread
-    assert p.name == "cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, true, 1, false>"
+    assert p.vectorized and p.block == (256, 1) and p.grid == 8192  # 16 bf16 (two 16-byte chunks) a thread
+    assert p.name == "cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, true, 2, false>"
     odd = arr((7, 1027))
     assert not plan_forward(odd, odd, None, None, (1027, 1027), 7, 1027).vectorized
     misaligned_weight = arr((4096,), "float32", ptr=BASE + 4)
