@@ -173,15 +173,22 @@ def check_not_overlapping(a: Array, b: Array, name_a: str, name_b: str, same_all
         check_disjoint(a.ptr, layout_key(a), b.ptr, layout_key(b), name_a, name_b, hint)
 
 
-def output(x: Array, out: Array | None, launching: bool):
-    """(output object, its pointer): a new array like x, or the caller's ``out``, checked per call not
-    to overlap x partially (it may be x itself)."""
+def output(x: Array, out: Array | None, plan):
+    """(output object, its pointer): a new array like x, or the caller's ``out``. An ``out`` that is not
+    x itself (which the plan checked) is checked per call not to overlap x, with the layouts the plan
+    computed once (``plan.out_layouts``)."""
     if out is None:
         new = empty(x, x.shape, x.dtype)
         return new, data_ptr(new)
-    if launching and out.ptr != x.ptr:
-        check_not_overlapping(x, out, "x", "out", same_allowed=True)
+    if plan.grid and out.ptr != x.ptr:
+        check_disjoint(x.ptr, plan.out_layouts[0], out.ptr, plan.out_layouts[1], "x", "out",
+                       "pass out=x (in place) or separate memory")
     return out.obj, out.ptr
+
+
+def out_layouts(x: Array, out: Array | None):
+    """What output() needs per call, computed once per plan."""
+    return None if out is None else (layout_key(x), layout_key(out))
 
 
 def check_last_dim_contiguous(array: Array, name: str) -> None:

@@ -36,7 +36,7 @@ _DW_TAIL = struct.Struct("<2q")
 
 class NormPlan:
     __slots__ = ("name", "grid", "block", "vectorized", "slots", "tail", "extents", "kernel", "dw_kernel",
-                 "shared_mem")
+                 "shared_mem", "out_layouts")
 
     def __init__(self, name, grid, block, vectorized, slots):
         self.name = name
@@ -212,7 +212,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
     if plan is None:
         plan = _plan_forward_call(xa, wa, oa, eps, offset, impl)
         _plans.put(key, plan)
-    out, out_ptr = _arrays.output(xa, oa, bool(plan.grid))
+    out, out_ptr = _arrays.output(xa, oa, plan)
     rstd = _arrays.empty(xa, xa.shape[:-1], "float32") if return_rstd else None
     if plan.grid:
         rstd_ptr = _arrays.data_ptr(rstd) if return_rstd else 0
@@ -283,12 +283,14 @@ def _plan_forward_call(xa, wa, oa, eps, offset, impl):
     _check_weight(wa, xa, "x")
     if oa is not None:
         _check_like(oa, xa, "x", "out")
+        check_not_overlapping(xa, oa, "x", "out", same_allowed=True)
     if not xa.size:
         return _Empty()
     ya = oa if oa is not None else _arrays.contiguous_like(xa, xa.shape, xa.dtype)
     rows, hidden = _rows(xa.shape), xa.shape[-1]
     strides = _row_strides([xa, ya], ["x", "out"])
     plan = plan_forward(xa, ya, None, wa, strides, rows, hidden, impl)
+    plan.out_layouts = _arrays.out_layouts(xa, oa)
     plan.tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[1], 0, float(eps), float(offset))
     plan.kernel = get_kernel(SOURCE, plan.name, xa.device)
     return plan

@@ -30,7 +30,7 @@ _TAIL = struct.Struct("<3q16q3q2q3q3qdq")
 
 class RopePlan:
     __slots__ = ("name", "grid", "block", "shared_mem", "tail", "vectorized", "tokens_per_block", "lanes", "extents",
-                 "kernel")
+                 "kernel", "out_layouts")
 
     def __init__(self, name, grid, shared_mem, tail, vectorized, tokens_per_block, lanes):
         self.name = name
@@ -242,7 +242,7 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
     if plan is None:
         plan = _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl)
         _plans.put(key, plan)
-    out, out_ptr = _arrays.output(xa, oa, bool(plan.grid))
+    out, out_ptr = _arrays.output(xa, oa, plan)
     if plan.grid:
         _run(plan, (xa.ptr, out_ptr, xa.ptr, out_ptr, pa.ptr, ca.ptr if ca else 0), xa)
     return out
@@ -304,6 +304,7 @@ def _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl):
     out = oa if oa is not None else _arrays.contiguous_like(xa, xa.shape, xa.dtype)
     plan = plan_rope([(xa, out)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse,
                      impl=impl, n_sm=sm_count(xa.device))
+    plan.out_layouts = _arrays.out_layouts(xa, oa)
     plan.kernel = get_kernel(SOURCE, plan.name, xa.device)
     return plan
 
