@@ -1,6 +1,8 @@
 """Plans (variant, grid, block) are pure functions of shapes, dtypes, strides and alignment: checked
 here without a GPU."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from cupyrope._arrays import Array
@@ -127,13 +129,17 @@ def test_output_allocates_or_checks_the_callers_out():
     def wrap(t):  # what describe() gives for a tensor (CPU here: the host-side logic only)
         return Array(t, "torch", t.data_ptr(), str(t.dtype).removeprefix("torch."), t.shape, t.stride(), 0)
 
+    def plan(x, out):  # what the planners attach: the layouts, computed once
+        return SimpleNamespace(grid=1, out_layouts=_arrays.out_layouts(x, out))
+
     base = torch.zeros(8, 64, dtype=torch.bfloat16)
     x = wrap(base[:4])
-    new, ptr = _arrays.output(x, None, True)
+    new, ptr = _arrays.output(x, None, plan(x, None))
     assert new.shape == (4, 64) and new.dtype == torch.bfloat16 and ptr == new.data_ptr() != x.ptr
-    same, ptr = _arrays.output(x, x, True)  # in place
+    same, ptr = _arrays.output(x, x, plan(x, x))  # in place
     assert same is base[:4] or same.data_ptr() == x.ptr
     other = wrap(base[4:])
-    assert _arrays.output(x, other, True)[1] == other.ptr  # disjoint rows of one buffer
+    assert _arrays.output(x, other, plan(x, other))[1] == other.ptr  # disjoint rows of one buffer
+    overlapping = wrap(base[2:6])
     with pytest.raises(ValueError, match="out: overlaps x"):
-        _arrays.output(x, wrap(base[2:6]), True)
+        _arrays.output(x, overlapping, plan(x, overlapping))
