@@ -88,6 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true", help="the full grid of shapes (default: a short one)")
     p.add_argument("--plot", default="cupyrope-bench.png", help="where to write the GB/s plot")
     p.add_argument("--op", choices=("rope", "rmsnorm", "all"), default="all")
+    p.add_argument("--json", help="also save the results (and environment) to this JSON file")
+    p.add_argument("--from-json", help="re-render tables and plot from a saved --json file (no GPU needed)")
     p.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     return args.func(args)

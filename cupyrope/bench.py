@@ -10,6 +10,7 @@ bandwidth measured in the same run. Needs torch with CUDA (the peers are torch l
 """
 
 import dataclasses
+import json
 import math
 import statistics
 import sys
@@ -363,35 +364,43 @@ def run_case(torch, case, providers):
     return results
 
 
-def table(results, copy_gbps):
+def table(rows, copy_gbps):
     """Markdown table: one row per case and provider, speedup of cupyrope over the best peer."""
     lines = ["| op | shape | dtype | provider | GPU us/call | eager us/call | GB/s | % of copy BW | speedup vs best peer |",
              "|---|---|---|---|---|---|---|---|---|"]
     by_case = {}
-    for r in results:
-        by_case.setdefault((r.case.op, r.case.label, r.case.dtype), []).append(r)
+    for r in rows:
+        by_case.setdefault((r["op"], r["label"], r["dtype"]), []).append(r)
     for (op, label, dtype), rs in by_case.items():
-        peers = [r for r in rs if not r.provider.startswith("cupyrope")]
-        best_peer = min((r.gpu_us for r in peers), default=None)
+        best_peer = min((r["gpu_us"] for r in rs if not r["provider"].startswith("cupyrope")), default=None)
         for r in rs:
-            speedup = f"{best_peer / r.gpu_us:.2f}x" if best_peer and r.provider.startswith("cupyrope") else ""
-            lines.append(f"| {op} | {label} | {dtype} | {r.provider} | {r.gpu_us:.1f} | {r.eager_us:.1f} | "
-                         f"{r.gbps:.0f} | {100 * r.gbps / copy_gbps:.0f}% | {speedup} |")
+            mine = r["provider"].startswith("cupyrope")
+            speedup = f"{best_peer / r['gpu_us']:.2f}x" if best_peer and mine else ""
+            lines.append(f"| {op} | {label} | {dtype} | {r['provider']} | {r['gpu_us']:.1f} | {r['eager_us']:.1f} | "
+                         f"{r['gbps']:.0f} | {100 * r['gbps'] / copy_gbps:.0f}% | {speedup} |")
     return "\n".join(lines)
 
 
-def plot(results, path):
+def rows_of(results):
+    """Plain records of the results (what --json writes and --from-json reads back)."""
+    return [{"op": r.case.op, "label": r.case.label, "dtype": r.case.dtype, "size": r.case.size,
+             "bytes": r.case.bytes_moved, "provider": r.provider, "gpu_us": r.gpu_us, "eager_us": r.eager_us,
+             "gbps": r.gbps} for r in results]
+
+
+def plot(rows, path):
+    """GB/s against size, one panel per op, one line per provider (needs matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ops = sorted({r.case.op for r in results})
+    ops = sorted({r["op"] for r in rows})
     fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.5), squeeze=False)
     for ax, op in zip(axes[0], ops):
-        for provider in sorted({r.provider for r in results if r.case.op == op}):
-            rs = sorted((r for r in results if r.case.op == op and r.provider == provider), key=lambda r: r.case.size)
-            ax.plot([r.case.size for r in rs], [r.gbps for r in rs], marker="o", label=provider)
+        for provider in sorted({r["provider"] for r in rows if r["op"] == op}):
+            rs = sorted((r for r in rows if r["op"] == op and r["provider"] == provider), key=lambda r: r["size"])
+            ax.plot([r["size"] for r in rs], [r["gbps"] for r in rs], marker="o", label=provider)
         ax.set_xscale("log")
         ax.set_title(op)
         ax.set_xlabel("elements")
@@ -399,6 +408,15 @@ def plot(results, path):
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _write_plot(rows, path):
+    try:
+        plot(rows, path)
+        print(f"plot: {path}")
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install matplotlib, or render the --json file "
+              "elsewhere with: python -m cupyrope bench --from-json FILE --plot PNG)")
 
 
 def environment(torch) -> str:
@@ -410,7 +428,19 @@ def environment(torch) -> str:
             f"torch {torch.__version__}, CuPy {cupy.__version__}, CUDA {torch.version.cuda}")
 
 
+def _report(rows, copy_gbps, args):
+    print(table(rows, copy_gbps))
+    if args.plot:
+        _write_plot(rows, args.plot)
+
+
 def main(args) -> int:
+    if args.from_json:  # re-render a saved run (no GPU needed)
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        print(saved["environment"])
+        _report(saved["results"], saved["copy_gbps"], args)
+        return 0
     try:
         import torch
     except ImportError:
@@ -420,7 +450,8 @@ def main(args) -> int:
         print("python -m cupyrope bench: no CUDA device")
         return 2
     copy_gbps = copy_bandwidth_gbps(torch)
-    print(f"{environment(torch)}; device copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+    env = f"{environment(torch)}; device copy bandwidth {copy_gbps:.0f} GB/s (read + write)"
+    print(env)
     results = []
     if args.op in ("rope", "all"):
         providers = rope_providers(torch)
@@ -429,8 +460,9 @@ def main(args) -> int:
     if args.op in ("rmsnorm", "all"):
         for case in rms_cases(torch, args.full):
             results += run_case(torch, case, rms_providers(torch, case.op == "rms_bwd"))
-    print(table(results, copy_gbps))
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot: {args.plot}")
+    rows = rows_of(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "copy_gbps": copy_gbps, "results": rows}, f, indent=1)
+    _report(rows, copy_gbps, args)
     return 0
