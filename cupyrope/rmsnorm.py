@@ -27,6 +27,9 @@ SHARED_ACC_LIMIT = 160 * 1024  # bytes of per-block dweight sums kept in shared 
 BLOCK_THREADS = 256
 DW_SPLIT = 32  # rms_norm_dw's block is (32 columns, DW_SPLIT); mirrors kernels_src/rms_norm.cu
 THREADS_PER_SM = 2048
+# Unaligned rows (odd hidden sizes) of at least this many bytes take the forward's shifted 16-byte
+# path; shorter ones stay element by element (few chunks a row: the edges would dominate).
+SHIFT_MIN_ROW_BYTES = 512
 
 # Mirror NormParams, NormBwdParams and DweightParams in kernels_src/rms_norm.cu: pointers, then these.
 _FWD_TAIL = struct.Struct("<5q2f")
@@ -35,7 +38,7 @@ _DW_TAIL = struct.Struct("<2q")
 
 
 class NormPlan:
-    __slots__ = ("name", "grid", "block", "vectorized", "slots", "tail", "extents", "kernel", "dw_kernel",
+    __slots__ = ("name", "grid", "block", "vectorized", "shifted", "slots", "tail", "extents", "kernel", "dw_kernel",
                  "shared_mem", "out_layouts")
 
     def __init__(self, name, grid, block, vectorized, slots):
@@ -77,17 +80,44 @@ def _vectorizable(arrays, row_strides, hidden, dtype) -> bool:
     )
 
 
-def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread, extra, impl):
+def _shiftable(arrays, row_strides, hidden, dtype) -> bool:
+    """Rows that are not 16-byte aligned still move in 16-byte chunks (rms_norm_fwd's SHIFT) when every
+    array's row starts at the same offset from a 16-byte boundary as x's, in every row."""
+    itemsize = _arrays.ITEMSIZE[dtype]
+    elems = 16 // itemsize
+    x = arrays[0]
+    return (
+        hidden * itemsize >= SHIFT_MIN_ROW_BYTES
+        and x.ptr % itemsize == 0
+        and all((a.ptr - x.ptr) % 16 == 0 for a in arrays if a is not None)
+        and all((s - row_strides[0]) % elems == 0 for s in row_strides)
+    )
+
+
+def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread, extra, impl,
+          can_shift=False):
+    """can_shift: the kernel takes a last SHIFT parameter (forward); arrays[-1] is the weight."""
     vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
+    itemsize = _arrays.ITEMSIZE[dtype]
+    vec_elems = 16 // itemsize
+    shifted = False
+    if can_shift and not vectorized and impl != "scalar" and _shiftable(arrays[:-1], row_strides, hidden, dtype):
+        # A shifted row spans up to E - 1 more elements (the part before its first boundary).
+        width, slots = row_shape(hidden + vec_elems - 1, vec_elems, max(1, elems_per_thread // vec_elems),
+                                 max_slots[True, itemsize])
+        shifted = vectorized = slots > 0
     if impl == "vector" and not vectorized:
         raise ValueError("impl: 'vector' needs hidden a multiple of 16 bytes and 16-byte aligned rows")
-    elems = 16 // _arrays.ITEMSIZE[dtype] if vectorized else 1
-    width, slots = row_shape(hidden, elems, max(1, elems_per_thread // elems),
-                             max_slots[vectorized, _arrays.ITEMSIZE[dtype]])
+    elems = vec_elems if vectorized else 1
+    if not shifted:
+        width, slots = row_shape(hidden, elems, max(1, elems_per_thread // elems), max_slots[vectorized, itemsize])
     rows_per_block = max(1, BLOCK_THREADS // width)
     blocks = -(-rows // rows_per_block)
-    args = ", ".join([CTYPE[dtype], CTYPE[weight_dtype], "true" if vectorized else "false", str(slots), *extra])
-    return NormPlan(f"cupyrope::{kernel}<{args}>", blocks, (width, rows_per_block), vectorized, slots)
+    flags = [*extra, "true" if shifted else "false"] if can_shift else extra
+    args = ", ".join([CTYPE[dtype], CTYPE[weight_dtype], "true" if vectorized else "false", str(slots), *flags])
+    plan = NormPlan(f"cupyrope::{kernel}<{args}>", blocks, (width, rows_per_block), vectorized, slots)
+    plan.shifted = shifted
+    return plan
 
 
 def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto") -> NormPlan:
@@ -95,7 +125,7 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto")
     add = "true" if residual is not None else "false"
     weight_dtype = weight.dtype if weight is not None else "float32"
     return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS,
-                 FWD_ELEMS_PER_THREAD, [add], impl)
+                 FWD_ELEMS_PER_THREAD, [add], impl, can_shift=True)
 
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto") -> NormPlan:
@@ -125,9 +155,11 @@ def all_variants():
                 size = (vec == "true", _arrays.ITEMSIZE[dtype])
                 for slots in (0, *REGISTER_SLOTS):
                     w = f"{CTYPE[dtype]}, {CTYPE[weight]}, {vec}, {slots}"
+                    shifts = ("false", "true") if vec == "true" and slots else ("false",)
                     if slots <= FWD_MAX_SLOTS[size]:
-                        yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, false>"
-                        yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, true>"
+                        for add in ("false", "true"):
+                            for shift in shifts:
+                                yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, {add}, {shift}>"
                     if slots <= BWD_MAX_SLOTS[size]:
                         yield SOURCE, f"cupyrope::rms_norm_bwd<{w}>"
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"

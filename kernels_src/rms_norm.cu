@@ -5,6 +5,11 @@
 // (E = 16 bytes when VEC, else 1). NPT > 0: the NPT chunks stay in registers between the reduction
 // and the output (one read, one write); NPT == 0: rows too large for registers are read twice (the
 // second read mostly hits L2).
+// SHIFT (forward, VEC, NPT > 0): rows that are not 16-byte aligned (odd hidden sizes). Chunks follow
+// the 16-byte boundaries of memory, not the row: chunk c of a row that starts s elements past a
+// boundary covers columns c*E - s ... c*E - s + E - 1, so whole chunks move as one 16-byte access
+// and only the first and last chunk of a row go element by element. The planner checked that every
+// array's rows share x's offset from the boundary; the weight is read element by element (cached).
 //   T  element type of x / y / residual / dy / dx      W  weight type (float or T)
 //   ADD  fused_add_rms_norm: residual <- x + residual (rounded to T), then normalize residual into x.
 #include "common.cuh"
@@ -52,12 +57,60 @@ __device__ __forceinline__ Pack<T, E> load_input(const NormParams& p, i64 row, i
 }
 
 template <typename T, typename W, bool VEC, int E>
-__device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 col, const Pack<T, E>& v, float rstd,
-                                             const Pack<W, E>& w) {
+__device__ __forceinline__ Pack<T, E> output(const NormParams& p, const Pack<T, E>& v, float rstd, const Pack<W, E>& w) {
     Pack<T, E> y;
 #pragma unroll
     for (int e = 0; e < E; ++e) y.v[e] = from_float<T>(to_float(v.v[e]) * rstd * scale<W, E>(p.weight, p.offset, w, e));
-    store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, y);
+    return y;
+}
+
+template <typename T, typename W, bool VEC, int E>
+__device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 col, const Pack<T, E>& v, float rstd,
+                                             const Pack<W, E>& w) {
+    store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, output<T, W, VEC, E>(p, v, rstd, w));
+}
+
+// Columns col ... col + E - 1 of a row (SHIFT: col may be negative and the chunk may end past
+// `hidden`; the part outside the row reads as 0 and is never written).
+__device__ __forceinline__ bool inside(i64 col, i64 hidden) { return col >= 0 && col < hidden; }
+
+template <bool VEC, bool SHIFT, int E, typename T>
+__device__ __forceinline__ Pack<T, E> load_chunk(const T* row, i64 col, i64 hidden) {
+    if constexpr (SHIFT) {
+        if (col < 0 || col + E > hidden) {
+            Pack<T, E> pk;
+#pragma unroll
+            for (int e = 0; e < E; ++e) pk.v[e] = inside(col + e, hidden) ? row[col + e] : from_float<T>(0.f);
+            return pk;
+        }
+    }
+    return load_pack<VEC, E>(row + col);
+}
+
+template <bool VEC, bool SHIFT, int E, typename T>
+__device__ __forceinline__ void store_chunk(T* row, i64 col, i64 hidden, const Pack<T, E>& pk) {
+    if constexpr (SHIFT) {
+        if (col < 0 || col + E > hidden) {
+#pragma unroll
+            for (int e = 0; e < E; ++e)
+                if (inside(col + e, hidden)) row[col + e] = pk.v[e];
+            return;
+        }
+    }
+    store_pack<VEC, E>(row + col, pk);
+}
+
+template <typename W, bool VEC, bool SHIFT, int E>
+__device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, i64 col, i64 hidden) {
+    if constexpr (SHIFT) {  // the weight's own alignment is unrelated to the row's: element by element
+        if (!weight) return load_weight<W, false, E>(weight, col);
+        const W* w = static_cast<const W*>(weight);
+        Pack<W, E> pk;
+#pragma unroll
+        for (int e = 0; e < E; ++e) pk.v[e] = inside(col + e, hidden) ? w[col + e] : from_float<W>(0.f);
+        return pk;
+    }
+    return load_weight<W, VEC, E>(weight, col);
 }
 
 // Tuning knobs (docs/perf-notes.md; swept with CUPYROPE_EXTRA_NVRTC_OPTIONS by scripts/sweep_norm.py).
@@ -97,8 +150,9 @@ struct FwdMinBlocks {
         NPT == 1 ? RMS_FWD_MIN_BLOCKS_1 : NPT == 2 ? RMS_FWD_MIN_BLOCKS_2 : RMS_FWD_MIN_BLOCKS_4;
 };
 
-template <typename T, typename W, bool VEC, int NPT, bool ADD>
+template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
 __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(const NormParams p) {
+    static_assert(!SHIFT || (VEC && NPT > 0), "SHIFT: vectorized rows held in registers");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     __shared__ float scratch[32];
     const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
@@ -110,29 +164,33 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
     if constexpr (NPT > 0) {
         // A weight load behind a store (which may alias it) waits for it: see the knobs above.
         constexpr bool EARLY = NPT * E * sizeof(W) <= RMS_WEIGHT_EARLY_BYTES;
+        const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+        T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
+        T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
+        // SHIFT: elements from x's row start back to the previous 16-byte boundary.
+        const i64 first = (i64)lane * E - (SHIFT ? (i64)(reinterpret_cast<size_t>(x_row) / sizeof(T) % E) : 0);
         Pack<T, E> v[NPT];
         Pack<W, E> w[NPT];
         Pack<T, E> r[ADD ? NPT : 1];
-        T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
         // Every load of the row is issued before the first residual store (a store orders later loads).
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const i64 col = (i64)lane * E + i * step;
+            const i64 col = first + i * step;
             if (active && col < p.hidden) {
-                if constexpr (EARLY) w[i] = load_weight<W, VEC, E>(p.weight, col);
-                v[i] = load_pack<VEC, E>(static_cast<const T*>(p.x) + row * p.x_stride + col);
-                if constexpr (ADD) r[ADD ? i : 0] = load_pack<VEC, E>(res_row + col);
+                if constexpr (EARLY) w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                v[i] = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
+                if constexpr (ADD) r[ADD ? i : 0] = load_chunk<VEC, SHIFT, E>(res_row, col, p.hidden);
             }
         }
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const i64 col = (i64)lane * E + i * step;
+            const i64 col = first + i * step;
             if (active && col < p.hidden) {
                 if constexpr (ADD) {
 #pragma unroll
                     for (int e = 0; e < E; ++e)
                         v[i].v[e] = from_float<T>(to_float(v[i].v[e]) + to_float(r[ADD ? i : 0].v[e]));
-                    store_pack<VEC, E>(res_row + col, v[i]);
+                    store_chunk<VEC, SHIFT, E>(res_row, col, p.hidden, v[i]);
                 }
 #pragma unroll
                 for (int e = 0; e < E; ++e) sum_sq += to_float(v[i].v[e]) * to_float(v[i].v[e]);
@@ -143,16 +201,17 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         if constexpr (!EARLY && RMS_WEIGHT_BATCH) {
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
-                const i64 col = (i64)lane * E + i * step;
-                if (col < p.hidden) w[i] = load_weight<W, VEC, E>(p.weight, col);
+                const i64 col = first + i * step;
+                if (col < p.hidden) w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
             }
         }
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const i64 col = (i64)lane * E + i * step;
+            const i64 col = first + i * step;
             if (col < p.hidden) {
-                if constexpr (!EARLY && !RMS_WEIGHT_BATCH) w[i] = load_weight<W, VEC, E>(p.weight, col);
-                store_output<T, W, VEC, E>(p, row, col, v[i], rstd, w[i]);
+                if constexpr (!EARLY && !RMS_WEIGHT_BATCH)
+                    w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, output<T, W, VEC, E>(p, v[i], rstd, w[i]));
             }
         }
         if (p.rstd && lane == 0) p.rstd[row] = rstd;

@@ -106,11 +106,33 @@ def test_rms_norm_plans():
     x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
     p = plan_forward(x, y, None, arr((4096,), ptr=BASE + 2**29), (4096, 4096), 8192, 4096)
     assert p.vectorized and p.block == (256, 1) and p.grid == 8192  # 16 bf16 (two 16-byte chunks) a thread
-    assert p.name == "cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, true, 2, false>"
-    odd = arr((7, 1027))
-    assert not plan_forward(odd, odd, None, None, (1027, 1027), 7, 1027).vectorized
+    assert p.name == "cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, true, 2, false, false>"
+    # A weight that is not 16-byte aligned is read element by element; x and y still move 16 bytes.
     misaligned_weight = arr((4096,), "float32", ptr=BASE + 4)
-    assert not plan_forward(x, y, None, misaligned_weight, (4096, 4096), 8192, 4096).vectorized
+    assert plan_forward(x, y, None, misaligned_weight, (4096, 4096), 8192, 4096).shifted
+
+
+def test_rms_norm_odd_rows_move_in_shifted_chunks():
+    odd, out = arr((7, 1027)), arr((7, 1027), ptr=BASE + 2**20)
+    weight = arr((1027,), "float32", ptr=BASE + 2**21 + 4)  # the weight's alignment does not matter
+    p = plan_forward(odd, out, None, weight, (1027, 1027), 7, 1027)
+    assert p.vectorized and p.shifted and p.name.endswith("float, true, 2, false, true>")
+    # 1027 bf16 + up to 7 elements before the first boundary: 130 chunks, two a thread.
+    assert p.block == (128, 2) and p.slots == 2
+    assert not plan_forward(odd, out, None, weight, (1027, 1027), 7, 1027, impl="scalar").vectorized
+    # Rows of out start at another offset from a 16-byte boundary than x's: element by element.
+    assert not plan_forward(odd, arr((7, 1027), ptr=BASE + 2), None, None, (1027, 1027), 7, 1027).vectorized
+    assert not plan_forward(odd, out, None, None, (1027, 1028), 7, 1027).vectorized
+    # Fused add: residual must share x's offsets too.
+    add = plan_forward(odd, odd, out, None, (1027, 1027, 1035), 7, 1027)
+    assert add.shifted and add.name.endswith("true, true>")
+    # Short rows stay element by element; the backward never shifts.
+    assert not plan_forward(arr((7, 61)), arr((7, 61)), None, None, (61, 61), 7, 61).vectorized
+    assert not plan_backward(odd, odd, out, None, (1027,) * 3, 7, 1027, n_sm=132).vectorized
+
+
+def test_rms_norm_backward_plans():
+    x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
     b = plan_backward(x, x, y, arr((4096,), "float32"), (4096,) * 3, 8192, 4096, n_sm=132)
     assert b.grid <= 132 * 8 and b.name.startswith("cupyrope::rms_norm_bwd<__nv_bfloat16, float, true,")
     assert b.block[1] == 1 and b.slots and b.shared_mem == 0  # register sums go straight to the partial row

@@ -61,6 +61,44 @@ def test_strided_rows_no_weight_and_kinds(rng, kind, dtype, hidden):
     np.testing.assert_array_equal(to_host(x), x_host)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden,start,pad", [(1027, 0, 5), (1027, 3, 1), (2999, 1, 6), (8191, 5, 9), (300, 7, 4)])
+def test_unaligned_rows(rng, kind, dtype, hidden, start, pad):
+    """Rows that start anywhere relative to 16-byte boundaries (the forward's shifted 16-byte path):
+    every element of the row right, nothing around the rows written, same result as element by element."""
+    rows = 37
+    x_host = random_host((rows, hidden), dtype, rng, scale=2.0)
+    r_host = random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), "float32", rng)
+    w = to_device(w_host, "float32", kind)
+
+    def view(host):  # columns start .. start + hidden of a (rows, hidden + pad) buffer, around them NaN
+        wide = np.full((rows, hidden + pad), np.nan)
+        wide[:, start:start + hidden] = host
+        buffer = to_device(wide, dtype, kind)
+        return buffer, buffer[:, start:start + hidden]
+
+    def outside(buffer):
+        whole = to_host(buffer)
+        return np.concatenate([whole[:, :start], whole[:, start + hidden:]], axis=1)
+
+    x_buf, x = view(x_host)
+    out_buf, out = view(np.full((rows, hidden), np.nan))
+    cupyrope.rms_norm(x, w, 1e-6, out=out)
+    assert_matches(to_host(out), reference.rms_norm(x_host, w_host, 1e-6), dtype, scale=2.0)
+    assert np.isnan(outside(out_buf)).all(), "wrote outside the rows"
+    scalar = cupyrope.rms_norm(x, w, 1e-6, impl="scalar")
+    np.testing.assert_array_equal(to_host(out), to_host(scalar))  # same fp32 sums, per element
+    # Fused add, x and residual both unaligned views.
+    r_buf, r = view(r_host)
+    cupyrope.fused_add_rms_norm(x, r, w, 1e-6)
+    ref_y, ref_r = reference.fused_add_rms_norm(x_host, r_host, w_host, 1e-6, dtype=dtype)
+    np.testing.assert_array_equal(to_host(r), ref_r)
+    assert_matches(to_host(x), ref_y, dtype, scale=2.0)
+    assert np.isnan(outside(x_buf)).all() and np.isnan(outside(r_buf)).all(), "wrote outside the rows"
+
+
 @pytest.mark.parametrize("hidden", [1, 61, 130, 1027, 4096, 16384, 65536])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward(rng, dtype, hidden):
