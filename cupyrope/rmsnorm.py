@@ -24,7 +24,10 @@ LONG_ROW_BYTES = 8192
 FWD_MAX_SLOTS = {(True, 4): 8, (True, 2): 4, (False, 4): 8, (False, 2): 8}
 BWD_MAX_SLOTS = {(True, 4): 2, (True, 2): 2, (False, 4): 8, (False, 2): 8}
 SHARED_ACC_LIMIT = 160 * 1024  # bytes of per-block dweight sums kept in shared memory
-BLOCK_THREADS = 256
+# Threads per block (rows of fewer threads share a block): 128 was best for the forward at every
+# sweep shape, the backward prefers 256 for short rows (scripts/sweep_norm.py, docs/perf-notes.md).
+FWD_BLOCK_THREADS = 128
+BWD_BLOCK_THREADS = 256
 DW_SPLIT = 32  # rms_norm_dw's block is (32 columns, DW_SPLIT); mirrors kernels_src/rms_norm.cu
 THREADS_PER_SM = 2048
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the forward's shifted 16-byte
@@ -94,8 +97,8 @@ def _shiftable(arrays, row_strides, hidden, dtype) -> bool:
     )
 
 
-def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread, extra, impl,
-          can_shift=False):
+def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread, block_threads,
+          extra, impl, can_shift=False):
     """can_shift: the kernel takes a last SHIFT parameter (forward); arrays[-1] is the weight."""
     vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
     itemsize = _arrays.ITEMSIZE[dtype]
@@ -111,7 +114,7 @@ def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_sl
     elems = vec_elems if vectorized else 1
     if not shifted:
         width, slots = row_shape(hidden, elems, max(1, elems_per_thread // elems), max_slots[vectorized, itemsize])
-    rows_per_block = max(1, BLOCK_THREADS // width)
+    rows_per_block = max(1, block_threads // width)
     blocks = -(-rows // rows_per_block)
     flags = [*extra, "true" if shifted else "false"] if can_shift else extra
     args = ", ".join([CTYPE[dtype], CTYPE[weight_dtype], "true" if vectorized else "false", str(slots), *flags])
@@ -125,7 +128,7 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto")
     add = "true" if residual is not None else "false"
     weight_dtype = weight.dtype if weight is not None else "float32"
     return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS,
-                 FWD_ELEMS_PER_THREAD, [add], impl, can_shift=True)
+                 FWD_ELEMS_PER_THREAD, FWD_BLOCK_THREADS, [add], impl, can_shift=True)
 
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto") -> NormPlan:
@@ -133,7 +136,7 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     long_rows = hidden * _arrays.ITEMSIZE[x.dtype] >= LONG_ROW_BYTES
     elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD
     plan = _plan("rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
-                 BWD_MAX_SLOTS, elems, [], impl)
+                 BWD_MAX_SLOTS, elems, BWD_BLOCK_THREADS, [], impl)
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     plan.grid = max(1, min(plan.grid, n_sm * max(1, THREADS_PER_SM // threads)))

@@ -1,6 +1,7 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [FWD_ELEMS,BWD_ELEMS ...]   (default: 8,8 16,16 32,16)
+Usage: python scripts/sweep_norm.py [--no-peers] [--big|--mid] [FWD_ELEMS,BWD_ELEMS[,BLOCK_THREADS] ...]
+       (default settings: 8,8 16,16 32,16; BLOCK_THREADS: the forward's, default rmsnorm.FWD_BLOCK_THREADS)
 Kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS="-DRMS_WEIGHT_BATCH=1 ..." (kernels_src/rms_norm.cu).
 Each cupyrope setting is checked against torch in fp32 before it is timed. GPU time per call: the
 benchmark suite's CUDA-graph replay over enough input copies to defeat the L2 (autograd peers: events
@@ -21,6 +22,9 @@ SHAPES = [(32768, 4096, torch.bfloat16), (16384, 8192, torch.bfloat16), (8192, 1
 SHAPES += [(8192, h, torch.bfloat16) for h in (61, 130, 256, 512, 1024, 1027, 2048)]
 if "--big" in sys.argv:
     SHAPES = SHAPES[:6] + [(8192, h, torch.bfloat16) for h in (1024, 1027, 2048)]
+if "--mid" in sys.argv:
+    SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
+    SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]
 
 
 def time_us(make_fn, copies, capture=True):
@@ -62,12 +66,14 @@ def check(x, w, dy, y, dx, dw):
 
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    default_block = rmsnorm.FWD_BLOCK_THREADS
     settings = [tuple(map(int, a.split(","))) for a in args] or [(8, 8), (16, 16), (32, 16)]
+    settings = [s if len(s) == 3 else (*s, default_block) for s in settings]
     with_peers = "--no-peers" not in sys.argv
     bw = bench.copy_bandwidth_gbps(torch)
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; % of it below; options "
           f"{os.environ.get('CUPYROPE_EXTRA_NVRTC_OPTIONS', '(default)')}")
-    header = ["shape", "op"] + [f"cupyrope {f},{b}" for f, b in settings]
+    header = ["shape", "op"] + [f"cupyrope {f},{b},{t}" for f, b, t in settings]
     header += ["F.rms_norm", "liger"] if with_peers else []
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for rows, hidden, dt in SHAPES:
@@ -77,7 +83,8 @@ def main():
             x = torch.randn(rows, hidden, device=dev, dtype=dt)
             copies.append((x, torch.randn(hidden, device=dev, dtype=dt), torch.randn_like(x)))
         results = {"fwd": [], "bwd": []}
-        for f, b in settings:
+        for f, b, t in settings:
+            rmsnorm.FWD_BLOCK_THREADS = t
             rmsnorm.FWD_ELEMS_PER_THREAD = f
             rmsnorm.BWD_ELEMS_PER_THREAD = rmsnorm.BWD_ELEMS_PER_THREAD_LONG_ROWS = b
             rmsnorm._plans = _arrays.PlanCache()

@@ -118,7 +118,7 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
     p = plan_forward(odd, out, None, weight, (1027, 1027), 7, 1027)
     assert p.vectorized and p.shifted and p.name.endswith("float, true, 2, false, true>")
     # 1027 bf16 + up to 7 elements before the first boundary: 130 chunks, two a thread.
-    assert p.block == (128, 2) and p.slots == 2
+    assert p.block == (128, 1) and p.slots == 2
     assert not plan_forward(odd, out, None, weight, (1027, 1027), 7, 1027, impl="scalar").vectorized
     # Rows of out start at another offset from a 16-byte boundary than x's: element by element.
     assert not plan_forward(odd, arr((7, 1027), ptr=BASE + 2), None, None, (1027, 1027), 7, 1027).vectorized
