@@ -99,7 +99,7 @@ def _shiftable(arrays, row_strides, hidden, dtype) -> bool:
 
 def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread, block_threads,
           extra, impl, can_shift=False):
-    """can_shift: the kernel takes a last SHIFT parameter (forward); arrays[-1] is the weight."""
+    """can_shift: the kernel takes a last SHIFT parameter; arrays[-1] is the weight."""
     vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
     itemsize = _arrays.ITEMSIZE[dtype]
     vec_elems = 16 // itemsize
@@ -136,16 +136,16 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     long_rows = hidden * _arrays.ITEMSIZE[x.dtype] >= LONG_ROW_BYTES
     elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD
     plan = _plan("rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
-                 BWD_MAX_SLOTS, elems, BWD_BLOCK_THREADS, [], impl)
+                 BWD_MAX_SLOTS, elems, BWD_BLOCK_THREADS, [], impl, can_shift=True)
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     plan.grid = max(1, min(plan.grid, n_sm * max(1, THREADS_PER_SM // threads)))
     # dweight sums of each rows slot, added in order at the end: in shared memory, except with one
     # slot and the sums in registers (written straight to the partial row), or rows too long for it
-    # (one slot, the sums kept in the partial row).
+    # (one slot, the sums kept in the partial row). Shifted rows keep no sums in registers.
     rows_slots = plan.block[1]
     plan.shared_mem = rows_slots * hidden * 4 if weight is not None else 0
-    if plan.shared_mem > SHARED_ACC_LIMIT or (plan.slots and rows_slots == 1):
+    if plan.shared_mem > SHARED_ACC_LIMIT or (plan.slots and rows_slots == 1 and not plan.shifted):
         plan.shared_mem = 0
     assert plan.shared_mem or rows_slots == 1 or weight is None, "rows slots would share one partial row"
     return plan
@@ -164,7 +164,8 @@ def all_variants():
                             for shift in shifts:
                                 yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, {add}, {shift}>"
                     if slots <= BWD_MAX_SLOTS[size]:
-                        yield SOURCE, f"cupyrope::rms_norm_bwd<{w}>"
+                        for shift in shifts:
+                            yield SOURCE, f"cupyrope::rms_norm_bwd<{w}, {shift}>"
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 
 

@@ -277,9 +277,10 @@ __device__ __forceinline__ Pack<float, E> zeros() {
     return z;
 }
 
-template <typename T, typename W, bool VEC, int NPT>
+template <typename T, typename W, bool VEC, int NPT, bool SHIFT>
 __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD_MIN_BLOCKS_2)
     rms_norm_bwd(const NormBwdParams p) {
+    static_assert(!SHIFT || (VEC && NPT > 0), "SHIFT: vectorized rows held in registers");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
     __shared__ float scratch[64];
@@ -288,31 +289,38 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
     const i64 step = (i64)width * E;
     const i64 rows_per_pass = (i64)gridDim.x * blockDim.y;
     float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
-    float* const my_acc = p.shared_acc ? dw_acc + threadIdx.y * p.hidden : my_partial;  // NPT == 0
-    Pack<float, E> dw[SLOTS];  // NPT > 0
+    // NPT == 0 or SHIFT: per-column sums in shared memory (shared_acc) or the partial row.
+    float* const my_acc = p.shared_acc ? dw_acc + threadIdx.y * p.hidden : my_partial;
+    Pack<float, E> dw[SLOTS];  // NPT > 0 and not SHIFT: a thread owns the same columns in every row
 #pragma unroll
     for (int i = 0; i < SLOTS; ++i) dw[i] = zeros<E>();
-    if (NPT == 0 && p.weight)  // without shared_acc the planner made blockDim.y == 1: the partial row is ours
+    if ((NPT == 0 || SHIFT) && p.weight) {  // without shared_acc, blockDim.y == 1: the partial row is ours
         for (i64 col = lane; col < p.hidden; col += width) my_acc[col] = 0.f;
+        __syncthreads();
+    }
 
     // The loop bound is uniform across the block (the reductions contain barriers).
     for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += rows_per_pass) {
+        // SHIFT: another thread may own a column in this row than in the last (its sums: read-modify-write).
+        if constexpr (SHIFT) __syncthreads();
         const i64 row = base + threadIdx.y;
         const bool active = row < p.rows;
         const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
         const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
+        // SHIFT: elements from x's row start back to the previous 16-byte boundary (as in the forward).
+        const i64 first = (i64)lane * E - (SHIFT ? (i64)(reinterpret_cast<size_t>(x_row) / sizeof(T) % E) : 0);
         float sum_sq = 0.f, dot = 0.f;
         Pack<T, E> dyv[SLOTS], xv[SLOTS];
         Pack<W, E> wv[SLOTS];
         if constexpr (NPT > 0) {
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
-                const i64 col = (i64)lane * E + i * step;
+                const i64 col = first + i * step;
                 if (active && col < p.hidden) {
-                    dyv[i] = load_pack<VEC, E>(dy_row + col);
-                    xv[i] = load_pack<VEC, E>(x_row + col);
-                    const Pack<W, E> w = load_weight<W, VEC, E>(p.weight, col);
+                    dyv[i] = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
+                    xv[i] = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
+                    const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
                     if constexpr (RMS_BWD_KEEP_WEIGHT) wv[i] = w;
 #pragma unroll
                     for (int e = 0; e < E; ++e) {
@@ -339,7 +347,23 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
         const float coef = rstd * rstd * rstd * (sums.y / (float)p.hidden);
         if (!active) continue;
 
-        if constexpr (NPT > 0) {
+        if constexpr (SHIFT) {
+#pragma unroll
+            for (int i = 0; i < NPT; ++i) {
+                const i64 col = first + i * step;
+                if (col < p.hidden) {
+                    if constexpr (!RMS_BWD_KEEP_WEIGHT) wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                    Pack<T, E> out;
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        const float xf = to_float(xv[i].v[e]), df = to_float(dyv[i].v[e]);
+                        out.v[e] = from_float<T>(rstd * df * scale<W, E>(p.weight, p.offset, wv[i], e) - xf * coef);
+                        if (p.weight && inside(col + e, p.hidden)) my_acc[col + e] += df * xf * rstd;
+                    }
+                    store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden, out);
+                }
+            }
+        } else if constexpr (NPT > 0) {
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
                 const i64 col = (i64)lane * E + i * step;
@@ -359,7 +383,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
         }
     }
     if (!p.weight) return;  // uniform across the grid
-    if constexpr (NPT > 0) {
+    if constexpr (NPT > 0 && !SHIFT) {
         // Register sums -> the partial row (one rows slot) or this slot's shared row.
         float* const dst = p.shared_acc ? dw_acc + threadIdx.y * p.hidden : my_partial;
 #pragma unroll

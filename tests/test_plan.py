@@ -126,9 +126,11 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
     # Fused add: residual must share x's offsets too.
     add = plan_forward(odd, odd, out, None, (1027, 1027, 1035), 7, 1027)
     assert add.shifted and add.name.endswith("true, true>")
-    # Short rows stay element by element; the backward never shifts.
+    # Short rows stay element by element.
     assert not plan_forward(arr((7, 61)), arr((7, 61)), None, None, (61, 61), 7, 61).vectorized
-    assert not plan_backward(odd, odd, out, None, (1027,) * 3, 7, 1027, n_sm=132).vectorized
+    # The backward shifts too; its dweight sums go through shared memory (columns move between threads).
+    b = plan_backward(odd, odd, out, weight, (1027,) * 3, 7, 1027, n_sm=132)
+    assert b.shifted and b.name.endswith("float, true, 1, true>") and b.shared_mem == b.block[1] * 1027 * 4
 
 
 def test_rms_norm_backward_plans():
