@@ -1,6 +1,6 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--big|--mid] [FWD_ELEMS,BWD_ELEMS[,BLOCK_THREADS] ...]
+Usage: python scripts/sweep_norm.py [--no-peers] [--big|--mid|--small] [FWD_ELEMS,BWD_ELEMS[,BLOCK_THREADS] ...]
        (default settings: 8,8 16,16 32,16; BLOCK_THREADS: the forward's, default rmsnorm.FWD_BLOCK_THREADS)
 Kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS="-DRMS_WEIGHT_BATCH=1 ..." (kernels_src/rms_norm.cu).
 Each cupyrope setting is checked against torch in fp32 before it is timed. GPU time per call: the
@@ -22,6 +22,9 @@ SHAPES = [(32768, 4096, torch.bfloat16), (16384, 8192, torch.bfloat16), (8192, 1
 SHAPES += [(8192, h, torch.bfloat16) for h in (61, 130, 256, 512, 1024, 1027, 2048)]
 if "--big" in sys.argv:
     SHAPES = SHAPES[:6] + [(8192, h, torch.bfloat16) for h in (1024, 1027, 2048)]
+if "--small" in sys.argv:  # a single wave or less: latency, not bandwidth
+    SHAPES = [(512, h, torch.bfloat16) for h in (32, 1024, 4096, 16384)]
+    SHAPES += [(2048, 4096, torch.bfloat16), (1024, 8192, torch.bfloat16), (8192, 1024, torch.bfloat16)]
 if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]
