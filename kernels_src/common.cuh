@@ -93,9 +93,6 @@ __device__ __forceinline__ void store_words(void* p, uint2 w) {
     asm volatile("st.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(w.x), "r"(w.y) : "memory");
 }
 
-// A hint: bring the line holding p into L1 (no register, no wait).
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-
 template <bool VEC, int N, typename T>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& pk) {
     constexpr int WORDS = (int)sizeof(Pack<T, N>) / 4;

@@ -122,11 +122,6 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, i64 
 #ifndef RMS_WEIGHT_BATCH
 #define RMS_WEIGHT_BATCH 0
 #endif
-// Weights loaded late are first prefetched into L1 with x (no registers): their load after the
-// reduction then waits for L1, not DRAM, which matters when a grid is a single wave (small inputs).
-#ifndef RMS_WEIGHT_PREFETCH
-#define RMS_WEIGHT_PREFETCH 1
-#endif
 // Resident 512-thread blocks per SM asked of the compiler (register budget) by register slots:
 // occupancy mattered more than keeping everything in registers in every measurement so far.
 #ifndef RMS_FWD_MIN_BLOCKS_1
@@ -183,8 +178,6 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
             const i64 col = first + i * step;
             if (active && col < p.hidden) {
                 if constexpr (EARLY) w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-                if constexpr (!EARLY && RMS_WEIGHT_PREFETCH)
-                    if (p.weight && col >= 0) prefetch_l1(static_cast<const W*>(p.weight) + col);
                 v[i] = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
                 if constexpr (ADD) r[ADD ? i : 0] = load_chunk<VEC, SHIFT, E>(res_row, col, p.hidden);
             }
