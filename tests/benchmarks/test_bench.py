@@ -35,7 +35,12 @@ def _run(benchmark, case, name, providers, copy_gbps):
         fns = [providers[name](d) for d in copies]
     except ValueError as error:
         pytest.skip(str(error))
-    bench.check(case, name, copies[0], fns[0], torch)
+    try:
+        bench.check(case, name, copies[0], fns[0], torch)
+    except AssertionError as error:
+        if name.startswith("cupyrope"):
+            raise
+        pytest.skip(f"excluded: {error}")  # a peer's wrong answer is reported, never ranked
     gpu_us = bench.gpu_time_us(torch, fns, capture=not (case.op == "rms_bwd" and not name.startswith("cupyrope")))
     eager_us = bench.eager_time_us(torch, fns)
     gbps = case.bytes_moved / gpu_us / 1e3
