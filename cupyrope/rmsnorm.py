@@ -30,8 +30,8 @@ FWD_BLOCK_THREADS = 128
 BWD_BLOCK_THREADS = 256
 DW_SPLIT = 32  # rms_norm_dw's block is (32 columns, DW_SPLIT); mirrors kernels_src/rms_norm.cu
 THREADS_PER_SM = 2048
-# Unaligned rows (odd hidden sizes) of at least this many bytes take the forward's shifted 16-byte
-# path; shorter ones stay element by element (few chunks a row: the edges would dominate).
+# Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
+# (forward and backward); shorter ones stay element by element (few chunks a row: the edges dominate).
 SHIFT_MIN_ROW_BYTES = 512
 
 # Mirror NormParams, NormBwdParams and DweightParams in kernels_src/rms_norm.cu: pointers, then these.
@@ -84,8 +84,8 @@ def _vectorizable(arrays, row_strides, hidden, dtype) -> bool:
 
 
 def _shiftable(arrays, row_strides, hidden, dtype) -> bool:
-    """Rows that are not 16-byte aligned still move in 16-byte chunks (rms_norm_fwd's SHIFT) when every
-    array's row starts at the same offset from a 16-byte boundary as x's, in every row."""
+    """Rows that are not 16-byte aligned still move in 16-byte chunks (the kernels' SHIFT) when every
+    array's row starts at the same offset from a 16-byte boundary as the first array's, in every row."""
     itemsize = _arrays.ITEMSIZE[dtype]
     elems = 16 // itemsize
     x = arrays[0]
@@ -100,20 +100,23 @@ def _shiftable(arrays, row_strides, hidden, dtype) -> bool:
 def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread, block_threads,
           extra, impl, can_shift=False):
     """can_shift: the kernel takes a last SHIFT parameter; arrays[-1] is the weight."""
-    vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
     itemsize = _arrays.ITEMSIZE[dtype]
-    vec_elems = 16 // itemsize
-    shifted = False
-    if can_shift and not vectorized and impl != "scalar" and _shiftable(arrays[:-1], row_strides, hidden, dtype):
-        # A shifted row spans up to E - 1 more elements (the part before its first boundary).
-        width, slots = row_shape(hidden + vec_elems - 1, vec_elems, max(1, elems_per_thread // vec_elems),
-                                 max_slots[True, itemsize])
+
+    def shape(vec, span):  # (width, slots) for a row of `span` elements
+        elems = 16 // itemsize if vec else 1
+        return row_shape(span, elems, max(1, elems_per_thread // elems), max_slots[vec, itemsize])
+
+    vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
+    shifted = can_shift and not vectorized and impl != "scalar" and _shiftable(arrays[:-1], row_strides, hidden, dtype)
+    if shifted:
+        # A shifted row spans up to E - 1 more elements (the part before its first boundary); it must
+        # fit in registers (SHIFT has no two-pass loop).
+        width, slots = shape(True, hidden + 16 // itemsize - 1)
         shifted = vectorized = slots > 0
     if impl == "vector" and not vectorized:
         raise ValueError("impl: 'vector' needs hidden a multiple of 16 bytes and 16-byte aligned rows")
-    elems = vec_elems if vectorized else 1
     if not shifted:
-        width, slots = row_shape(hidden, elems, max(1, elems_per_thread // elems), max_slots[vectorized, itemsize])
+        width, slots = shape(vectorized, hidden)
     rows_per_block = max(1, block_threads // width)
     blocks = -(-rows // rows_per_block)
     flags = [*extra, "true" if shifted else "false"] if can_shift else extra

@@ -5,7 +5,7 @@
 // (E = 16 bytes when VEC, else 1). NPT > 0: the NPT chunks stay in registers between the reduction
 // and the output (one read, one write); NPT == 0: rows too large for registers are read twice (the
 // second read mostly hits L2).
-// SHIFT (forward, VEC, NPT > 0): rows that are not 16-byte aligned (odd hidden sizes). Chunks follow
+// SHIFT (VEC, NPT > 0; forward and backward): rows that are not 16-byte aligned (odd hidden sizes). Chunks follow
 // the 16-byte boundaries of memory, not the row: chunk c of a row that starts s elements past a
 // boundary covers columns c*E - s ... c*E - s + E - 1, so whole chunks move as one 16-byte access
 // and only the first and last chunk of a row go element by element. The planner checked that every
@@ -73,6 +73,13 @@ __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 c
 // Columns col ... col + E - 1 of a row (SHIFT: col may be negative and the chunk may end past
 // `hidden`; the part outside the row reads as 0 and is never written).
 __device__ __forceinline__ bool inside(i64 col, i64 hidden) { return col >= 0 && col < hidden; }
+
+// First column of thread `lane`'s first chunk; SHIFT: minus the elements from the row's start back to
+// the previous 16-byte boundary.
+template <bool SHIFT, int E, typename T>
+__device__ __forceinline__ i64 first_column(const T* row, int lane) {
+    return (i64)lane * E - (SHIFT ? (i64)(reinterpret_cast<size_t>(row) / sizeof(T) % E) : 0);
+}
 
 template <bool VEC, bool SHIFT, int E, typename T>
 __device__ __forceinline__ Pack<T, E> load_chunk(const T* row, i64 col, i64 hidden) {
@@ -167,8 +174,7 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
         T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
-        // SHIFT: elements from x's row start back to the previous 16-byte boundary.
-        const i64 first = (i64)lane * E - (SHIFT ? (i64)(reinterpret_cast<size_t>(x_row) / sizeof(T) % E) : 0);
+        const i64 first = first_column<SHIFT, E>(x_row, lane);
         Pack<T, E> v[NPT];
         Pack<W, E> w[NPT];
         Pack<T, E> r[ADD ? NPT : 1];
@@ -255,10 +261,10 @@ struct NormBwdParams {  // mirrored by rmsnorm.py's _BWD_TAIL
     float eps, offset;
 };
 
-// dx for E columns; adds dy * x * rstd to sums.
-template <typename T, typename W, bool VEC, int E>
-__device__ __forceinline__ void bwd_chunk(const NormBwdParams& p, const Pack<T, E>& d, const Pack<T, E>& xx,
-                                          const Pack<W, E>& w, float rstd, float coef, T* dx, Pack<float, E>& sums) {
+// dx for E columns (returned); adds dy * x * rstd to sums.
+template <typename T, typename W, int E>
+__device__ __forceinline__ Pack<T, E> bwd_chunk(const NormBwdParams& p, const Pack<T, E>& d, const Pack<T, E>& xx,
+                                                const Pack<W, E>& w, float rstd, float coef, Pack<float, E>& sums) {
     Pack<T, E> out;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
@@ -266,7 +272,7 @@ __device__ __forceinline__ void bwd_chunk(const NormBwdParams& p, const Pack<T, 
         out.v[e] = from_float<T>(rstd * df * scale<W, E>(p.weight, p.offset, w, e) - xf * coef);
         sums.v[e] += df * xf * rstd;
     }
-    store_pack<VEC, E>(dx, out);
+    return out;
 }
 
 template <int E>
@@ -308,8 +314,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
         const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
         const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
-        // SHIFT: elements from x's row start back to the previous 16-byte boundary (as in the forward).
-        const i64 first = (i64)lane * E - (SHIFT ? (i64)(reinterpret_cast<size_t>(x_row) / sizeof(T) % E) : 0);
+        const i64 first = first_column<SHIFT, E>(x_row, lane);
         float sum_sq = 0.f, dot = 0.f;
         Pack<T, E> dyv[SLOTS], xv[SLOTS];
         Pack<W, E> wv[SLOTS];
@@ -347,37 +352,30 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
         const float coef = rstd * rstd * rstd * (sums.y / (float)p.hidden);
         if (!active) continue;
 
-        if constexpr (SHIFT) {
+        if constexpr (NPT > 0) {
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
                 const i64 col = first + i * step;
                 if (col < p.hidden) {
                     if constexpr (!RMS_BWD_KEEP_WEIGHT) wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-                    Pack<T, E> out;
+                    if constexpr (SHIFT) {  // this row's columns are not this thread's in every row: shared sums
+                        Pack<float, E> add = zeros<E>();
+                        store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden,
+                                                   bwd_chunk<T, W, E>(p, dyv[i], xv[i], wv[i], rstd, coef, add));
 #pragma unroll
-                    for (int e = 0; e < E; ++e) {
-                        const float xf = to_float(xv[i].v[e]), df = to_float(dyv[i].v[e]);
-                        out.v[e] = from_float<T>(rstd * df * scale<W, E>(p.weight, p.offset, wv[i], e) - xf * coef);
-                        if (p.weight && inside(col + e, p.hidden)) my_acc[col + e] += df * xf * rstd;
+                        for (int e = 0; e < E; ++e)
+                            if (p.weight && inside(col + e, p.hidden)) my_acc[col + e] += add.v[e];
+                    } else {
+                        store_pack<VEC, E>(dx_row + col, bwd_chunk<T, W, E>(p, dyv[i], xv[i], wv[i], rstd, coef, dw[i]));
                     }
-                    store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden, out);
-                }
-            }
-        } else if constexpr (NPT > 0) {
-#pragma unroll
-            for (int i = 0; i < NPT; ++i) {
-                const i64 col = (i64)lane * E + i * step;
-                if (col < p.hidden) {
-                    if constexpr (!RMS_BWD_KEEP_WEIGHT) wv[i] = load_weight<W, VEC, E>(p.weight, col);
-                    bwd_chunk<T, W, VEC, E>(p, dyv[i], xv[i], wv[i], rstd, coef, dx_row + col, dw[i]);
                 }
             }
         } else {
             for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
                 const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
                 Pack<float, E> acc = p.weight ? load_pack<VEC, E>(my_acc + col) : zeros<E>();
-                bwd_chunk<T, W, VEC, E>(p, d, xx, load_weight<W, VEC, E>(p.weight, col), rstd, coef, dx_row + col,
-                                        acc);
+                store_pack<VEC, E>(dx_row + col,
+                                   bwd_chunk<T, W, E>(p, d, xx, load_weight<W, VEC, E>(p.weight, col), rstd, coef, acc));
                 if (p.weight) store_pack<VEC, E>(my_acc + col, acc);
             }
         }
