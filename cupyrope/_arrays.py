@@ -97,22 +97,62 @@ def describe(obj, name: str) -> Array:
     raise TypeError(f"{name}: expected a cupy.ndarray or a CUDA torch.Tensor, got {cls.__name__}")
 
 
-def current_stream(array: Array) -> int:
-    """Raw handle of the caller's current stream on the array's device."""
-    if array.kind == "torch":
-        return sys.modules["torch"]._C._cuda_getCurrentRawStream(array.device)
-    return sys.modules["cupy"].cuda.get_current_stream(array.device).ptr  # imported: array is CuPy's
+def fingerprint(obj, name: str):
+    """(key, pointer) of ``obj`` (the argument called ``name``). The key holds everything a plan depends
+    on -- type, dtype, shape, strides, device and 16-byte alignment -- and costs a few attribute reads,
+    so every call can afford it. An object of a type not seen yet goes through describe() first, which
+    raises for what cupyrope cannot take; a CPU tensor gets a key no plan has (plans are made only after
+    describe() accepted every array)."""
+    cls = type(obj)
+    if cls in _TORCH_TYPES:
+        ptr = obj.data_ptr()
+        return (cls, obj.dtype, obj.shape, obj.stride(), obj.device, ptr & 15), ptr
+    if cls in _CUPY_TYPES:
+        data = obj.data
+        ptr = data.ptr
+        return (cls, obj.dtype, obj.shape, obj.strides, data.device_id, ptr & 15), ptr
+    describe(obj, name)
+    return fingerprint(obj, name)
 
 
 def empty(like: Array, shape, dtype: str):
     """A new uninitialized array of the caller's kind on ``like``'s device."""
+    return allocator(like, shape, dtype)(like.obj)[0]
+
+
+def allocator(like: Array, shape, dtype: str):
+    """A function (input object) -> (new uninitialized contiguous array, its pointer) of ``like``'s
+    kind, ``shape`` and ``dtype`` on ``like``'s device; chosen once per plan as the cheapest call."""
+    shape = tuple(shape)
     if like.kind == "torch":
         torch = sys.modules["torch"]  # imported: `like` is a torch tensor
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
-    cupy = import_cupy()
+        if shape == tuple(like.shape) and dtype == like.dtype and is_contiguous(like):
+            def new_torch(obj):  # a contiguous input gives a contiguous result its own layout
+                new = torch.empty_like(obj)
+                return new, new.data_ptr()
+        else:
+            torch_dtype, device = getattr(torch, dtype), like.obj.device
 
-    with cupy.cuda.Device(like.device):
-        return cupy.empty(shape, dtype=_cupy_dtype(dtype))
+            def new_torch(obj):
+                new = torch.empty(shape, dtype=torch_dtype, device=device)
+                return new, new.data_ptr()
+        return new_torch
+    cupy = import_cupy()
+    cupy_dtype, device = _cupy_dtype(dtype), like.device
+
+    def new_cupy(obj):
+        if cupy.cuda.runtime.getDevice() == device:
+            new = cupy.empty(shape, dtype=cupy_dtype)
+        else:
+            with cupy.cuda.Device(device):
+                new = cupy.empty(shape, dtype=cupy_dtype)
+        return new, new.data.ptr
+
+    return new_cupy
+
+
+def is_contiguous(array: Array) -> bool:
+    return tuple(array.strides) == contiguous_like(array, array.shape, array.dtype).strides
 
 
 def _cupy_dtype(dtype: str):
@@ -168,22 +208,20 @@ def check_not_overlapping(a: Array, b: Array, name_a: str, name_b: str, same_all
     ``same_allowed``: b may be exactly a (in place)."""
     if same_allowed and a.ptr == b.ptr and a.strides == b.strides and tuple(a.shape) == tuple(b.shape):
         return
-    if a.size and b.size:
-        hint = f"pass {name_b}={name_a} (in place) or separate memory" if same_allowed else "pass separate memory"
-        check_disjoint(a.ptr, layout_key(a), b.ptr, layout_key(b), name_a, name_b, hint)
+    hint = f"pass {name_b}={name_a} (in place) or separate memory" if same_allowed else "pass separate memory"
+    check_disjoint(a.ptr, layout_key(a), b.ptr, layout_key(b), name_a, name_b, hint)
 
 
-def output(x: Array, out: Array | None, plan):
-    """(output object, its pointer): a new array like x, or the caller's ``out``. An ``out`` that is not
-    x itself (which the plan checked) is checked per call not to overlap x, with the layouts the plan
-    computed once (``plan.out_layouts``)."""
+def output(x, x_ptr: int, out, out_ptr: int, plan):
+    """(output object, its pointer): a new array like x (``plan.new_output``), or the caller's ``out``.
+    An ``out`` that is not x itself (which the plan checked) is checked per call not to overlap x, with
+    the layouts the plan computed once (``plan.out_layouts``)."""
     if out is None:
-        new = empty(x, x.shape, x.dtype)
-        return new, data_ptr(new)
-    if plan.grid and out.ptr != x.ptr:
-        check_disjoint(x.ptr, plan.out_layouts[0], out.ptr, plan.out_layouts[1], "x", "out",
+        return plan.new_output(x)
+    if plan.grid and out_ptr != x_ptr:
+        check_disjoint(x_ptr, plan.out_layouts[0], out_ptr, plan.out_layouts[1], "x", "out",
                        "pass out=x (in place) or separate memory")
-    return out.obj, out.ptr
+    return out, out_ptr
 
 
 def out_layouts(x: Array, out: Array | None):
@@ -197,13 +235,6 @@ def check_last_dim_contiguous(array: Array, name: str) -> None:
             f"{name}: expected the last dimension to be contiguous (stride 1), got strides "
             f"{array.strides}; pass {name}.contiguous() or a view with a unit last stride"
         )
-
-
-def signature(array: Array | None):
-    """Everything a plan depends on except where the array lives (only its 16-byte alignment)."""
-    if array is None:
-        return None
-    return (array.kind, array.dtype, array.shape, array.strides, array.device, array.ptr & 15)
 
 
 def extent(array: Array) -> tuple[int, int]:
@@ -223,13 +254,15 @@ def row_extent(array: Array):
 
 
 def layout_key(array: Array):
-    """What check_disjoint needs about an array, computed once per plan."""
-    return extent(array), row_extent(array)
+    """What check_disjoint needs about an array, computed once per plan (None: no elements)."""
+    return (extent(array), row_extent(array)) if array.size else None
 
 
 def check_disjoint(a_ptr: int, a_layout, b_ptr: int, b_layout, name_a: str, name_b: str, hint: str) -> None:
     """Raise unless a and b provably share no element: their byte ranges are disjoint, or both are
     row-interleaved with the same row stride and disjoint ranges within a row."""
+    if a_layout is None or b_layout is None:
+        return
     (a_lo, a_hi), a_rows = a_layout
     (b_lo, b_hi), b_rows = b_layout
     if not (a_ptr + a_lo < b_ptr + b_hi and b_ptr + b_lo < a_ptr + a_hi):
@@ -252,14 +285,6 @@ def contiguous_like(like: Array, shape, dtype: str) -> Array:
         strides.insert(0, step)
         step *= max(n, 1)
     return Array(None, like.kind, 0, dtype, tuple(shape), tuple(strides), like.device)
-
-
-def data_ptr(obj) -> int:
-    return obj.data_ptr() if like_torch(obj) else obj.data.ptr
-
-
-def like_torch(obj) -> bool:
-    return type(obj).__module__.startswith("torch")
 
 
 class PlanCache:

@@ -1,18 +1,21 @@
 """Launch a compiled kernel whose only parameter is a struct, through the CUDA driver.
 
-The struct is the call's pointers followed by constant bytes the plan packed once, handed to
-``cuLaunchKernel`` through CuPy's typed binding: much cheaper than CuPy's per-argument kernel call
-(docs/perf-notes.md), and it takes a raw stream handle, so torch's current stream needs no wrapper.
+A plan builds one ``Launch`` per kernel it runs: the grid, block, device and the constant bytes of the
+struct are fixed then, so a call only packs its pointers (and the constant bytes after them) into this
+thread's parameter buffer with one ``struct`` call and hands it to ``cuLaunchKernel`` through CuPy's
+typed binding. That is much cheaper than CuPy's per-argument kernel call (docs/perf-notes.md), and it
+takes a raw stream handle, so torch's current stream needs no wrapper object.
 """
 
 import ctypes
 import struct
+import sys
 import threading
+
 from ._cupy import import_cupy
 
 CUDA_ERROR_INVALID_CONTEXT = 201
 _PARAM_BYTES = 1024
-_POINTER_PACKERS = {n: struct.Struct(f"<{n}Q") for n in range(1, 9)}
 
 _driver = None
 _runtime = None
@@ -28,36 +31,70 @@ def _bind():
 
 
 def _param_block():
-    """This thread's parameter buffer, a writable view of it, and the void*[1] array pointing at it."""
-    block = getattr(_local, "block", None)
-    if block is None:
+    """This thread's parameter buffer and the address of the void*[1] array pointing at it."""
+    try:
+        return _local.block
+    except AttributeError:
         buffer = ctypes.create_string_buffer(_PARAM_BYTES)
         pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
-        block = _local.block = (buffer, memoryview(buffer).cast("B"), pointers, ctypes.addressof(pointers))
-    return block
+        _local.pointers = pointers  # keeps the array alive
+        _local.block = buffer, ctypes.addressof(pointers)
+        return _local.block
 
 
-def launch(kernel, grid: int, block: tuple[int, int], pointers: tuple, tail: bytes, stream: int, device: int,
-           shared_mem: int = 0) -> None:
-    """Launch ``kernel`` (a cupyrope._compile.Kernel) with one struct parameter: ``pointers`` (uint64
-    each) then ``tail``; on ``stream`` with ``device`` current. Never synchronizes."""
-    if _driver is None:
-        _bind()
-    buffer, view, _, params = _param_block()
-    packer = _POINTER_PACKERS[len(pointers)]
-    packer.pack_into(buffer, 0, *pointers)
-    view[packer.size : packer.size + len(tail)] = tail
-    previous = _runtime.getDevice()
-    if previous != device:
-        _runtime.setDevice(device)
-    try:
+def _torch_stream(device: int) -> int:
+    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+
+
+def _cupy_stream(device: int) -> int:
+    return sys.modules["cupy"].cuda.get_current_stream(device).ptr
+
+
+class Launch:
+    """One kernel launch of a plan: ``kernel`` (a cupyrope._compile.Kernel) with one struct parameter
+    made of ``n_pointers`` uint64 then ``tail``, on ``device``. Calling it with the pointers launches
+    on the caller's current stream (torch's for ``kind="torch"``, CuPy's otherwise), or on ``stream``;
+    it never synchronizes."""
+
+    __slots__ = ("function", "grid", "block", "shared_mem", "device", "tail", "packer", "current_stream")
+
+    def __init__(self, kernel, grid: int, block: tuple[int, int], n_pointers: int, tail: bytes, device: int,
+                 kind: str, shared_mem: int = 0):
+        if 8 * n_pointers + len(tail) > _PARAM_BYTES:
+            raise ValueError(f"kernel parameters of {8 * n_pointers + len(tail)} bytes exceed {_PARAM_BYTES}")
+        self.function = kernel.ptr
+        self.grid = grid
+        self.block = block
+        self.shared_mem = shared_mem
+        self.device = device
+        self.tail = tail
+        self.packer = struct.Struct(f"<{n_pointers}Q{len(tail)}s")
+        self.current_stream = _torch_stream if kind == "torch" else _cupy_stream
+
+    def __call__(self, *pointers, stream=None) -> None:
+        if _driver is None:
+            _bind()
+        if stream is None:
+            stream = self.current_stream(self.device)
+        buffer, params = _param_block()
+        self.packer.pack_into(buffer, 0, *pointers, self.tail)
+        previous = _runtime.getDevice()
+        if previous != self.device:
+            _runtime.setDevice(self.device)
         try:
-            _driver.launchKernel(kernel.ptr, grid, 1, 1, block[0], block[1], 1, shared_mem, stream, params, 0)
+            _driver.launchKernel(self.function, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem,
+                                 stream, params, 0)
         except _driver.CUDADriverError as error:
-            if error.status != CUDA_ERROR_INVALID_CONTEXT:
-                raise RuntimeError(f"cupyrope: kernel launch failed (grid={grid}, block={block}): {error}") from None
-            _runtime.setDevice(device)  # first CUDA call on this thread: bind the device's context
-            _driver.launchKernel(kernel.ptr, grid, 1, 1, block[0], block[1], 1, shared_mem, stream, params, 0)
-    finally:
-        if previous != device:
-            _runtime.setDevice(previous)
+            self._retry(error, stream, params)
+        finally:
+            if previous != self.device:
+                _runtime.setDevice(previous)
+
+    def _retry(self, error, stream: int, params: int) -> None:
+        """The first CUDA call on a new host thread finds no context bound: bind the device's and launch
+        again. Any other failure is raised."""
+        if error.status != CUDA_ERROR_INVALID_CONTEXT:
+            raise RuntimeError(f"cupyrope: kernel launch failed (grid={self.grid}, block={self.block}): {error}") from None
+        _runtime.setDevice(self.device)
+        _driver.launchKernel(self.function, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem, stream,
+                             params, 0)

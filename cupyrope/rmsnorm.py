@@ -4,11 +4,10 @@ import math
 import struct
 
 from . import _arrays, _launch
-from ._arrays import FLOAT_DTYPES, describe
+from ._arrays import CTYPE, FLOAT_DTYPES, check_not_overlapping, describe, fingerprint
 from ._compile import allow_shared_memory, get_kernel
 from ._device import sm_count
 from ._layout import _merge
-from ._arrays import CTYPE, check_not_overlapping
 
 SOURCE = "rms_norm.cu"
 REGISTER_SLOTS = (1, 2, 4, 8)  # NPT: accesses per thread kept in registers (0: two-pass loop)
@@ -41,8 +40,8 @@ _DW_TAIL = struct.Struct("<2q")
 
 
 class NormPlan:
-    __slots__ = ("name", "grid", "block", "vectorized", "shifted", "slots", "tail", "extents", "kernel", "dw_kernel",
-                 "shared_mem", "out_layouts")
+    __slots__ = ("name", "grid", "block", "vectorized", "shifted", "slots", "extents", "shared_mem", "out_layouts",
+                 "launch", "dw_launch", "new_output", "new_rstd", "new_dx", "new_dweight", "new_partial")
 
     def __init__(self, name, grid, block, vectorized, slots):
         self.name = name
@@ -231,7 +230,13 @@ _plans = _arrays.PlanCache()
 
 
 class _Empty:
+    """Plan of a call with nothing to compute (zero-size input); it still allocates the results."""
+
     grid = 0
+
+
+def _fingerprint_optional(obj, name):
+    return (None, 0) if obj is None else fingerprint(obj, name)
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=False, impl="auto"):
@@ -241,39 +246,37 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
     Accumulates in fp32 and returns x's dtype. Returns y, or (y, rstd) with rstd fp32 of shape (...).
     out: where to write y (x's shape and dtype; out=x normalizes in place).
     """
-    xa = describe(x, "x")
-    wa = None if weight is None else describe(weight, "weight")
-    oa = None if out is None else describe(out, "out")
-    in_place = oa is not None and oa.ptr == xa.ptr
-    key = ("fwd", _arrays.signature(xa), _arrays.signature(wa), _arrays.signature(oa), in_place, eps, offset,
-           return_rstd, impl)
+    x_key, x_ptr = fingerprint(x, "x")
+    w_key, w_ptr = _fingerprint_optional(weight, "weight")
+    o_key, o_ptr = _fingerprint_optional(out, "out")
+    key = ("fwd", x_key, w_key, o_key, o_ptr == x_ptr, eps, offset, return_rstd, impl)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan_forward_call(xa, wa, oa, eps, offset, impl)
+        plan = _plan_forward_call(describe(x, "x"), None if weight is None else describe(weight, "weight"),
+                                  None if out is None else describe(out, "out"), eps, offset, return_rstd, impl)
         _plans.put(key, plan)
-    out, out_ptr = _arrays.output(xa, oa, plan)
-    rstd = _arrays.empty(xa, xa.shape[:-1], "float32") if return_rstd else None
+    out, out_ptr = _arrays.output(x, x_ptr, out, o_ptr, plan)
+    rstd, rstd_ptr = plan.new_rstd(x) if return_rstd else (None, 0)
     if plan.grid:
-        rstd_ptr = _arrays.data_ptr(rstd) if return_rstd else 0
-        _launch_plan(plan, (xa.ptr, out_ptr, 0, wa.ptr if wa else 0, rstd_ptr), xa)
+        plan.launch(x_ptr, out_ptr, 0, w_ptr, rstd_ptr)
     return (out, rstd) if return_rstd else out
 
 
 def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"):
     """vLLM's in-place fused residual add: residual <- x + residual (rounded to x's dtype), then
     x <- rms_norm(residual, weight, eps). Each tensor is read once and written once. Returns (x, residual)."""
-    xa = describe(x, "x")
-    ra = describe(residual, "residual")
-    wa = None if weight is None else describe(weight, "weight")
-    key = ("add", _arrays.signature(xa), _arrays.signature(ra), _arrays.signature(wa), eps, offset, impl)
+    x_key, x_ptr = fingerprint(x, "x")
+    r_key, r_ptr = fingerprint(residual, "residual")
+    w_key, w_ptr = _fingerprint_optional(weight, "weight")
+    key = ("add", x_key, r_key, w_key, eps, offset, impl)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan_fused_add_call(xa, ra, wa, eps, offset, impl)
+        plan = _plan_fused_add_call(describe(x, "x"), describe(residual, "residual"),
+                                    None if weight is None else describe(weight, "weight"), eps, offset, impl)
         _plans.put(key, plan)
     if plan.grid:
-        _arrays.check_disjoint(xa.ptr, plan.extents[0], ra.ptr, plan.extents[1], "x", "residual",
-                               "pass separate memory")
-        _launch_plan(plan, (xa.ptr, xa.ptr, ra.ptr, wa.ptr if wa else 0, 0), xa)
+        _arrays.check_disjoint(x_ptr, plan.extents[0], r_ptr, plan.extents[1], "x", "residual", "pass separate memory")
+        plan.launch(x_ptr, x_ptr, r_ptr, w_ptr, 0)
     return x, residual
 
 
@@ -282,39 +285,34 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, im
 
     rstd (fp32, shape x.shape[:-1], as returned by rms_norm(..., return_rstd=True)) is recomputed when
     not given. dweight is reduced in a fixed order: bitwise identical from run to run, no atomics."""
-    da = describe(dy, "dy")
-    xa = describe(x, "x")
-    wa = None if weight is None else describe(weight, "weight")
-    ra = None if rstd is None else describe(rstd, "rstd")
-    key = ("bwd", _arrays.signature(da), _arrays.signature(xa), _arrays.signature(wa), _arrays.signature(ra), eps,
-           offset, impl)
+    d_key, d_ptr = fingerprint(dy, "dy")
+    x_key, x_ptr = fingerprint(x, "x")
+    w_key, w_ptr = _fingerprint_optional(weight, "weight")
+    r_key, r_ptr = _fingerprint_optional(rstd, "rstd")
+    key = ("bwd", d_key, x_key, w_key, r_key, eps, offset, impl)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan_backward_call(da, xa, wa, ra, eps, offset, impl)
+        plan = _plan_backward_call(describe(dy, "dy"), describe(x, "x"),
+                                   None if weight is None else describe(weight, "weight"),
+                                   None if rstd is None else describe(rstd, "rstd"), eps, offset, impl)
         _plans.put(key, plan)
-    dx = _arrays.empty(xa, xa.shape, xa.dtype)
-    dweight = _arrays.empty(xa, (xa.shape[-1],), wa.dtype) if wa else None
+    dx, dx_ptr = plan.new_dx(x)
+    dweight, dweight_ptr = plan.new_dweight(x) if weight is not None else (None, 0)
     if not plan.grid:
-        if dweight is not None and xa.shape[-1]:
+        if dweight is not None and len(dweight):
             dweight[...] = 0
         return dx, dweight
-    hidden = xa.shape[-1]
-    partial = _arrays.empty(xa, (plan.grid, hidden), "float32") if wa else None
-    partial_ptr = _arrays.data_ptr(partial) if wa else 0
-    stream = _arrays.current_stream(xa)
-    pointers = (da.ptr, xa.ptr, wa.ptr if wa else 0, ra.ptr if ra else 0, _arrays.data_ptr(dx), partial_ptr)
-    _launch.launch(plan.kernel, plan.grid, plan.block, pointers, plan.tail, stream, xa.device, plan.shared_mem)
-    if wa:
-        _launch.launch(plan.dw_kernel, -(-hidden // 32), (32, DW_SPLIT),
-                       (partial_ptr, _arrays.data_ptr(dweight)), _DW_TAIL.pack(plan.grid, hidden), stream, xa.device)
+    if weight is None:
+        plan.launch(d_ptr, x_ptr, 0, r_ptr, dx_ptr, 0)
+        return dx, None
+    stream = plan.launch.current_stream(plan.launch.device)
+    partial, partial_ptr = plan.new_partial(x)
+    plan.launch(d_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, partial_ptr, stream=stream)
+    plan.dw_launch(partial_ptr, dweight_ptr, stream=stream)
     return dx, dweight
 
 
-def _launch_plan(plan, pointers, like) -> None:
-    _launch.launch(plan.kernel, plan.grid, plan.block, pointers, plan.tail, _arrays.current_stream(like), like.device)
-
-
-def _plan_forward_call(xa, wa, oa, eps, offset, impl):
+def _plan_forward_call(xa, wa, oa, eps, offset, return_rstd, impl):
     _check_eps(eps)
     _check_offset(offset)
     _arrays.check_impl(impl)
@@ -323,15 +321,18 @@ def _plan_forward_call(xa, wa, oa, eps, offset, impl):
     if oa is not None:
         _check_like(oa, xa, "x", "out")
         check_not_overlapping(xa, oa, "x", "out", same_allowed=True)
-    if not xa.size:
-        return _Empty()
-    ya = oa if oa is not None else _arrays.contiguous_like(xa, xa.shape, xa.dtype)
-    rows, hidden = _rows(xa.shape), xa.shape[-1]
-    strides = _row_strides([xa, ya], ["x", "out"])
-    plan = plan_forward(xa, ya, None, wa, strides, rows, hidden, impl)
-    plan.out_layouts = _arrays.out_layouts(xa, oa)
-    plan.tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[1], 0, float(eps), float(offset))
-    plan.kernel = get_kernel(SOURCE, plan.name, xa.device)
+    plan = _Empty() if not xa.size else None
+    if plan is None:
+        ya = oa if oa is not None else _arrays.contiguous_like(xa, xa.shape, xa.dtype)
+        rows, hidden = _rows(xa.shape), xa.shape[-1]
+        strides = _row_strides([xa, ya], ["x", "out"])
+        plan = plan_forward(xa, ya, None, wa, strides, rows, hidden, impl)
+        plan.out_layouts = _arrays.out_layouts(xa, oa)
+        tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[1], 0, float(eps), float(offset))
+        plan.launch = _launch.Launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, 5, tail,
+                                     xa.device, xa.kind)
+    plan.new_output = _arrays.allocator(xa, xa.shape, xa.dtype)
+    plan.new_rstd = _arrays.allocator(xa, xa.shape[:-1], "float32") if return_rstd else None
     return plan
 
 
@@ -348,9 +349,10 @@ def _plan_fused_add_call(xa, ra, wa, eps, offset, impl):
     rows, hidden = _rows(xa.shape), xa.shape[-1]
     strides = _row_strides([xa, ra], ["x", "residual"])
     plan = plan_forward(xa, xa, ra, wa, (strides[0], strides[0], strides[1]), rows, hidden, impl)
-    plan.tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[0], strides[1], float(eps), float(offset))
+    tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[0], strides[1], float(eps), float(offset))
     plan.extents = (_arrays.layout_key(xa), _arrays.layout_key(ra))
-    plan.kernel = get_kernel(SOURCE, plan.name, xa.device)
+    plan.launch = _launch.Launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, 5, tail, xa.device,
+                                 xa.kind)
     return plan
 
 
@@ -369,16 +371,22 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
             raise ValueError(f"rstd: expected shape {tuple(xa.shape[:-1])} (x's rows), got {tuple(ra.shape)}")
         if _arrays.contiguous_like(ra, ra.shape, "float32").strides != tuple(ra.strides) and ra.size > 1:
             raise ValueError(f"rstd: expected a contiguous array, got strides {tuple(ra.strides)}")
-    if not xa.size:
-        return _Empty()
     rows, hidden = _rows(xa.shape), xa.shape[-1]
-    dxa = _arrays.contiguous_like(xa, xa.shape, xa.dtype)
-    strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
-    plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl)
-    plan.tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_mem > 0), float(eps),
-                               float(offset))
-    plan.kernel = get_kernel(SOURCE, plan.name, xa.device)
-    allow_shared_memory(plan.kernel, plan.shared_mem, xa.device)
-    if wa is not None:
-        plan.dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[wa.dtype]}>", xa.device)
+    plan = _Empty() if not xa.size else None
+    if plan is None:
+        dxa = _arrays.contiguous_like(xa, xa.shape, xa.dtype)
+        strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
+        plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl)
+        tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_mem > 0), float(eps),
+                              float(offset))
+        kernel = get_kernel(SOURCE, plan.name, xa.device)
+        allow_shared_memory(kernel, plan.shared_mem, xa.device)
+        plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
+        if wa is not None:
+            dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[wa.dtype]}>", xa.device)
+            plan.dw_launch = _launch.Launch(dw_kernel, -(-hidden // 32), (32, DW_SPLIT), 2,
+                                            _DW_TAIL.pack(plan.grid, hidden), xa.device, xa.kind)
+            plan.new_partial = _arrays.allocator(xa, (plan.grid, hidden), "float32")
+    plan.new_dx = _arrays.allocator(xa, xa.shape, xa.dtype)
+    plan.new_dweight = _arrays.allocator(xa, (hidden,), wa.dtype) if wa is not None else None
     return plan

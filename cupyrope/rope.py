@@ -10,7 +10,7 @@ import struct
 import numpy as np
 
 from . import _arrays, _launch
-from ._arrays import CTYPE, FLOAT_DTYPES, INDEX_DTYPES, check_not_overlapping, describe
+from ._arrays import CTYPE, FLOAT_DTYPES, INDEX_DTYPES, check_not_overlapping, describe, fingerprint
 from ._compile import get_kernel
 from ._device import sm_count
 from ._layout import canonical_layout
@@ -30,7 +30,7 @@ _TAIL = struct.Struct("<3q16q3q2q3q3qdq")
 
 class RopePlan:
     __slots__ = ("name", "grid", "block", "shared_mem", "tail", "vectorized", "tokens_per_block", "lanes", "extents",
-                 "kernel", "out_layouts")
+                 "launch", "out_layouts", "new_output")
 
     def __init__(self, name, grid, shared_mem, tail, vectorized, tokens_per_block, lanes):
         self.name = name
@@ -218,6 +218,10 @@ def _check_out(o, x, x_name):
 _plans = _arrays.PlanCache()
 
 
+def _fingerprint_optional(obj, name):
+    return (None, 0) if obj is None else fingerprint(obj, name)
+
+
 def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False,
          out=None, impl="auto"):
     """Rotary position embedding of ``x`` (..., head_dim) at ``positions``.
@@ -231,20 +235,20 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
     [0, max_position) become NaN. inverse=True rotates by -angle (the backward of RoPE).
     out=x rotates in place. Returns ``out`` (a new array of x's kind when out is None).
     """
-    xa = describe(x, "x")
-    pa = describe(positions, "positions")
-    ca = None if cos_sin_cache is None else describe(cos_sin_cache, "cos_sin_cache")
-    oa = None if out is None else describe(out, "out")
-    in_place = oa is not None and oa.ptr == xa.ptr
-    key = ("rope", _arrays.signature(xa), _arrays.signature(pa), _arrays.signature(ca), _arrays.signature(oa),
-           in_place, theta, style, rotary_dim, inverse, impl)
+    x_key, x_ptr = fingerprint(x, "x")
+    p_key, p_ptr = fingerprint(positions, "positions")
+    c_key, c_ptr = _fingerprint_optional(cos_sin_cache, "cos_sin_cache")
+    o_key, o_ptr = _fingerprint_optional(out, "out")
+    key = ("rope", x_key, p_key, c_key, o_key, o_ptr == x_ptr, theta, style, rotary_dim, inverse, impl)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl)
+        plan = _plan_rope_call(describe(x, "x"), describe(positions, "positions"),
+                               None if cos_sin_cache is None else describe(cos_sin_cache, "cos_sin_cache"),
+                               None if out is None else describe(out, "out"), theta, style, rotary_dim, inverse, impl)
         _plans.put(key, plan)
-    out, out_ptr = _arrays.output(xa, oa, plan)
+    out, out_ptr = _arrays.output(x, x_ptr, out, o_ptr, plan)
     if plan.grid:
-        _run(plan, (xa.ptr, out_ptr, xa.ptr, out_ptr, pa.ptr, ca.ptr if ca else 0), xa)
+        plan.launch(x_ptr, out_ptr, x_ptr, out_ptr, p_ptr, c_ptr)
     return out
 
 
@@ -259,30 +263,34 @@ def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, co
     per token and shared by all heads. In place by default; out=(q_out, k_out) writes elsewhere. q and
     k may be strided views (e.g. column slices of a fused qkv tensor) as long as their last dimension
     is contiguous. Returns (q, k), or out."""
-    qa = describe(q, "q")
-    ka = describe(k, "k")
-    pa = describe(positions, "positions")
-    ca = None if cos_sin_cache is None else describe(cos_sin_cache, "cos_sin_cache")
+    q_key, q_ptr = fingerprint(q, "q")
+    k_key, k_ptr = fingerprint(k, "k")
+    p_key, p_ptr = fingerprint(positions, "positions")
+    c_key, c_ptr = _fingerprint_optional(cos_sin_cache, "cos_sin_cache")
     if out is None:
-        qo, ko = qa, ka
+        q_out, k_out, qo_key, ko_key, qo_ptr, ko_ptr = q, k, None, None, q_ptr, k_ptr
     else:
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise TypeError("out: expected a pair (q_out, k_out)")
-        qo, ko = describe(out[0], "out[0]"), describe(out[1], "out[1]")
-    key = ("rope_qk", _arrays.signature(qa), _arrays.signature(ka), _arrays.signature(pa), _arrays.signature(ca),
-           _arrays.signature(qo) if out is not None else None, _arrays.signature(ko) if out is not None else None,
-           theta, style, rotary_dim, inverse, impl)
+        q_out, k_out = out
+        (qo_key, qo_ptr), (ko_key, ko_ptr) = fingerprint(q_out, "out[0]"), fingerprint(k_out, "out[1]")
+    key = ("rope_qk", q_key, k_key, p_key, c_key, qo_key, ko_key, theta, style, rotary_dim, inverse, impl)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, theta, style, rotary_dim, inverse, impl)
+        qa, ka = describe(q, "q"), describe(k, "k")
+        qo, ko = (qa, ka) if out is None else (describe(q_out, "out[0]"), describe(k_out, "out[1]"))
+        ca = None if cos_sin_cache is None else describe(cos_sin_cache, "cos_sin_cache")
+        plan = _plan_rope_qk_call(qa, ka, describe(positions, "positions"), ca, qo, ko, theta, style, rotary_dim,
+                                  inverse, impl)
         _plans.put(key, plan)
     if plan.grid:
-        _arrays.check_disjoint(qa.ptr, plan.extents[0], ka.ptr, plan.extents[1], "q", "k", "pass separate memory")
+        extents = plan.extents
+        _arrays.check_disjoint(q_ptr, extents[0], k_ptr, extents[1], "q", "k", "pass separate memory")
         if out is not None:
-            for o, name in ((qo, "out[0]"), (ko, "out[1]")):
-                for a, a_name in ((qa, "q"), (ka, "k")):
-                    check_not_overlapping(a, o, a_name, name)
-        _run(plan, (qa.ptr, qo.ptr, ka.ptr, ko.ptr, pa.ptr, ca.ptr if ca else 0), qa)
+            for o_ptr, o_extent, o_name in ((qo_ptr, extents[2], "out[0]"), (ko_ptr, extents[3], "out[1]")):
+                for i_ptr, i_extent, i_name in ((q_ptr, extents[0], "q"), (k_ptr, extents[1], "k")):
+                    _arrays.check_disjoint(i_ptr, i_extent, o_ptr, o_extent, i_name, o_name, "pass separate memory")
+        plan.launch(q_ptr, qo_ptr, k_ptr, ko_ptr, p_ptr, c_ptr)
     return (q, k) if out is None else tuple(out)
 
 
@@ -290,6 +298,9 @@ class _Empty:
     """Plan of a call with nothing to compute (zero-size input)."""
 
     grid = 0
+
+    def __init__(self, new_output=None):
+        self.new_output = new_output
 
 
 def _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl):
@@ -300,12 +311,13 @@ def _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl):
     cache = _check_cache(ca, xa, "x", rotary_dim)
     _check_out(oa, xa, "x")
     if not xa.size:
-        return _Empty()
+        return _Empty(_arrays.allocator(xa, xa.shape, xa.dtype))
     out = oa if oa is not None else _arrays.contiguous_like(xa, xa.shape, xa.dtype)
     plan = plan_rope([(xa, out)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse,
                      impl=impl, n_sm=sm_count(xa.device))
     plan.out_layouts = _arrays.out_layouts(xa, oa)
-    plan.kernel = get_kernel(SOURCE, plan.name, xa.device)
+    plan.new_output = _arrays.allocator(xa, xa.shape, xa.dtype)
+    _prepare_launch(plan, xa)
     return plan
 
 
@@ -331,14 +343,14 @@ def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, theta, style, rotary_dim, inverse
         return _Empty()
     plan = plan_rope([(qa, qo), (ka, ko)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta,
                      inverse=inverse, impl=impl, n_sm=sm_count(qa.device))
-    plan.extents = (_arrays.layout_key(qa), _arrays.layout_key(ka))
-    plan.kernel = get_kernel(SOURCE, plan.name, qa.device)
+    plan.extents = tuple(_arrays.layout_key(a) for a in (qa, ka, qo, ko))
+    _prepare_launch(plan, qa)
     return plan
 
 
-def _run(plan: RopePlan, pointers, like) -> None:
-    _launch.launch(plan.kernel, plan.grid, plan.block, pointers, plan.tail, _arrays.current_stream(like), like.device,
-                   plan.shared_mem)
+def _prepare_launch(plan: RopePlan, like) -> None:
+    kernel = get_kernel(SOURCE, plan.name, like.device)
+    plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 6, plan.tail, like.device, like.kind, plan.shared_mem)
 
 
 def rope_cache(max_position, rotary_dim, theta=10000.0, *, dtype="float32", kind="cupy", device=0):

@@ -25,7 +25,7 @@ class FakeCupyArray:
                 strides.insert(0, step)
                 step *= max(n, 1)
         self.strides = tuple(s * self.itemsize for s in strides)
-        self.data = SimpleNamespace(ptr=ptr)
+        self.data = SimpleNamespace(ptr=ptr, device_id=device)
         self.device = SimpleNamespace(id=device)
         self.size = int(np.prod(self.shape))
 

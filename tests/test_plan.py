@@ -153,17 +153,26 @@ def test_output_allocates_or_checks_the_callers_out():
     def wrap(t):  # what describe() gives for a tensor (CPU here: the host-side logic only)
         return Array(t, "torch", t.data_ptr(), str(t.dtype).removeprefix("torch."), t.shape, t.stride(), 0)
 
-    def plan(x, out):  # what the planners attach: the layouts, computed once
-        return SimpleNamespace(grid=1, out_layouts=_arrays.out_layouts(x, out))
+    def plan(x, out):  # what the planners attach: the allocator and the layouts, computed once
+        return SimpleNamespace(grid=1, out_layouts=_arrays.out_layouts(x, out),
+                               new_output=_arrays.allocator(x, x.shape, x.dtype))
+
+    def output(x, out):
+        return _arrays.output(x.obj, x.ptr, None if out is None else out.obj, 0 if out is None else out.ptr,
+                              plan(x, out))
 
     base = torch.zeros(8, 64, dtype=torch.bfloat16)
     x = wrap(base[:4])
-    new, ptr = _arrays.output(x, None, plan(x, None))
+    new, ptr = output(x, None)
     assert new.shape == (4, 64) and new.dtype == torch.bfloat16 and ptr == new.data_ptr() != x.ptr
-    same, ptr = _arrays.output(x, x, plan(x, x))  # in place
+    assert new.is_contiguous()
+    strided = wrap(base[:, :32])  # a strided input still gets a contiguous result
+    new, ptr = output(strided, None)
+    assert new.shape == (8, 32) and new.is_contiguous() and ptr == new.data_ptr()
+    same, ptr = output(x, x)  # in place
     assert same is base[:4] or same.data_ptr() == x.ptr
     other = wrap(base[4:])
-    assert _arrays.output(x, other, plan(x, other))[1] == other.ptr  # disjoint rows of one buffer
+    assert output(x, other)[1] == other.ptr  # disjoint rows of one buffer
     overlapping = wrap(base[2:6])
     with pytest.raises(ValueError, match="out: overlaps x"):
-        _arrays.output(x, overlapping, plan(x, overlapping))
+        output(x, overlapping)
