@@ -101,12 +101,13 @@ def fingerprint(obj, name: str):
     """(key, pointer) of ``obj`` (the argument called ``name``). The key holds everything a plan depends
     on -- type, dtype, shape, strides, device and 16-byte alignment -- and costs a few attribute reads,
     so every call can afford it. An object of a type not seen yet goes through describe() first, which
-    raises for what cupyrope cannot take; a CPU tensor gets a key no plan has (plans are made only after
-    describe() accepted every array)."""
+    raises for what cupyrope cannot take. A CPU (or meta) tensor's get_device() is -1, a key no plan
+    has: plans are made only after describe() accepted every array. (get_device() is ~0.3 µs cheaper
+    than .device; a torch build has one accelerator backend, so a device index means a CUDA device.)"""
     cls = type(obj)
     if cls in _TORCH_TYPES:
         ptr = obj.data_ptr()
-        return (cls, obj.dtype, obj.shape, obj.stride(), obj.device, ptr & 15), ptr
+        return (cls, obj.dtype, obj.shape, obj.stride(), obj.get_device(), ptr & 15), ptr
     if cls in _CUPY_TYPES:
         data = obj.data
         ptr = data.ptr

@@ -31,15 +31,12 @@ def _bind():
 
 
 def _param_block():
-    """This thread's parameter buffer and the address of the void*[1] array pointing at it."""
-    try:
-        return _local.block
-    except AttributeError:
-        buffer = ctypes.create_string_buffer(_PARAM_BYTES)
-        pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
-        _local.pointers = pointers  # keeps the array alive
-        _local.block = buffer, ctypes.addressof(pointers)
-        return _local.block
+    """A new parameter buffer for this thread and the address of the void*[1] array pointing at it."""
+    buffer = ctypes.create_string_buffer(_PARAM_BYTES)
+    pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+    _local.pointers = pointers  # keeps the array alive
+    _local.block = buffer, ctypes.addressof(pointers)
+    return _local.block
 
 
 def _torch_stream(device: int) -> int:
@@ -76,7 +73,10 @@ class Launch:
             _bind()
         if stream is None:
             stream = self.current_stream(self.device)
-        buffer, params = _param_block()
+        try:
+            buffer, params = _local.block
+        except AttributeError:
+            buffer, params = _param_block()
         self.packer.pack_into(buffer, 0, *pointers, self.tail)
         previous = _runtime.getDevice()
         if previous != self.device:

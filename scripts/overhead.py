@@ -7,6 +7,8 @@ differs between machines, so compare rows of one run only. Usage: python scripts
 
 import statistics
 import sys
+import time
+import timeit
 
 import cupy
 import torch
@@ -14,6 +16,7 @@ import torch
 import cupyrope
 import cupyrope.torch as ct
 from cupyrope import _launch, bench
+from cupyrope._arrays import fingerprint
 
 try:  # optional peer
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -63,6 +66,35 @@ def calls():
     return rows
 
 
+def host_only_us(fn, calls=400, repeats=15) -> float:
+    """Host time per call with no synchronization inside the timed loop (fewer calls than the launch
+    queue holds): what the Python path costs, whether or not the GPU keeps up."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def pieces():
+    """Costs of the steps of a call (µs), to see where the time over a bare launch goes."""
+    q, k, pos, _, _ = torch_inputs()
+    key = ("rope_qk", fingerprint(q, "q")[0], fingerprint(k, "k")[0], fingerprint(pos, "positions")[0])
+    steps = {
+        "fingerprint(torch tensor)": lambda: fingerprint(q, "q"),
+        "hash of a rope_qk key": lambda: hash(key),
+        "torch current raw stream": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "torch.empty_like (1x4096 bf16)": lambda: torch.empty_like(q),
+    }
+    for name, fn in steps.items():
+        n = 20000
+        print(f"  {name}: {timeit.timeit(fn, number=n) / n * 1e6:.2f} µs")
+
+
 def main() -> int:
     rows = calls()
     with torch.no_grad():
@@ -70,17 +102,19 @@ def main() -> int:
             fn()
         torch.cuda.synchronize()
         samples = {name: [] for name in rows}
+        host = {name: host_only_us(fn) for name, fn in rows.items()}
         for _ in range(3):
             for name, fn in rows.items():
                 samples[name].append(bench.eager_time_us(torch, [fn]))
     floor = statistics.median(samples["bare CuPy RawKernel launch (1 array)"])
     print(f"{torch.cuda.get_device_name()}, Python {sys.version.split()[0]}, torch {torch.__version__}, "
           f"CuPy {cupy.__version__}")
-    print("| call (decode size) | µs per call | vs bare CuPy launch |")
-    print("|---|---|---|")
+    print("| call (decode size) | eager µs per call | vs bare CuPy launch | host only µs |")
+    print("|---|---|---|---|")
     for name, values in samples.items():
         us = statistics.median(values)
-        print(f"| {name} | {us:.2f} | {us - floor:+.2f} |")
+        print(f"| {name} | {us:.2f} | {us - floor:+.2f} | {host[name]:.2f} |")
+    pieces()
     return 0
 
 
