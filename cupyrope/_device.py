@@ -9,3 +9,12 @@ def sm_count(device: int) -> int:
     cupy = import_cupy()
 
     return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+
+
+def resident_blocks(kernel, threads: int, shared_mem: int, device: int) -> int:
+    """Blocks of ``kernel`` (a cupyrope._compile.Kernel) of ``threads`` threads one SM holds at once,
+    as the driver computes it from the kernel's registers and shared memory."""
+    cupy = import_cupy()
+
+    with cupy.cuda.Device(device):
+        return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, shared_mem))

@@ -6,7 +6,7 @@ import struct
 from . import _arrays, _launch
 from ._arrays import CTYPE, FLOAT_DTYPES, check_not_overlapping, describe, fingerprint
 from ._compile import allow_shared_memory, get_kernel
-from ._device import sm_count
+from ._device import resident_blocks, sm_count
 from ._layout import _merge
 
 SOURCE = "rms_norm.cu"
@@ -381,6 +381,10 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
                               float(offset))
         kernel = get_kernel(SOURCE, plan.name, xa.device)
         allow_shared_memory(kernel, plan.shared_mem, xa.device)
+        # One wave: as many blocks as the SMs hold at once (registers and shared memory decide; the
+        # planner's estimate counts threads only). More would only add dweight partials.
+        threads = plan.block[0] * plan.block[1]
+        plan.grid = min(plan.grid, sm_count(xa.device) * resident_blocks(kernel, threads, plan.shared_mem, xa.device))
         plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
         if wa is not None:
             dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[wa.dtype]}>", xa.device)

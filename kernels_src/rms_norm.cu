@@ -146,6 +146,9 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, i64 
 #ifndef RMS_BWD_MIN_BLOCKS_2
 #define RMS_BWD_MIN_BLOCKS_2 2
 #endif
+#ifndef RMS_BWD_PREFETCH  // 1: the backward loads the next row's dy and x before this row's reduction
+#define RMS_BWD_PREFETCH 1
+#endif
 #ifndef RMS_BWD_KEEP_WEIGHT  // 1: the backward keeps the weight from its first pass; 0: loads it again
 #define RMS_BWD_KEEP_WEIGHT 0
 #endif
@@ -283,6 +286,24 @@ __device__ __forceinline__ Pack<float, E> zeros() {
     return z;
 }
 
+// This thread's chunks of dy and x of one row (none past the last row) into registers.
+template <typename T, bool VEC, int NPT, bool SHIFT, int E>
+__device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, int lane, i64 step, Pack<T, E> (&dyv)[NPT],
+                                             Pack<T, E> (&xv)[NPT]) {
+    if (row >= p.rows) return;
+    const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
+    const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+    const i64 first = first_column<SHIFT, E>(x_row, lane);
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        const i64 col = first + i * step;
+        if (col < p.hidden) {
+            dyv[i] = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
+            xv[i] = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
+        }
+    }
+}
+
 template <typename T, typename W, bool VEC, int NPT, bool SHIFT>
 __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD_MIN_BLOCKS_2)
     rms_norm_bwd(const NormBwdParams p) {
@@ -305,6 +326,13 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
         __syncthreads();
     }
 
+    // NPT > 0: registers hold this row's dy and x; with PREFETCH the next row's loads are issued
+    // before this row's reduction, so they are in flight through its barriers and stores. Only for up
+    // to 8 elements a thread: more (bf16 with 2 slots: 125 registers) spills under the 64-register budget.
+    constexpr bool PREFETCH = RMS_BWD_PREFETCH && VEC && NPT > 0 && NPT * E <= 8;
+    Pack<T, E> dyv[SLOTS], xv[SLOTS];
+    if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, lane,
+                                                                  step, dyv, xv);
     // The loop bound is uniform across the block (the reductions contain barriers).
     for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += rows_per_pass) {
         // SHIFT: another thread may own a column in this row than in the last (its sums: read-modify-write).
@@ -316,15 +344,13 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
         const i64 first = first_column<SHIFT, E>(x_row, lane);
         float sum_sq = 0.f, dot = 0.f;
-        Pack<T, E> dyv[SLOTS], xv[SLOTS];
         Pack<W, E> wv[SLOTS];
         if constexpr (NPT > 0) {
+            if constexpr (!PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row, lane, step, dyv, xv);
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
                 const i64 col = first + i * step;
                 if (active && col < p.hidden) {
-                    dyv[i] = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
-                    xv[i] = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
                     const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
                     if constexpr (RMS_BWD_KEEP_WEIGHT) wv[i] = w;
 #pragma unroll
@@ -347,36 +373,47 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
                 }
             }
         }
+        Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
+        if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row + rows_per_pass, lane, step, next_dy, next_x);
         const float2 sums = row_sum2(sum_sq, dot, width, scratch);
         const float rstd = p.rstd ? (active ? p.rstd[row] : 0.f) : 1.f / sqrtf(sums.x / (float)p.hidden + p.eps);
         const float coef = rstd * rstd * rstd * (sums.y / (float)p.hidden);
-        if (!active) continue;
 
-        if constexpr (NPT > 0) {
-#pragma unroll
-            for (int i = 0; i < NPT; ++i) {
-                const i64 col = first + i * step;
-                if (col < p.hidden) {
-                    if constexpr (!RMS_BWD_KEEP_WEIGHT) wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-                    if constexpr (SHIFT) {  // this row's columns are not this thread's in every row: shared sums
-                        Pack<float, E> add = zeros<E>();
-                        store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden,
-                                                   bwd_chunk<T, W, E>(p, dyv[i], xv[i], wv[i], rstd, coef, add));
-#pragma unroll
-                        for (int e = 0; e < E; ++e)
-                            if (p.weight && inside(col + e, p.hidden)) my_acc[col + e] += add.v[e];
-                    } else {
-                        store_pack<VEC, E>(dx_row + col, bwd_chunk<T, W, E>(p, dyv[i], xv[i], wv[i], rstd, coef, dw[i]));
+        if (active) {
+            if constexpr (NPT > 0) {
+    #pragma unroll
+                for (int i = 0; i < NPT; ++i) {
+                    const i64 col = first + i * step;
+                    if (col < p.hidden) {
+                        if constexpr (!RMS_BWD_KEEP_WEIGHT) wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                        if constexpr (SHIFT) {  // this row's columns are not this thread's in every row: shared sums
+                            Pack<float, E> add = zeros<E>();
+                            store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden,
+                                                       bwd_chunk<T, W, E>(p, dyv[i], xv[i], wv[i], rstd, coef, add));
+    #pragma unroll
+                            for (int e = 0; e < E; ++e)
+                                if (p.weight && inside(col + e, p.hidden)) my_acc[col + e] += add.v[e];
+                        } else {
+                            store_pack<VEC, E>(dx_row + col, bwd_chunk<T, W, E>(p, dyv[i], xv[i], wv[i], rstd, coef, dw[i]));
+                        }
                     }
                 }
+            } else {
+                for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
+                    const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
+                    Pack<float, E> acc = p.weight ? load_pack<VEC, E>(my_acc + col) : zeros<E>();
+                    store_pack<VEC, E>(dx_row + col,
+                                       bwd_chunk<T, W, E>(p, d, xx, load_weight<W, VEC, E>(p.weight, col), rstd, coef, acc));
+                    if (p.weight) store_pack<VEC, E>(my_acc + col, acc);
+                }
             }
-        } else {
-            for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
-                const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
-                Pack<float, E> acc = p.weight ? load_pack<VEC, E>(my_acc + col) : zeros<E>();
-                store_pack<VEC, E>(dx_row + col,
-                                   bwd_chunk<T, W, E>(p, d, xx, load_weight<W, VEC, E>(p.weight, col), rstd, coef, acc));
-                if (p.weight) store_pack<VEC, E>(my_acc + col, acc);
+        }
+
+        if constexpr (PREFETCH) {
+#pragma unroll
+            for (int i = 0; i < SLOTS; ++i) {
+                dyv[i] = next_dy[i];
+                xv[i] = next_x[i];
             }
         }
     }
