@@ -327,9 +327,10 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
     }
 
     // NPT > 0: registers hold this row's dy and x; with PREFETCH the next row's loads are issued
-    // before this row's reduction, so they are in flight through its barriers and stores. Only for up
-    // to 8 elements a thread: more (bf16 with 2 slots: 125 registers) spills under the 64-register budget.
-    constexpr bool PREFETCH = RMS_BWD_PREFETCH && VEC && NPT > 0 && NPT * E <= 8;
+    // before this row's reduction, so they are in flight through its barriers and stores. Measured
+    // (docs/perf-notes.md, v8): fp32 1-4% faster; fp16/bf16 3-8% slower, and with 2 slots it spills
+    // (125 registers wanted), so only fp32 rows of up to 8 elements a thread prefetch.
+    constexpr bool PREFETCH = RMS_BWD_PREFETCH && VEC && NPT > 0 && sizeof(T) == 4 && NPT * E <= 8;
     Pack<T, E> dyv[SLOTS], xv[SLOTS];
     if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, lane,
                                                                   step, dyv, xv);

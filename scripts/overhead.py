@@ -11,6 +11,7 @@ import time
 import timeit
 
 import cupy
+import numpy
 import torch
 
 import cupyrope
@@ -40,10 +41,15 @@ def calls():
     cq, ck, cpos, cx1, cw1 = (cupy.asarray(t) for t in (q.float(), k.float(), pos, x1.float(), w1.float()))
     cy1 = cupy.empty_like(cx1)
     raw = cupy.RawKernel(r'extern "C" __global__ void noop(float* x) {}', "noop")
+    # What a hand-written RoPE kernel takes: q, k, positions and sizes (a fair floor for rope_qk).
+    raw_qk = cupy.RawKernel(r'''extern "C" __global__ void noop_qk(float* q, float* k, long long* pos, long long tokens,
+        long long q_stride, long long k_stride, int q_heads, int k_heads, float theta) {}''', "noop_qk")
+    sizes = (numpy.int64(1), numpy.int64(4096), numpy.int64(1024), numpy.int32(32), numpy.int32(8), numpy.float32(1e4))
     noop = raw.kernel  # the same empty kernel through cupyrope's launcher: the floor of our path
     launcher = _launch.Launch(type("K", (), {"ptr": noop.ptr})(), 1, (32, 1), 1, b"", 0, "torch")
     rows = {
         "bare CuPy RawKernel launch (1 array)": lambda: raw((1,), (32,), (cx1,)),
+        "bare CuPy RawKernel launch (3 arrays + 6 scalars)": lambda: raw_qk((1,), (32,), (cq, ck, cpos, *sizes)),
         "cupyrope launcher alone (same kernel)": lambda: launcher(cx1.data.ptr),
         "rope_qk, torch, in place": lambda: cupyrope.rope_qk(q, k, pos),
         "rope_qk, torch, in place, cache": lambda: cupyrope.rope_qk(q, k, pos, cos_sin_cache=cache),
