@@ -176,3 +176,25 @@ def test_output_allocates_or_checks_the_callers_out():
     overlapping = wrap(base[2:6])
     with pytest.raises(ValueError, match="out: overlaps x"):
         output(x, overlapping)
+
+
+def test_fingerprint_tells_apart_everything_a_plan_depends_on():
+    """Plans are cached by fingerprint: two arrays share one only if one plan serves both."""
+    from fakes import FakeCupyArray as A
+
+    from cupyrope._arrays import fingerprint
+
+    base = fingerprint(A((6, 4, 64)), "x")
+    moved = fingerprint(A((6, 4, 64), ptr=0x7F0000000000 + 4096), "x")  # elsewhere, same alignment
+    assert moved[0] == base[0] and moved[1] == base[1] + 4096
+    others = [
+        A((6, 4, 64), "float16"),
+        A((6, 4, 32)),
+        A((6, 4, 64), strides=(512, 64, 1)),  # strided heads
+        A((6, 4, 64), ptr=0x7F0000000000 + 8),  # not 16-byte aligned
+        A((6, 4, 64), device=1),
+    ]
+    keys = {fingerprint(a, "x")[0] for a in others} | {base[0]}
+    assert len(keys) == len(others) + 1
+    with pytest.raises(TypeError, match="x: expected a cupy.ndarray or a CUDA torch.Tensor"):
+        fingerprint([1.0], "x")
