@@ -116,9 +116,20 @@ def fingerprint(obj, name: str):
     return fingerprint(obj, name)
 
 
-def empty(like: Array, shape, dtype: str):
-    """A new uninitialized array of the caller's kind on ``like``'s device."""
-    return allocator(like, shape, dtype)(like.obj)[0]
+def fingerprint_optional(obj, name: str):
+    """fingerprint() of an optional argument; (None, 0) when it is None."""
+    return (None, 0) if obj is None else fingerprint(obj, name)
+
+
+def describe_optional(obj, name: str) -> Array | None:
+    return None if obj is None else describe(obj, name)
+
+
+class EmptyPlan:
+    """Plan of a call with nothing to compute (zero-size input); the planner attaches the allocators
+    of the results it still returns."""
+
+    grid = 0
 
 
 def allocator(like: Array, shape, dtype: str):

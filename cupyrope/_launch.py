@@ -50,8 +50,8 @@ def _cupy_stream(device: int) -> int:
 class Launch:
     """One kernel launch of a plan: ``kernel`` (a cupyrope._compile.Kernel) with one struct parameter
     made of ``n_pointers`` uint64 then ``tail``, on ``device``. Calling it with the pointers launches
-    on the caller's current stream (torch's for ``kind="torch"``, CuPy's otherwise), or on ``stream``;
-    it never synchronizes."""
+    on the caller's current stream (torch's for ``kind="torch"``, CuPy's otherwise); it never
+    synchronizes."""
 
     __slots__ = ("function", "grid", "block", "shared_mem", "device", "tail", "packer", "current_stream")
 
@@ -59,6 +59,8 @@ class Launch:
                  kind: str, shared_mem: int = 0):
         if 8 * n_pointers + len(tail) > _PARAM_BYTES:
             raise ValueError(f"kernel parameters of {8 * n_pointers + len(tail)} bytes exceed {_PARAM_BYTES}")
+        if _driver is None:
+            _bind()
         self.function = kernel.ptr
         self.grid = grid
         self.block = block
@@ -68,11 +70,8 @@ class Launch:
         self.packer = struct.Struct(f"<{n_pointers}Q{len(tail)}s")
         self.current_stream = _torch_stream if kind == "torch" else _cupy_stream
 
-    def __call__(self, *pointers, stream=None) -> None:
-        if _driver is None:
-            _bind()
-        if stream is None:
-            stream = self.current_stream(self.device)
+    def __call__(self, *pointers) -> None:
+        stream = self.current_stream(self.device)
         try:
             buffer, params = _local.block
         except AttributeError:

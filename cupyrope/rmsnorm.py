@@ -4,7 +4,8 @@ import math
 import struct
 
 from . import _arrays, _launch
-from ._arrays import CTYPE, FLOAT_DTYPES, check_not_overlapping, describe, fingerprint
+from ._arrays import (CTYPE, FLOAT_DTYPES, EmptyPlan, check_not_overlapping, describe, describe_optional, fingerprint,
+                      fingerprint_optional)
 from ._compile import allow_shared_memory, get_kernel
 from ._device import resident_blocks, sm_count
 from ._layout import _merge
@@ -229,16 +230,6 @@ def _rows(shape) -> int:
 _plans = _arrays.PlanCache()
 
 
-class _Empty:
-    """Plan of a call with nothing to compute (zero-size input); it still allocates the results."""
-
-    grid = 0
-
-
-def _fingerprint_optional(obj, name):
-    return (None, 0) if obj is None else fingerprint(obj, name)
-
-
 def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=False, impl="auto"):
     """y = x / sqrt(mean(x^2) + eps) * (weight + offset) over the last dimension of x (..., hidden).
 
@@ -247,13 +238,13 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
     out: where to write y (x's shape and dtype; out=x normalizes in place).
     """
     x_key, x_ptr = fingerprint(x, "x")
-    w_key, w_ptr = _fingerprint_optional(weight, "weight")
-    o_key, o_ptr = _fingerprint_optional(out, "out")
+    w_key, w_ptr = fingerprint_optional(weight, "weight")
+    o_key, o_ptr = fingerprint_optional(out, "out")
     key = ("fwd", x_key, w_key, o_key, o_ptr == x_ptr, eps, offset, return_rstd, impl)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan_forward_call(describe(x, "x"), None if weight is None else describe(weight, "weight"),
-                                  None if out is None else describe(out, "out"), eps, offset, return_rstd, impl)
+        plan = _plan_forward_call(describe(x, "x"), describe_optional(weight, "weight"), describe_optional(out, "out"),
+                                  eps, offset, return_rstd, impl)
         _plans.put(key, plan)
     out, out_ptr = _arrays.output(x, x_ptr, out, o_ptr, plan)
     rstd, rstd_ptr = plan.new_rstd(x) if return_rstd else (None, 0)
@@ -267,12 +258,12 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"
     x <- rms_norm(residual, weight, eps). Each tensor is read once and written once. Returns (x, residual)."""
     x_key, x_ptr = fingerprint(x, "x")
     r_key, r_ptr = fingerprint(residual, "residual")
-    w_key, w_ptr = _fingerprint_optional(weight, "weight")
+    w_key, w_ptr = fingerprint_optional(weight, "weight")
     key = ("add", x_key, r_key, w_key, eps, offset, impl)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan_fused_add_call(describe(x, "x"), describe(residual, "residual"),
-                                    None if weight is None else describe(weight, "weight"), eps, offset, impl)
+        plan = _plan_fused_add_call(describe(x, "x"), describe(residual, "residual"), describe_optional(weight, "weight"),
+                                    eps, offset, impl)
         _plans.put(key, plan)
     if plan.grid:
         _arrays.check_disjoint(x_ptr, plan.extents[0], r_ptr, plan.extents[1], "x", "residual", "pass separate memory")
@@ -287,14 +278,13 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, im
     not given. dweight is reduced in a fixed order: bitwise identical from run to run, no atomics."""
     d_key, d_ptr = fingerprint(dy, "dy")
     x_key, x_ptr = fingerprint(x, "x")
-    w_key, w_ptr = _fingerprint_optional(weight, "weight")
-    r_key, r_ptr = _fingerprint_optional(rstd, "rstd")
+    w_key, w_ptr = fingerprint_optional(weight, "weight")
+    r_key, r_ptr = fingerprint_optional(rstd, "rstd")
     key = ("bwd", d_key, x_key, w_key, r_key, eps, offset, impl)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan_backward_call(describe(dy, "dy"), describe(x, "x"),
-                                   None if weight is None else describe(weight, "weight"),
-                                   None if rstd is None else describe(rstd, "rstd"), eps, offset, impl)
+        plan = _plan_backward_call(describe(dy, "dy"), describe(x, "x"), describe_optional(weight, "weight"),
+                                   describe_optional(rstd, "rstd"), eps, offset, impl)
         _plans.put(key, plan)
     dx, dx_ptr = plan.new_dx(x)
     dweight, dweight_ptr = plan.new_dweight(x) if weight is not None else (None, 0)
@@ -305,10 +295,9 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, im
     if weight is None:
         plan.launch(d_ptr, x_ptr, 0, r_ptr, dx_ptr, 0)
         return dx, None
-    stream = plan.launch.current_stream(plan.launch.device)
     partial, partial_ptr = plan.new_partial(x)
-    plan.launch(d_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, partial_ptr, stream=stream)
-    plan.dw_launch(partial_ptr, dweight_ptr, stream=stream)
+    plan.launch(d_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, partial_ptr)
+    plan.dw_launch(partial_ptr, dweight_ptr)
     return dx, dweight
 
 
@@ -321,8 +310,7 @@ def _plan_forward_call(xa, wa, oa, eps, offset, return_rstd, impl):
     if oa is not None:
         _check_like(oa, xa, "x", "out")
         check_not_overlapping(xa, oa, "x", "out", same_allowed=True)
-    plan = _Empty() if not xa.size else None
-    if plan is None:
+    if xa.size:
         ya = oa if oa is not None else _arrays.contiguous_like(xa, xa.shape, xa.dtype)
         rows, hidden = _rows(xa.shape), xa.shape[-1]
         strides = _row_strides([xa, ya], ["x", "out"])
@@ -331,6 +319,8 @@ def _plan_forward_call(xa, wa, oa, eps, offset, return_rstd, impl):
         tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[1], 0, float(eps), float(offset))
         plan.launch = _launch.Launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, 5, tail,
                                      xa.device, xa.kind)
+    else:
+        plan = EmptyPlan()
     plan.new_output = _arrays.allocator(xa, xa.shape, xa.dtype)
     plan.new_rstd = _arrays.allocator(xa, xa.shape[:-1], "float32") if return_rstd else None
     return plan
@@ -345,7 +335,7 @@ def _plan_fused_add_call(xa, ra, wa, eps, offset, impl):
     check_not_overlapping(xa, ra, "x", "residual")
     _check_weight(wa, xa, "x")
     if not xa.size:
-        return _Empty()
+        return EmptyPlan()
     rows, hidden = _rows(xa.shape), xa.shape[-1]
     strides = _row_strides([xa, ra], ["x", "residual"])
     plan = plan_forward(xa, xa, ra, wa, (strides[0], strides[0], strides[1]), rows, hidden, impl)
@@ -369,11 +359,10 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
             raise TypeError(f"rstd: expected dtype float32, got {ra.dtype}")
         if tuple(ra.shape) != tuple(xa.shape[:-1]):
             raise ValueError(f"rstd: expected shape {tuple(xa.shape[:-1])} (x's rows), got {tuple(ra.shape)}")
-        if _arrays.contiguous_like(ra, ra.shape, "float32").strides != tuple(ra.strides) and ra.size > 1:
+        if not _arrays.is_contiguous(ra) and ra.size > 1:
             raise ValueError(f"rstd: expected a contiguous array, got strides {tuple(ra.strides)}")
     rows, hidden = _rows(xa.shape), xa.shape[-1]
-    plan = _Empty() if not xa.size else None
-    if plan is None:
+    if xa.size:
         dxa = _arrays.contiguous_like(xa, xa.shape, xa.dtype)
         strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
         plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl)
@@ -391,6 +380,8 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
             plan.dw_launch = _launch.Launch(dw_kernel, -(-hidden // 32), (32, DW_SPLIT), 2,
                                             _DW_TAIL.pack(plan.grid, hidden), xa.device, xa.kind)
             plan.new_partial = _arrays.allocator(xa, (plan.grid, hidden), "float32")
+    else:
+        plan = EmptyPlan()
     plan.new_dx = _arrays.allocator(xa, xa.shape, xa.dtype)
     plan.new_dweight = _arrays.allocator(xa, (hidden,), wa.dtype) if wa is not None else None
     return plan

@@ -10,7 +10,8 @@ import struct
 import numpy as np
 
 from . import _arrays, _launch
-from ._arrays import CTYPE, FLOAT_DTYPES, INDEX_DTYPES, check_not_overlapping, describe, fingerprint
+from ._arrays import (CTYPE, FLOAT_DTYPES, INDEX_DTYPES, EmptyPlan, check_not_overlapping, describe, describe_optional,
+                      fingerprint, fingerprint_optional)
 from ._compile import get_kernel
 from ._device import sm_count
 from ._layout import canonical_layout
@@ -218,10 +219,6 @@ def _check_out(o, x, x_name):
 _plans = _arrays.PlanCache()
 
 
-def _fingerprint_optional(obj, name):
-    return (None, 0) if obj is None else fingerprint(obj, name)
-
-
 def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False,
          out=None, impl="auto"):
     """Rotary position embedding of ``x`` (..., head_dim) at ``positions``.
@@ -237,14 +234,14 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
     """
     x_key, x_ptr = fingerprint(x, "x")
     p_key, p_ptr = fingerprint(positions, "positions")
-    c_key, c_ptr = _fingerprint_optional(cos_sin_cache, "cos_sin_cache")
-    o_key, o_ptr = _fingerprint_optional(out, "out")
+    c_key, c_ptr = fingerprint_optional(cos_sin_cache, "cos_sin_cache")
+    o_key, o_ptr = fingerprint_optional(out, "out")
     key = ("rope", x_key, p_key, c_key, o_key, o_ptr == x_ptr, theta, style, rotary_dim, inverse, impl)
     plan = _plans.get(key)
     if plan is None:
         plan = _plan_rope_call(describe(x, "x"), describe(positions, "positions"),
-                               None if cos_sin_cache is None else describe(cos_sin_cache, "cos_sin_cache"),
-                               None if out is None else describe(out, "out"), theta, style, rotary_dim, inverse, impl)
+                               describe_optional(cos_sin_cache, "cos_sin_cache"), describe_optional(out, "out"),
+                               theta, style, rotary_dim, inverse, impl)
         _plans.put(key, plan)
     out, out_ptr = _arrays.output(x, x_ptr, out, o_ptr, plan)
     if plan.grid:
@@ -266,7 +263,7 @@ def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, co
     q_key, q_ptr = fingerprint(q, "q")
     k_key, k_ptr = fingerprint(k, "k")
     p_key, p_ptr = fingerprint(positions, "positions")
-    c_key, c_ptr = _fingerprint_optional(cos_sin_cache, "cos_sin_cache")
+    c_key, c_ptr = fingerprint_optional(cos_sin_cache, "cos_sin_cache")
     if out is None:
         q_out, k_out, qo_key, ko_key, qo_ptr, ko_ptr = q, k, None, None, q_ptr, k_ptr
     else:
@@ -279,8 +276,8 @@ def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, co
     if plan is None:
         qa, ka = describe(q, "q"), describe(k, "k")
         qo, ko = (qa, ka) if out is None else (describe(q_out, "out[0]"), describe(k_out, "out[1]"))
-        ca = None if cos_sin_cache is None else describe(cos_sin_cache, "cos_sin_cache")
-        plan = _plan_rope_qk_call(qa, ka, describe(positions, "positions"), ca, qo, ko, theta, style, rotary_dim,
+        plan = _plan_rope_qk_call(qa, ka, describe(positions, "positions"),
+                                  describe_optional(cos_sin_cache, "cos_sin_cache"), qo, ko, theta, style, rotary_dim,
                                   inverse, impl)
         _plans.put(key, plan)
     if plan.grid:
@@ -294,15 +291,6 @@ def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, co
     return (q, k) if out is None else tuple(out)
 
 
-class _Empty:
-    """Plan of a call with nothing to compute (zero-size input)."""
-
-    grid = 0
-
-    def __init__(self, new_output=None):
-        self.new_output = new_output
-
-
 def _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl):
     _check_options(style, impl, theta, inverse)
     _arrays.check_float_input(xa, "x", "head_dim")
@@ -310,14 +298,15 @@ def _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl):
     _check_positions(pa, xa, "x")
     cache = _check_cache(ca, xa, "x", rotary_dim)
     _check_out(oa, xa, "x")
-    if not xa.size:
-        return _Empty(_arrays.allocator(xa, xa.shape, xa.dtype))
-    out = oa if oa is not None else _arrays.contiguous_like(xa, xa.shape, xa.dtype)
-    plan = plan_rope([(xa, out)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse,
-                     impl=impl, n_sm=sm_count(xa.device))
-    plan.out_layouts = _arrays.out_layouts(xa, oa)
+    if xa.size:
+        out = oa if oa is not None else _arrays.contiguous_like(xa, xa.shape, xa.dtype)
+        plan = plan_rope([(xa, out)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse,
+                         impl=impl, n_sm=sm_count(xa.device))
+        plan.out_layouts = _arrays.out_layouts(xa, oa)
+        _prepare_launch(plan, xa)
+    else:
+        plan = EmptyPlan()
     plan.new_output = _arrays.allocator(xa, xa.shape, xa.dtype)
-    _prepare_launch(plan, xa)
     return plan
 
 
@@ -340,7 +329,7 @@ def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, theta, style, rotary_dim, inverse
         _check_out(qo, qa, "q")
         _check_out(ko, ka, "k")
     if not (qa.size or ka.size):
-        return _Empty()
+        return EmptyPlan()
     plan = plan_rope([(qa, qo), (ka, ko)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta,
                      inverse=inverse, impl=impl, n_sm=sm_count(qa.device))
     plan.extents = tuple(_arrays.layout_key(a) for a in (qa, ka, qo, ko))

@@ -111,31 +111,21 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& pk) {
     }
 }
 
-// Load N elements to fp32. VEC: the address is aligned to the pack size, so this is one (or a few)
-// 16-byte loads; otherwise N scalar loads, valid at any element address.
+// N elements to and from fp32, through load_pack / store_pack (VEC: 16-byte accesses at a
+// pack-aligned address; otherwise element by element, valid at any element address).
 template <bool VEC, int N, typename T>
 __device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
-    if constexpr (VEC) {
-        const Pack<T, N> pk = load_pack<true, N>(p);
+    const Pack<T, N> pk = load_pack<VEC, N>(p);
 #pragma unroll
-        for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
-    } else {
-#pragma unroll
-        for (int i = 0; i < N; ++i) out[i] = to_float(p[i]);
-    }
+    for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
 }
 
 template <bool VEC, int N, typename T>
 __device__ __forceinline__ void store_float(T* p, const float (&in)[N]) {
-    if constexpr (VEC) {
-        Pack<T, N> pk;
+    Pack<T, N> pk;
 #pragma unroll
-        for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
-        store_pack<true, N>(p, pk);
-    } else {
-#pragma unroll
-        for (int i = 0; i < N; ++i) p[i] = from_float<T>(in[i]);
-    }
+    for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
+    store_pack<VEC, N>(p, pk);
 }
 
 // Sum over groups of WIDTH consecutive lanes (WIDTH a power of two <= 32).
