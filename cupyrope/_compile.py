@@ -90,13 +90,15 @@ DEFAULT_SHARED_LIMIT = 48 * 1024
 
 
 def allow_shared_memory(kernel: Kernel, nbytes: int, device: int) -> None:
-    """Opt the kernel in to more than 48 KiB of dynamic shared memory (once per kernel and size)."""
-    if nbytes <= DEFAULT_SHARED_LIMIT or getattr(kernel, "_shared_allowed", 0) >= nbytes:
+    """Opt the kernel in to ``nbytes`` of dynamic shared memory where that and its static shared
+    memory pass the default 48 KiB (once per kernel and size)."""
+    if not nbytes or kernel._shared_allowed >= nbytes:
         return
     cupy = import_cupy()
 
     with cupy.cuda.Device(device):
-        kernel.raw.max_dynamic_shared_size_bytes = nbytes
+        if nbytes + kernel.raw.shared_size_bytes > DEFAULT_SHARED_LIMIT:
+            kernel.raw.max_dynamic_shared_size_bytes = nbytes
     kernel._shared_allowed = nbytes
 
 

@@ -11,6 +11,14 @@ def sm_count(device: int) -> int:
     return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
 
 
+@functools.cache
+def shared_optin(device: int) -> int:
+    """Bytes of dynamic shared memory one block may opt in to."""
+    cupy = import_cupy()
+
+    return cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"]
+
+
 def resident_blocks(kernel, threads: int, shared_mem: int, device: int) -> int:
     """Blocks of ``kernel`` (a cupyrope._compile.Kernel) of ``threads`` threads one SM holds at once,
     as the driver computes it from the kernel's registers and shared memory."""

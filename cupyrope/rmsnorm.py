@@ -7,7 +7,7 @@ from . import _arrays, _launch
 from ._arrays import (CTYPE, FLOAT_DTYPES, EmptyPlan, check_not_overlapping, describe, describe_optional, fingerprint,
                       fingerprint_optional)
 from ._compile import allow_shared_memory, get_kernel
-from ._device import resident_blocks, sm_count
+from ._device import resident_blocks, shared_optin, sm_count
 from ._layout import _merge
 
 SOURCE = "rms_norm.cu"
@@ -30,6 +30,18 @@ FWD_BLOCK_THREADS = 128
 BWD_BLOCK_THREADS = 256
 DW_SPLIT = 32  # rms_norm_dw's block is (32 columns, DW_SPLIT); mirrors kernels_src/rms_norm.cu
 THREADS_PER_SM = 2048
+# Staged backward (rms_norm_bwd_staged, docs/perf-notes.md v9): aligned rows of at least
+# STAGED_MIN_ROW_BYTES, one row per block, the next rows' dy and x copied ahead into shared memory.
+# Measured on an H100 (scripts/sweep_bwd.py): 512 threads a row with 1-2 chunks each, else 1024 threads
+# with 2; lookahead of about STAGED_LOOKAHEAD_BYTES a block, at most 3 rows.
+STAGED_MIN_ROW_BYTES = 2048
+STAGED_ROW_THREADS = 512
+STAGED_LOOKAHEAD_BYTES = 128 * 1024
+STAGED_SLOTS = {4: (1, 2, 4, 8), 2: (1, 2, 4)}  # by element size: what 128 registers hold without spilling
+STAGED_MAX_THREADS = {1: 1024, 2: 1024, 4: 512, 8: 512}  # by slots; mirrors StagedMaxThreads
+STAGED_STAGES = (1, 2, 3)
+SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
+STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
 # (forward and backward); shorter ones stay element by element (few chunks a row: the edges dominate).
 SHIFT_MIN_ROW_BYTES = 512
@@ -41,7 +53,7 @@ _DW_TAIL = struct.Struct("<2q")
 
 
 class NormPlan:
-    __slots__ = ("name", "grid", "block", "vectorized", "shifted", "slots", "extents", "shared_mem", "out_layouts",
+    __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "slots", "extents", "shared_mem", "out_layouts",
                  "launch", "dw_launch", "new_output", "new_rstd", "new_dx", "new_dweight", "new_partial")
 
     def __init__(self, name, grid, block, vectorized, slots):
@@ -51,6 +63,7 @@ class NormPlan:
         self.vectorized = vectorized
         self.slots = slots
         self.shared_mem = 0
+        self.staged = False
 
     def __repr__(self):
         return f"NormPlan({self.name}, grid={self.grid}, block={self.block})"
@@ -134,12 +147,42 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto")
                  FWD_ELEMS_PER_THREAD, FWD_BLOCK_THREADS, [add], impl, can_shift=True)
 
 
-def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto") -> NormPlan:
+def _staged_shape(hidden, itemsize, shared_limit):
+    """(threads, slots, stages) of rms_norm_bwd_staged for an aligned row, or None where it does not apply."""
+    if hidden * itemsize < STAGED_MIN_ROW_BYTES:
+        return None
+    chunks = hidden * itemsize // 16
+    width = min(_next_pow2(chunks), STAGED_ROW_THREADS)
+    if chunks > 2 * width and chunks <= 2 * STAGED_MAX_THREADS[2]:  # 2 slots of 1024 threads, not 4 of 512
+        width = _next_pow2(-(-chunks // 2))
+    slots = next((s for s in STAGED_SLOTS[itemsize] if s * width >= chunks), None)
+    if slots is None or width > STAGED_MAX_THREADS[slots]:
+        return None
+    stage_bytes = 2 * slots * width * 16
+    stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
+    return (width, slots, stages) if stages >= 1 else None
+
+
+def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto",
+                  shared_limit=SHARED_OPTIN_LIMIT) -> NormPlan:
     weight_dtype = weight.dtype if weight is not None else "float32"
     long_rows = hidden * _arrays.ITEMSIZE[x.dtype] >= LONG_ROW_BYTES
     elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD
     plan = _plan("rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
                  BWD_MAX_SLOTS, elems, BWD_BLOCK_THREADS, [], impl, can_shift=True)
+    # rms_norm_bwd's own register prefetch (fp32 rows of up to 8 elements a thread) measured a little
+    # faster than staging; everywhere else aligned rows are staged.
+    itemsize = _arrays.ITEMSIZE[x.dtype]
+    prefetches = plan.vectorized and plan.slots and itemsize == 4 and plan.slots * 4 <= 8
+    aligned = plan.vectorized and not plan.shifted and not prefetches
+    staged = _staged_shape(hidden, itemsize, shared_limit) if aligned else None
+    if staged:
+        width, slots, stages = staged
+        plan = NormPlan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[x.dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}>",
+                        min(rows, n_sm * max(1, THREADS_PER_SM // width)), (width, 1), True, slots)
+        plan.shifted, plan.staged = False, True
+        plan.shared_mem = stages * 2 * slots * width * 16
+        return plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     plan.grid = max(1, min(plan.grid, n_sm * max(1, THREADS_PER_SM // threads)))
@@ -169,6 +212,9 @@ def all_variants():
                     if slots <= BWD_MAX_SLOTS[size]:
                         for shift in shifts:
                             yield SOURCE, f"cupyrope::rms_norm_bwd<{w}, {shift}>"
+            for slots in STAGED_SLOTS[_arrays.ITEMSIZE[dtype]]:
+                for stages in STAGED_STAGES:
+                    yield SOURCE, f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, {stages}>"
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 
 
@@ -365,9 +411,10 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
     if xa.size:
         dxa = _arrays.contiguous_like(xa, xa.shape, xa.dtype)
         strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
-        plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl)
-        tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_mem > 0), float(eps),
-                              float(offset))
+        plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl,
+                             shared_optin(xa.device) - STATIC_SHARED_BYTES)
+        shared_acc = plan.shared_mem > 0 and not plan.staged
+        tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(shared_acc), float(eps), float(offset))
         kernel = get_kernel(SOURCE, plan.name, xa.device)
         allow_shared_memory(kernel, plan.shared_mem, xa.device)
         # One wave: as many blocks as the SMs hold at once (registers and shared memory decide; the

@@ -111,6 +111,31 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& pk) {
     }
 }
 
+// Asynchronous 16-byte copies global -> shared (sm_80+: cp.async, which holds no registers while the
+// bytes are in flight; older GPUs: an ordinary load and store). A thread's copies are visible to it
+// after copy_async_wait<N>(), which waits for all but the N most recently committed groups.
+__device__ __forceinline__ void copy_async16(void* shared_dst, const void* global_src) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src) : "memory");
+#else
+    *static_cast<uint4*>(shared_dst) = *static_cast<const uint4*>(global_src);
+#endif
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int PENDING>
+__device__ __forceinline__ void copy_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+#endif
+}
+
 // N elements to and from fp32, through load_pack / store_pack (VEC: 16-byte accesses at a
 // pack-aligned address; otherwise element by element, valid at any element address).
 template <bool VEC, int N, typename T>

@@ -438,6 +438,112 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
     }
 }
 
+// ----------------------------------------------------------------------- backward, staged rows
+// One row per block, for 16-byte aligned rows (VEC, not SHIFT). The block walks rows blockIdx.x,
+// + gridDim.x, ... and keeps the next STAGES rows' dy and x in flight: cp.async copies them into
+// shared memory, where they hold no registers (v8's register prefetch cost occupancy). A thread
+// copies, and later reads, only its own chunks (lane + i * blockDim.x), so the staging needs no
+// barriers. The current row moves to registers; its stage is refilled with the row STAGES ahead as
+// soon as those values are consumed. dweight sums stay in registers (a thread owns the same columns
+// in every row) and go to partial[blockIdx.x, :] at the end, as in rms_norm_bwd.
+// Launch bound: up to 2 chunks a thread fit the 64 registers of 1024-thread blocks; 4 or 8 chunks
+// take the 512-thread bound (128 registers). Mirrored by rmsnorm.py's STAGED_MAX_THREADS.
+template <int NPT>
+struct StagedMaxThreads {
+    static constexpr int value = NPT <= 2 ? 1024 : 512;
+};
+
+template <typename T, int NPT>
+__device__ __forceinline__ uint4* stage_slot(uint4* staged, int stage, int tensor, int i) {
+    return staged + ((stage * 2 + tensor) * NPT + i) * blockDim.x + threadIdx.x;
+}
+
+// Starts copying this thread's chunks of row `row` (nothing past the last row) into `stage`, as one
+// commit group (an empty one past the last row, so every thread's group count stays the same).
+template <typename T, int NPT>
+__device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged, i64 row, int stage) {
+    constexpr int E = 16 / sizeof(T);
+    if (row < p.rows) {
+        const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
+        const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const int col = (i * blockDim.x + threadIdx.x) * E;  // rows are < 2^31 elements (planner)
+            if (col < p.hidden) {
+                copy_async16(stage_slot<T, NPT>(staged, stage, 0, i), dy_row + col);
+                copy_async16(stage_slot<T, NPT>(staged, stage, 1, i), x_row + col);
+            }
+        }
+    }
+    copy_async_commit();
+}
+
+template <typename T, typename W, int NPT, int STAGES>
+__global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
+    constexpr int E = 16 / sizeof(T);
+    __shared__ float scratch[64];
+    extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
+    const int lane = threadIdx.x, width = blockDim.x;
+    const int step = width * E;
+    const i64 row_step = gridDim.x;
+    Pack<float, E> dw[NPT];
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) dw[i] = zeros<E>();
+
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) stage_row<T, NPT>(p, staged, blockIdx.x + s * row_step, s);
+    float next_rstd = p.rstd && blockIdx.x < p.rows ? p.rstd[blockIdx.x] : 0.f;
+    int stage = 0;
+    // The loop bound is uniform across the block (one row per block; the reduction has barriers).
+#pragma unroll 1
+    for (i64 row = blockIdx.x; row < p.rows; row += row_step) {
+        const float given_rstd = next_rstd;  // loaded a row ahead: not on this row's critical path
+        if (p.rstd && row + row_step < p.rows) next_rstd = p.rstd[row + row_step];
+        copy_async_wait<STAGES - 1>();  // this row's group is complete
+        Pack<T, E> dyv[NPT], xv[NPT];
+        float sum_sq = 0.f, dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const int col = lane * E + i * step;
+            if (col < p.hidden) {
+                dyv[i] = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<T, NPT>(staged, stage, 0, i)));
+                xv[i] = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<T, NPT>(staged, stage, 1, i)));
+                const Pack<W, E> w = load_weight<W, true, E>(p.weight, col);
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const float xf = to_float(xv[i].v[e]);
+                    sum_sq += xf * xf;
+                    dot += to_float(dyv[i].v[e]) * scale<W, E>(p.weight, p.offset, w, e) * xf;
+                }
+            }
+        }
+        // The shared reads above precede this refill in program order, and a copy's write lands
+        // only after its global read: the slot is free.
+        stage_row<T, NPT>(p, staged, row + STAGES * row_step, stage);
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
+        const float2 sums = row_sum2(sum_sq, dot, width, scratch);
+        const float rstd = p.rstd ? given_rstd : 1.f / sqrtf(sums.x / (float)p.hidden + p.eps);
+        const float coef = rstd * rstd * rstd * (sums.y / (float)p.hidden);
+        T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const int col = lane * E + i * step;
+            if (col < p.hidden) {
+                const Pack<W, E> w = load_weight<W, true, E>(p.weight, col);
+                store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i]));
+            }
+        }
+    }
+    copy_async_wait<0>();  // no copy may outlive the block
+    if (!p.weight) return;
+    float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        const int col = lane * E + i * step;
+        if (col < p.hidden) store_pack<true, E>(my_partial + col, dw[i]);
+    }
+}
+
 struct DweightParams {  // mirrored by rmsnorm.py's _DW_PARAMS
     const float* partial;
     void* dweight;

@@ -1,18 +1,28 @@
-"""One launch of each RMSNorm case named on the command line, for ncu (scripts/gpu notes)."""
-import importlib
+"""One launch of each RMSNorm case named on the command line, for ncu (docs/perf-notes.md).
+
+A case is op:dtype:rows:hidden[:SETTINGS], SETTINGS as in scripts/sweep_bwd.py ("old" or
+NAME=VALUE,... of rmsnorm planner constants); the weight is fp32. Example:
+  ncu --clock-control none -k regex:rms_norm --section WarpStateStats \\
+      python3 scripts/ncu_norm.py bwd:bfloat16:16384:8192:BWD_STAGES=3
+"""
 import sys
 
 import torch
 
 import cupyrope
+from cupyrope import rmsnorm
 
-rms = importlib.import_module("cupyrope.rmsnorm")
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from sweep_bwd import apply  # noqa: E402
+
+defaults = {n: getattr(rmsnorm, n) for n in dir(rmsnorm) if n.isupper()}
 for case in sys.argv[1:]:
-    op, dtype, rows, hidden, chunks = case.split(":")
-    rms.FWD_CHUNKS_PER_THREAD = rms.BWD_CHUNKS_PER_THREAD = int(chunks)
-    dt = getattr(torch, dtype)
-    x = torch.randn(int(rows), int(hidden), device="cuda", dtype=dt)
-    w = torch.randn(int(hidden), device="cuda", dtype=dt)
+    op, dtype, rows, hidden, *settings = case.split(":")
+    for name, value in defaults.items():
+        setattr(rmsnorm, name, value)
+    apply(settings[0] if settings else "")
+    x = torch.randn(int(rows), int(hidden), device="cuda", dtype=getattr(torch, dtype))
+    w = torch.randn(int(hidden), device="cuda")
     if op == "fwd":
         cupyrope.rms_norm(x, w)
     else:

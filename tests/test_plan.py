@@ -136,11 +136,27 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
 def test_rms_norm_backward_plans():
     x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
     b = plan_backward(x, x, y, arr((4096,), "float32"), (4096,) * 3, 8192, 4096, n_sm=132)
-    assert b.grid <= 132 * 8 and b.name.startswith("cupyrope::rms_norm_bwd<__nv_bfloat16, float, true,")
-    assert b.block[1] == 1 and b.slots and b.shared_mem == 0  # register sums go straight to the partial row
+    # Aligned bf16 rows are staged: 512 threads x one 16-byte chunk, 3 rows ahead (3 x 16 KiB of dy and x).
+    assert b.staged and b.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3>"
+    assert b.block == (512, 1) and b.shared_mem == 3 * 2 * 8192 and b.grid <= 132 * 4
+    # fp32 rows of up to 8 elements a thread keep rms_norm_bwd's register prefetch.
+    f = arr((8192, 4096), "float32")
+    r = plan_backward(f, f, f, arr((4096,), "float32"), (4096,) * 3, 8192, 4096, n_sm=132)
+    assert not r.staged and r.name.startswith("cupyrope::rms_norm_bwd<float, float, true, 2,")
+    assert r.block[1] == 1 and r.slots and r.shared_mem == 0  # register sums go straight to the partial row
+    # fp32 [*, 16384]: 512 threads x 8 chunks, one row ahead (128 KiB); fp32 [*, 8192]: 1024 x 2, two ahead.
+    wide = arr((64, 16384), "float32")
+    w = plan_backward(wide, wide, wide, arr((16384,), "float32"), (16384,) * 3, 64, 16384, n_sm=132)
+    assert w.name.endswith("<float, float, 8, 1>") and w.block == (512, 1) and w.shared_mem == 128 * 1024
+    mid = arr((64, 8192), "float32")
+    m = plan_backward(mid, mid, mid, None, (8192,) * 3, 64, 8192, n_sm=132)
+    assert m.name.endswith("<float, float, 2, 2>") and m.block == (1024, 1) and m.grid == 64
+    # Less shared memory than a stage: not staged.
+    n = plan_backward(wide, wide, wide, None, (16384,) * 3, 64, 16384, n_sm=132, shared_limit=100 * 1024)
+    assert not n.staged and n.slots == 0
     small = arr((8192, 64))
     s = plan_backward(small, small, small, arr((64,)), (64,) * 3, 8192, 64, n_sm=132)
-    assert s.block[1] > 1 and s.shared_mem == s.block[1] * 64 * 4  # each rows slot's sums, added in order
+    assert not s.staged and s.block[1] > 1 and s.shared_mem == s.block[1] * 64 * 4  # rows slots' sums, in order
     huge = arr((64, 65536), "float32")
     h = plan_backward(huge, huge, huge, arr((65536,), "float32"), (65536,) * 3, 64, 65536, n_sm=132)
     assert h.slots == 0 and h.block[1] == 1 and h.shared_mem == 0  # sums go to the partial row instead

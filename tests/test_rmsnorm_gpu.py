@@ -134,6 +134,41 @@ def test_backward(rng, dtype, hidden):
         assert np.all(err <= tol), f"dweight: worst {err.max():.3g}"
 
 
+def fill_next_allocation_with_nan(shape, dtype, kind):
+    """The caching allocators (CuPy's pool, torch's) hand a freed block to the next request of its size:
+    a NaN block freed here makes rows a kernel fails to write show up as NaN."""
+    poison(to_device(np.zeros(shape), dtype, kind))
+
+
+# The staged backward (rows copied ahead into shared memory, one row per block): 1 or 2 slots, 128 to
+# 1024 threads, 1 to 3 stages; more rows than blocks (the lookahead runs past the last row); strided rows.
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("hidden,rows,pad", [(1024, 3001, 0), (2048, 133, 8), (8192, 1, 0), (8192, 2999, 0),
+                                             (3072, 700, 16)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_staged_rows(rng, kind, dtype, hidden, rows, pad):
+    x_host = random_host((rows, hidden), dtype, rng)
+    dy_host = random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), dtype, rng)
+    x = strided_rows(x_host, dtype, kind, pad) if pad else to_device(x_host, dtype, kind)
+    dy = strided_rows(dy_host, dtype, kind, pad) if pad else to_device(dy_host, dtype, kind)
+    w = to_device(w_host, dtype, kind)
+    _, rstd = cupyrope.rms_norm(x, w, return_rstd=True)
+    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
+    for weight, given in ((w, None), (w, rstd), (None, rstd)):
+        fill_next_allocation_with_nan((rows, hidden), dtype, kind)
+        dx, dw = cupyrope.rms_norm_backward(dy, x, weight, rstd=given)
+        ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host if weight is not None else None)
+        scale = np.abs(dy_host * (w_host if weight is not None else 1) * rstd_ref[:, None]).max()
+        assert_matches(to_host(dx), ref_dx, dtype, scale=scale, what="dx")  # every row
+        if weight is None:
+            assert dw is None
+            continue
+        terms = np.abs(dy_host * x_host * rstd_ref[:, None]).sum(0)
+        err = np.abs(to_host(dw) - ref_dw)
+        assert np.all(err <= 4e-6 * terms + ulp(ref_dw, dtype)), f"dweight: worst {err.max():.3g}"
+
+
 @pytest.mark.parametrize("hidden", [4096, 1027])  # dweight sums in registers / in shared memory (shifted rows)
 def test_backward_dweight_is_deterministic(rng, hidden):
     x = to_device(random_host((8192, hidden), "bfloat16", rng), "bfloat16", "cupy")
