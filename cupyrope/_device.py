@@ -5,18 +5,17 @@ from ._cupy import import_cupy
 
 
 @functools.cache
+def _properties(device: int) -> dict:
+    return import_cupy().cuda.runtime.getDeviceProperties(device)
+
+
 def sm_count(device: int) -> int:
-    cupy = import_cupy()
-
-    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+    return _properties(device)["multiProcessorCount"]
 
 
-@functools.cache
 def shared_optin(device: int) -> int:
     """Bytes of dynamic shared memory one block may opt in to."""
-    cupy = import_cupy()
-
-    return cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"]
+    return _properties(device)["sharedMemPerBlockOptin"]
 
 
 def resident_blocks(kernel, threads: int, shared_mem: int, device: int) -> int:

@@ -53,8 +53,9 @@ _DW_TAIL = struct.Struct("<2q")
 
 
 class NormPlan:
-    __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "slots", "extents", "shared_mem", "out_layouts",
-                 "launch", "dw_launch", "new_output", "new_rstd", "new_dx", "new_dweight", "new_partial")
+    __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "slots", "extents", "shared_mem",
+                 "shared_acc", "out_layouts", "launch", "dw_launch", "new_output", "new_rstd", "new_dx", "new_dweight",
+                 "new_partial")
 
     def __init__(self, name, grid, block, vectorized, slots):
         self.name = name
@@ -63,6 +64,7 @@ class NormPlan:
         self.vectorized = vectorized
         self.slots = slots
         self.shared_mem = 0
+        self.shared_acc = False  # backward: dynamic shared memory holds the rows slots' dweight sums
         self.staged = False
 
     def __repr__(self):
@@ -147,8 +149,10 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto")
                  FWD_ELEMS_PER_THREAD, FWD_BLOCK_THREADS, [add], impl, can_shift=True)
 
 
-def _staged_shape(hidden, itemsize, shared_limit):
-    """(threads, slots, stages) of rms_norm_bwd_staged for an aligned row, or None where it does not apply."""
+def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit):
+    """The plan of rms_norm_bwd_staged for aligned rows (threads, slots and stages by the rule above),
+    or None where it does not apply."""
+    itemsize = _arrays.ITEMSIZE[dtype]
     if hidden * itemsize < STAGED_MIN_ROW_BYTES:
         return None
     chunks = hidden * itemsize // 16
@@ -160,7 +164,13 @@ def _staged_shape(hidden, itemsize, shared_limit):
         return None
     stage_bytes = 2 * slots * width * 16
     stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
-    return (width, slots, stages) if stages >= 1 else None
+    if stages < 1:
+        return None
+    plan = NormPlan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}>",
+                    rows, (width, 1), True, slots)
+    plan.shifted, plan.staged = False, True
+    plan.shared_mem = stages * stage_bytes
+    return plan
 
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto",
@@ -170,22 +180,16 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD
     plan = _plan("rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
                  BWD_MAX_SLOTS, elems, BWD_BLOCK_THREADS, [], impl, can_shift=True)
-    # rms_norm_bwd's own register prefetch (fp32 rows of up to 8 elements a thread) measured a little
-    # faster than staging; everywhere else aligned rows are staged.
-    itemsize = _arrays.ITEMSIZE[x.dtype]
-    prefetches = plan.vectorized and plan.slots and itemsize == 4 and plan.slots * 4 <= 8
-    aligned = plan.vectorized and not plan.shifted and not prefetches
-    staged = _staged_shape(hidden, itemsize, shared_limit) if aligned else None
-    if staged:
-        width, slots, stages = staged
-        plan = NormPlan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[x.dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}>",
-                        min(rows, n_sm * max(1, THREADS_PER_SM // width)), (width, 1), True, slots)
-        plan.shifted, plan.staged = False, True
-        plan.shared_mem = stages * 2 * slots * width * 16
-        return plan
+    # rms_norm_bwd's own register prefetch (fp32 rows of up to 8 elements a thread: its PREFETCH)
+    # measured a little faster than staging; everywhere else aligned rows are staged.
+    prefetches = plan.vectorized and plan.slots and _arrays.ITEMSIZE[x.dtype] == 4 and plan.slots * 4 <= 8
+    if plan.vectorized and not plan.shifted and not prefetches:
+        plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit) or plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     plan.grid = max(1, min(plan.grid, n_sm * max(1, THREADS_PER_SM // threads)))
+    if plan.staged:  # its shared memory is the stages; dweight sums stay in registers
+        return plan
     # dweight sums of each rows slot, added in order at the end: in shared memory, except with one
     # slot and the sums in registers (written straight to the partial row), or rows too long for it
     # (one slot, the sums kept in the partial row). Shifted rows keep no sums in registers.
@@ -193,6 +197,7 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     plan.shared_mem = rows_slots * hidden * 4 if weight is not None else 0
     if plan.shared_mem > SHARED_ACC_LIMIT or (plan.slots and rows_slots == 1 and not plan.shifted):
         plan.shared_mem = 0
+    plan.shared_acc = plan.shared_mem > 0
     assert plan.shared_mem or rows_slots == 1 or weight is None, "rows slots would share one partial row"
     return plan
 
@@ -413,8 +418,8 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
         strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
         plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl,
                              shared_optin(xa.device) - STATIC_SHARED_BYTES)
-        shared_acc = plan.shared_mem > 0 and not plan.staged
-        tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(shared_acc), float(eps), float(offset))
+        tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc), float(eps),
+                              float(offset))
         kernel = get_kernel(SOURCE, plan.name, xa.device)
         allow_shared_memory(kernel, plan.shared_mem, xa.device)
         # One wave: as many blocks as the SMs hold at once (registers and shared memory decide; the

@@ -278,6 +278,18 @@ __device__ __forceinline__ Pack<T, E> bwd_chunk(const NormBwdParams& p, const Pa
     return out;
 }
 
+// The row sums the backward needs from E columns: sum_sq += x^2, dot += dy * (w + offset) * x.
+template <typename T, typename W, int E>
+__device__ __forceinline__ void add_row_sums(const NormBwdParams& p, const Pack<T, E>& d, const Pack<T, E>& xx,
+                                             const Pack<W, E>& w, float& sum_sq, float& dot) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const float xf = to_float(xx.v[e]);
+        sum_sq += xf * xf;
+        dot += to_float(d.v[e]) * scale<W, E>(p.weight, p.offset, w, e) * xf;
+    }
+}
+
 template <int E>
 __device__ __forceinline__ Pack<float, E> zeros() {
     Pack<float, E> z;
@@ -354,24 +366,13 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
                 if (active && col < p.hidden) {
                     const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
                     if constexpr (RMS_BWD_KEEP_WEIGHT) wv[i] = w;
-#pragma unroll
-                    for (int e = 0; e < E; ++e) {
-                        const float xf = to_float(xv[i].v[e]);
-                        sum_sq += xf * xf;
-                        dot += to_float(dyv[i].v[e]) * scale<W, E>(p.weight, p.offset, w, e) * xf;
-                    }
+                    add_row_sums<T, W, E>(p, dyv[i], xv[i], w, sum_sq, dot);
                 }
             }
         } else {
             for (i64 col = (i64)lane * E; active && col < p.hidden; col += step) {
                 const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
-                const Pack<W, E> w = load_weight<W, VEC, E>(p.weight, col);
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const float xf = to_float(xx.v[e]);
-                    sum_sq += xf * xf;
-                    dot += to_float(d.v[e]) * scale<W, E>(p.weight, p.offset, w, e) * xf;
-                }
+                add_row_sums<T, W, E>(p, d, xx, load_weight<W, VEC, E>(p.weight, col), sum_sq, dot);
             }
         }
         Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
@@ -453,7 +454,7 @@ struct StagedMaxThreads {
     static constexpr int value = NPT <= 2 ? 1024 : 512;
 };
 
-template <typename T, int NPT>
+template <int NPT>
 __device__ __forceinline__ uint4* stage_slot(uint4* staged, int stage, int tensor, int i) {
     return staged + ((stage * 2 + tensor) * NPT + i) * blockDim.x + threadIdx.x;
 }
@@ -470,8 +471,8 @@ __device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged,
         for (int i = 0; i < NPT; ++i) {
             const int col = (i * blockDim.x + threadIdx.x) * E;  // rows are < 2^31 elements (planner)
             if (col < p.hidden) {
-                copy_async16(stage_slot<T, NPT>(staged, stage, 0, i), dy_row + col);
-                copy_async16(stage_slot<T, NPT>(staged, stage, 1, i), x_row + col);
+                copy_async16(stage_slot<NPT>(staged, stage, 0, i), dy_row + col);
+                copy_async16(stage_slot<NPT>(staged, stage, 1, i), x_row + col);
             }
         }
     }
@@ -506,15 +507,9 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
         for (int i = 0; i < NPT; ++i) {
             const int col = lane * E + i * step;
             if (col < p.hidden) {
-                dyv[i] = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<T, NPT>(staged, stage, 0, i)));
-                xv[i] = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<T, NPT>(staged, stage, 1, i)));
-                const Pack<W, E> w = load_weight<W, true, E>(p.weight, col);
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const float xf = to_float(xv[i].v[e]);
-                    sum_sq += xf * xf;
-                    dot += to_float(dyv[i].v[e]) * scale<W, E>(p.weight, p.offset, w, e) * xf;
-                }
+                dyv[i] = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT>(staged, stage, 0, i)));
+                xv[i] = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT>(staged, stage, 1, i)));
+                add_row_sums<T, W, E>(p, dyv[i], xv[i], load_weight<W, true, E>(p.weight, col), sum_sq, dot);
             }
         }
         // The shared reads above precede this refill in program order, and a copy's write lands

@@ -3,23 +3,19 @@
 A case is op:dtype:rows:hidden[:SETTINGS], SETTINGS as in scripts/sweep_bwd.py ("old" or
 NAME=VALUE,... of rmsnorm planner constants); the weight is fp32. Example:
   ncu --clock-control none -k regex:rms_norm --section WarpStateStats \\
-      python3 scripts/ncu_norm.py bwd:bfloat16:16384:8192:BWD_STAGES=3
+      python3 scripts/ncu_norm.py bwd:bfloat16:16384:8192:STAGED_LOOKAHEAD_BYTES=65536
 """
 import sys
 
 import torch
 
 import cupyrope
-from cupyrope import rmsnorm
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from sweep_bwd import apply  # noqa: E402
 
-defaults = {n: getattr(rmsnorm, n) for n in dir(rmsnorm) if n.isupper()}
 for case in sys.argv[1:]:
     op, dtype, rows, hidden, *settings = case.split(":")
-    for name, value in defaults.items():
-        setattr(rmsnorm, name, value)
     apply(settings[0] if settings else "")
     x = torch.randn(int(rows), int(hidden), device="cuda", dtype=getattr(torch, dtype))
     w = torch.randn(int(hidden), device="cuda")

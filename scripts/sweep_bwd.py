@@ -1,7 +1,7 @@
 """RMSNorm backward tuning sweep on a GPU: planner settings x shapes (not the benchmark suite).
 
 Usage: python scripts/sweep_bwd.py [--peers] [big|mid|table] SETTING ...
-A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "BWD_STAGES=3,STAGED_ELEMS_PER_THREAD=32";
+A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "STAGED_LOOKAHEAD_BYTES=65536,STAGED_ROW_THREADS=256";
 "old" is the unstaged kernel (STAGED_MIN_ROW_BYTES above every row). Each setting is checked against
 torch in fp32 before it is timed (graph replay, inputs rotating past the L2, % of copy bandwidth).
 """
@@ -27,11 +27,19 @@ MID = [(32768, 4096, torch.bfloat16), (16384, 8192, torch.bfloat16), (8192, 1638
        (2048, 8192, torch.bfloat16), (8192, 8192, torch.float32)]
 
 
+DEFAULTS = {n: getattr(rmsnorm, n) for n in dir(rmsnorm) if n.isupper()}
+
+
 def apply(setting):
+    """rmsnorm's planner constants back to their defaults, then ``setting`` over them; plans cleared."""
+    for name, value in DEFAULTS.items():
+        setattr(rmsnorm, name, value)
     if setting == "old":
         setting = "STAGED_MIN_ROW_BYTES=1000000000"
     for item in filter(None, setting.split(",")):
         name, value = item.split("=")
+        if name not in DEFAULTS:
+            raise SystemExit(f"{name}: not a planner constant of cupyrope.rmsnorm")
         setattr(rmsnorm, name, int(value))
     rmsnorm._plans = _arrays.PlanCache()
 
@@ -41,7 +49,6 @@ def main():
     with_peers = "--peers" in args
     shapes = {"table": TABLE, "mid": MID}.get(next((a for a in args if a in ("big", "mid", "table")), "big"), BIG)
     settings = [a for a in args if not a.startswith("--") and a not in ("big", "mid", "table")] or ["old", ""]
-    defaults = {n: getattr(rmsnorm, n) for n in dir(rmsnorm) if n.isupper()}
     bw = bench.copy_bandwidth_gbps(torch)
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; backward GPU us and % of it")
     header = ["shape"] + [s or "default" for s in settings] + (["liger"] if with_peers else [])
@@ -54,8 +61,6 @@ def main():
             copies.append((x, torch.randn(hidden, device=dev, dtype=torch.float32), torch.randn_like(x)))
         times, names = [], []
         for setting in settings:
-            for name, value in defaults.items():
-                setattr(rmsnorm, name, value)
             apply(setting)
             x, w, dy = copies[0]
             dx, dw = cupyrope.rms_norm_backward(dy, x, w)
@@ -67,8 +72,7 @@ def main():
         moved = nbytes * 1.5
         cells = [f"{t:.1f} {100 * moved / t / 1e3 / bw:.0f}%" for t in times]
         print(f"| {rows}x{hidden} {str(dt)[6:]} | " + " | ".join(cells) + " |   " + "; ".join(names), flush=True)
-    for name, value in defaults.items():
-        setattr(rmsnorm, name, value)
+    apply("")
 
 
 if __name__ == "__main__":
