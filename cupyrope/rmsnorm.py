@@ -15,6 +15,11 @@ REGISTER_SLOTS = (1, 2, 4, 8)  # NPT: accesses per thread kept in registers (0: 
 MAX_WIDTH = 512  # threads per row: a 1024-thread row block leaves one block per SM (no overlap)
 # Elements per thread, measured best on an H100 (docs/perf-notes.md; scripts/sweep_norm.py sets them).
 FWD_ELEMS_PER_THREAD = 16
+# Small inputs (rows of up to FWD_SMALL_ROW_BYTES, FWD_SMALL_ELEMENTS in all): one 16-byte chunk a
+# thread, whose weight the kernel loads with x rather than after the reduction (one memory round trip
+# less on the critical path of a grid that is mostly latency).
+FWD_SMALL_ROW_BYTES = 4096
+FWD_SMALL_ELEMENTS = 1 << 22
 BWD_ELEMS_PER_THREAD = 8
 BWD_ELEMS_PER_THREAD_LONG_ROWS = 16  # rows of 8 KB or more: fewer, fuller threads per row
 LONG_ROW_BYTES = 8192
@@ -71,8 +76,10 @@ class NormPlan:
         return f"NormPlan({self.name}, grid={self.grid}, block={self.block})"
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def row_threads(n: int) -> int:
+    """Threads for n chunks: a power of two up to a warp (shuffle reductions), else whole warps (a
+    power of two would leave up to half of them idle: 130 chunks on 256 threads)."""
+    return 1 << max(0, (n - 1).bit_length()) if n <= 32 else -(-n // 32) * 32
 
 
 def row_shape(hidden: int, elems: int, chunks_per_thread: int = 1, max_slots: int = 8) -> tuple[int, int]:
@@ -80,11 +87,12 @@ def row_shape(hidden: int, elems: int, chunks_per_thread: int = 1, max_slots: in
     moved ``elems`` at a time: about ``chunks_per_thread`` 16-byte chunks a thread."""
     chunks = -(-hidden // elems)
     # More threads per row when the register slots cannot hold the row at this width.
-    width = min(_next_pow2(-(-chunks // min(chunks_per_thread, max_slots))), MAX_WIDTH)
+    width = min(row_threads(-(-chunks // min(chunks_per_thread, max_slots))), MAX_WIDTH)
     needed = -(-chunks // width)
     if needed > max_slots:
         return MAX_WIDTH, 0
-    return width, next(s for s in REGISTER_SLOTS if s >= needed)
+    slots = next(s for s in REGISTER_SLOTS if s >= needed)
+    return row_threads(-(-chunks // slots)), slots  # as few threads as fill those slots
 
 
 def _vectorizable(arrays, row_strides, hidden, dtype) -> bool:
@@ -145,8 +153,11 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto")
     arrays = [x, y, residual, weight]
     add = "true" if residual is not None else "false"
     weight_dtype = weight.dtype if weight is not None else "float32"
+    itemsize = _arrays.ITEMSIZE[x.dtype]
+    small = hidden * itemsize <= FWD_SMALL_ROW_BYTES and rows * hidden <= FWD_SMALL_ELEMENTS
+    elems = 16 // itemsize if small else FWD_ELEMS_PER_THREAD
     return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS,
-                 FWD_ELEMS_PER_THREAD, FWD_BLOCK_THREADS, [add], impl, can_shift=True)
+                 elems, FWD_BLOCK_THREADS, [add], impl, can_shift=True)
 
 
 def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit):
@@ -156,12 +167,15 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit):
     if hidden * itemsize < STAGED_MIN_ROW_BYTES:
         return None
     chunks = hidden * itemsize // 16
-    width = min(_next_pow2(chunks), STAGED_ROW_THREADS)
-    if chunks > 2 * width and chunks <= 2 * STAGED_MAX_THREADS[2]:  # 2 slots of 1024 threads, not 4 of 512
-        width = _next_pow2(-(-chunks // 2))
-    slots = next((s for s in STAGED_SLOTS[itemsize] if s * width >= chunks), None)
-    if slots is None or width > STAGED_MAX_THREADS[slots]:
+    # One chunk a thread up to STAGED_ROW_THREADS, then 2 on up to 1024 threads (not 4 on 512), then 4 or 8.
+    limits = {s: STAGED_ROW_THREADS if s == 1 else STAGED_MAX_THREADS[s] for s in STAGED_SLOTS[itemsize]}
+    slots = next((s for s, limit in limits.items() if s * limit >= chunks), None)
+    if slots is None:
         return None
+    # Several chunks a thread: a power of two of threads. Fewer threads measured +5% at bf16 [8192, 5120]
+    # (320 x 2) but -10% at fp32 [8192, 5120] (640 x 2, whose 3 stages leave one block an SM).
+    per_thread = -(-chunks // slots)
+    width = row_threads(per_thread) if slots == 1 else 1 << (per_thread - 1).bit_length()
     stage_bytes = 2 * slots * width * 16
     stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
     if stages < 1:
@@ -187,19 +201,32 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
         plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit) or plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
-    plan.grid = max(1, min(plan.grid, n_sm * max(1, THREADS_PER_SM // threads)))
+    plan.grid = cap_grid(plan, n_sm * max(1, THREADS_PER_SM // threads), rows, x.dtype)
     if plan.staged:  # its shared memory is the stages; dweight sums stay in registers
         return plan
     # dweight sums of each rows slot, added in order at the end: in shared memory, except with one
     # slot and the sums in registers (written straight to the partial row), or rows too long for it
-    # (one slot, the sums kept in the partial row). Shifted rows keep no sums in registers.
+    # (one slot, the sums kept in the partial row).
     rows_slots = plan.block[1]
     plan.shared_mem = rows_slots * hidden * 4 if weight is not None else 0
-    if plan.shared_mem > SHARED_ACC_LIMIT or (plan.slots and rows_slots == 1 and not plan.shifted):
+    if plan.shared_mem > SHARED_ACC_LIMIT or (plan.slots and rows_slots == 1):
         plan.shared_mem = 0
     plan.shared_acc = plan.shared_mem > 0
     assert plan.shared_mem or rows_slots == 1 or weight is None, "rows slots would share one partial row"
     return plan
+
+
+def cap_grid(plan, max_blocks: int, rows: int, dtype) -> int:
+    """The backward's grid: at most max_blocks (at least 1). Shifted rows: a rows slot that visits several
+    rows (grid step of blocks x rows per block) keeps its columns' dweight sums in registers, so every row
+    it visits must start at the same offset from a 16-byte boundary: the step becomes a multiple of the
+    elements in 16 bytes (the offset repeats with that period)."""
+    grid = max(1, min(plan.grid, max_blocks))
+    rows_per_block = plan.block[1]
+    if plan.shifted and grid * rows_per_block < rows:
+        period = max(1, 16 // _arrays.ITEMSIZE[dtype] // rows_per_block)
+        grid = max(period, grid // period * period)  # blocks past the last row add zero partials
+    return grid
 
 
 def all_variants():
@@ -425,7 +452,8 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
         # One wave: as many blocks as the SMs hold at once (registers and shared memory decide; the
         # planner's estimate counts threads only). More would only add dweight partials.
         threads = plan.block[0] * plan.block[1]
-        plan.grid = min(plan.grid, sm_count(xa.device) * resident_blocks(kernel, threads, plan.shared_mem, xa.device))
+        plan.grid = cap_grid(plan, sm_count(xa.device) * resident_blocks(kernel, threads, plan.shared_mem, xa.device),
+                             rows, xa.dtype)
         plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
         if wa is not None:
             dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[wa.dtype]}>", xa.device)

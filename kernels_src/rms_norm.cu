@@ -149,6 +149,9 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, i64 
 #ifndef RMS_BWD_PREFETCH  // 1: the backward loads the next row's dy and x before this row's reduction
 #define RMS_BWD_PREFETCH 1
 #endif
+#ifndef RMS_BWD_SHIFT_WEIGHT_ONCE  // 1: the shifted backward keeps its weights in registers for all its rows
+#define RMS_BWD_SHIFT_WEIGHT_ONCE 1
+#endif
 #ifndef RMS_BWD_KEEP_WEIGHT  // 1: the backward keeps the weight from its first pass; 0: loads it again
 #define RMS_BWD_KEEP_WEIGHT 0
 #endif
@@ -173,7 +176,8 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
 
     if constexpr (NPT > 0) {
         // A weight load behind a store (which may alias it) waits for it: see the knobs above.
-        constexpr bool EARLY = NPT * E * sizeof(W) <= RMS_WEIGHT_EARLY_BYTES;
+        // One chunk a thread (the planner's choice for small inputs): its weight always comes early.
+        constexpr bool EARLY = NPT * E * sizeof(W) <= (NPT == 1 ? 32 : RMS_WEIGHT_EARLY_BYTES);
         const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
         T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
@@ -247,7 +251,9 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
 // dx = rstd * g - x * rstd^3 * mean(g * x), g = dy * (w + offset); dweight = sum over rows of
 // dy * x * rstd. Each block walks rows blockIdx.x*rpb + ty, + gridDim.x*rpb, ... and sums dweight
 // over them in a fixed order: NPT > 0 in registers (a thread owns the same columns in every row it
-// visits); NPT == 0 in shared memory, or for rows too long for it in the block's partial row. The
+// visits; SHIFT too: the planner makes the row step gridDim.x*rpb a multiple of E whenever a rows
+// slot visits more than one row, so all its rows share one shift); NPT == 0 in shared memory, or for
+// rows too long for it in the block's partial row. The
 // rows slots (ty) are then added in order into partial[blockIdx.x, :] (through shared memory when
 // blockDim.y > 1), and rms_norm_dw adds the partials in a fixed order: bitwise deterministic.
 
@@ -328,12 +334,12 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
     const i64 step = (i64)width * E;
     const i64 rows_per_pass = (i64)gridDim.x * blockDim.y;
     float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
-    // NPT == 0 or SHIFT: per-column sums in shared memory (shared_acc) or the partial row.
+    // This rows slot's dweight sums: NPT == 0 per column in here; NPT > 0 in registers, stored here at the end.
     float* const my_acc = p.shared_acc ? dw_acc + threadIdx.y * p.hidden : my_partial;
-    Pack<float, E> dw[SLOTS];  // NPT > 0 and not SHIFT: a thread owns the same columns in every row
+    Pack<float, E> dw[SLOTS];  // NPT > 0: a thread owns the same columns in every row it visits
 #pragma unroll
     for (int i = 0; i < SLOTS; ++i) dw[i] = zeros<E>();
-    if ((NPT == 0 || SHIFT) && p.weight) {  // without shared_acc, blockDim.y == 1: the partial row is ours
+    if (NPT == 0 && p.weight) {  // without shared_acc, blockDim.y == 1: the partial row is ours
         for (i64 col = lane; col < p.hidden; col += width) my_acc[col] = 0.f;
         __syncthreads();
     }
@@ -344,29 +350,39 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
     // (125 registers wanted), so only fp32 rows of up to 8 elements a thread prefetch.
     constexpr bool PREFETCH = RMS_BWD_PREFETCH && VEC && NPT > 0 && sizeof(T) == 4 && NPT * E <= 8;
     Pack<T, E> dyv[SLOTS], xv[SLOTS];
-    if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, lane,
-                                                                  step, dyv, xv);
+    const i64 first_row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, first_row, lane, step, dyv, xv);
+    // A thread's columns are the same in every row it visits (SHIFT: one shift per rows slot, see above).
+    const i64 first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + first_row * p.x_stride, lane);
+    // SHIFT reads the weight element by element (8 loads a 16-bit chunk): once, kept in registers.
+    constexpr bool WEIGHT_ONCE = SHIFT && RMS_BWD_SHIFT_WEIGHT_ONCE;
+    Pack<W, E> wv[SLOTS];
+    if constexpr (WEIGHT_ONCE) {
+#pragma unroll
+        for (int i = 0; i < SLOTS; ++i)
+            if (first + i * step < p.hidden) wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, first + i * step, p.hidden);
+    }
     // The loop bound is uniform across the block (the reductions contain barriers).
     for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += rows_per_pass) {
-        // SHIFT: another thread may own a column in this row than in the last (its sums: read-modify-write).
-        if constexpr (SHIFT) __syncthreads();
         const i64 row = base + threadIdx.y;
         const bool active = row < p.rows;
         const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
         const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
-        const i64 first = first_column<SHIFT, E>(x_row, lane);
         float sum_sq = 0.f, dot = 0.f;
-        Pack<W, E> wv[SLOTS];
         if constexpr (NPT > 0) {
             if constexpr (!PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row, lane, step, dyv, xv);
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
                 const i64 col = first + i * step;
                 if (active && col < p.hidden) {
-                    const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-                    if constexpr (RMS_BWD_KEEP_WEIGHT) wv[i] = w;
-                    add_row_sums<T, W, E>(p, dyv[i], xv[i], w, sum_sq, dot);
+                    if constexpr (!WEIGHT_ONCE) {
+                        const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                        if constexpr (RMS_BWD_KEEP_WEIGHT) wv[i] = w;
+                        add_row_sums<T, W, E>(p, dyv[i], xv[i], w, sum_sq, dot);
+                    } else {
+                        add_row_sums<T, W, E>(p, dyv[i], xv[i], wv[i], sum_sq, dot);
+                    }
                 }
             }
         } else {
@@ -387,17 +403,11 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
                 for (int i = 0; i < NPT; ++i) {
                     const i64 col = first + i * step;
                     if (col < p.hidden) {
-                        if constexpr (!RMS_BWD_KEEP_WEIGHT) wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-                        if constexpr (SHIFT) {  // this row's columns are not this thread's in every row: shared sums
-                            Pack<float, E> add = zeros<E>();
-                            store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden,
-                                                       bwd_chunk<T, W, E>(p, dyv[i], xv[i], wv[i], rstd, coef, add));
-    #pragma unroll
-                            for (int e = 0; e < E; ++e)
-                                if (p.weight && inside(col + e, p.hidden)) my_acc[col + e] += add.v[e];
-                        } else {
-                            store_pack<VEC, E>(dx_row + col, bwd_chunk<T, W, E>(p, dyv[i], xv[i], wv[i], rstd, coef, dw[i]));
-                        }
+                        if constexpr (!RMS_BWD_KEEP_WEIGHT && !WEIGHT_ONCE)
+                            wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                        // SHIFT: columns outside the row were loaded as 0 and add 0 to their sums.
+                        store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden,
+                                                   bwd_chunk<T, W, E>(p, dyv[i], xv[i], wv[i], rstd, coef, dw[i]));
                     }
                 }
             } else {
@@ -420,13 +430,13 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
         }
     }
     if (!p.weight) return;  // uniform across the grid
-    if constexpr (NPT > 0 && !SHIFT) {
-        // Register sums -> the partial row (one rows slot) or this slot's shared row.
-        float* const dst = p.shared_acc ? dw_acc + threadIdx.y * p.hidden : my_partial;
+    if constexpr (NPT > 0) {
+        // Register sums -> the partial row (one rows slot) or this slot's shared row; every column is
+        // written (the chunks cover the row). SHIFT: float columns off 16-byte boundaries, one by one.
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const i64 col = (i64)lane * E + i * step;
-            if (col < p.hidden) store_pack<VEC, E>(dst + col, dw[i]);
+            const i64 col = first + i * step;
+            if (col < p.hidden) store_chunk<VEC && !SHIFT, SHIFT, E>(my_acc, col, p.hidden, dw[i]);
         }
     }
     if (!p.shared_acc) return;

@@ -1,6 +1,6 @@
 """One launch of each RMSNorm case named on the command line, for ncu (docs/perf-notes.md).
 
-A case is op:dtype:rows:hidden[:SETTINGS], SETTINGS as in scripts/sweep_bwd.py ("old" or
+A case is op:dtype:rows:hidden[:SETTINGS], SETTINGS as in scripts/sweep_norm.py ("old" or
 NAME=VALUE,... of rmsnorm planner constants); the weight is fp32. Example:
   ncu --clock-control none -k regex:rms_norm --section WarpStateStats \\
       python3 scripts/ncu_norm.py bwd:bfloat16:16384:8192:STAGED_LOOKAHEAD_BYTES=65536
@@ -12,7 +12,7 @@ import torch
 import cupyrope
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from sweep_bwd import apply  # noqa: E402
+from sweep_norm import apply  # noqa: E402
 
 for case in sys.argv[1:]:
     op, dtype, rows, hidden, *settings = case.split(":")

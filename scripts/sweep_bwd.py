@@ -1,6 +1,7 @@
 """RMSNorm backward tuning sweep on a GPU: planner settings x shapes (not the benchmark suite).
 
-Usage: python scripts/sweep_bwd.py [--peers] [big|mid|table] SETTING ...
+Usage: python scripts/sweep_bwd.py [--peers] [big|mid|table|odd] SETTING ...
+(odd: odd hidden sizes and ones whose chunks are not a power of two)
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "STAGED_LOOKAHEAD_BYTES=65536,STAGED_ROW_THREADS=256";
 "old" is the unstaged kernel (STAGED_MIN_ROW_BYTES above every row). Each setting is checked against
 torch in fp32 before it is timed (graph replay, inputs rotating past the L2, % of copy bandwidth).
@@ -11,10 +12,10 @@ import sys
 import torch
 
 import cupyrope
-from cupyrope import _arrays, bench, rmsnorm
+from cupyrope import bench, rmsnorm
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from sweep_norm import check, peers, time_us  # noqa: E402
+from sweep_norm import apply, check, peers, time_us  # noqa: E402
 
 dev = torch.device("cuda")
 BIG = [(32768, 4096, torch.bfloat16), (16384, 8192, torch.bfloat16), (8192, 16384, torch.float32),
@@ -26,29 +27,19 @@ MID = [(32768, 4096, torch.bfloat16), (16384, 8192, torch.bfloat16), (8192, 1638
        (8192, 2048, torch.bfloat16), (8192, 1024, torch.bfloat16), (2048, 4096, torch.bfloat16),
        (2048, 8192, torch.bfloat16), (8192, 8192, torch.float32)]
 
-
-DEFAULTS = {n: getattr(rmsnorm, n) for n in dir(rmsnorm) if n.isupper()}
-
-
-def apply(setting):
-    """rmsnorm's planner constants back to their defaults, then ``setting`` over them; plans cleared."""
-    for name, value in DEFAULTS.items():
-        setattr(rmsnorm, name, value)
-    if setting == "old":
-        setting = "STAGED_MIN_ROW_BYTES=1000000000"
-    for item in filter(None, setting.split(",")):
-        name, value = item.split("=")
-        if name not in DEFAULTS:
-            raise SystemExit(f"{name}: not a planner constant of cupyrope.rmsnorm")
-        setattr(rmsnorm, name, int(value))
-    rmsnorm._plans = _arrays.PlanCache()
+ODD = [(8192, 1027, torch.float32), (8192, 1027, torch.bfloat16), (8192, 1027, torch.float16),
+       (2048, 1027, torch.bfloat16), (512, 1027, torch.bfloat16), (32768, 1027, torch.bfloat16),
+       (8192, 4099, torch.bfloat16), (8192, 8191, torch.bfloat16), (8192, 2051, torch.float32),
+       (8192, 301, torch.bfloat16), (8192, 3072, torch.bfloat16), (8192, 5120, torch.bfloat16),
+       (8192, 7168, torch.bfloat16), (8192, 3072, torch.float32), (8192, 5120, torch.float32)]
 
 
 def main():
     args = sys.argv[1:]
     with_peers = "--peers" in args
-    shapes = {"table": TABLE, "mid": MID}.get(next((a for a in args if a in ("big", "mid", "table")), "big"), BIG)
-    settings = [a for a in args if not a.startswith("--") and a not in ("big", "mid", "table")] or ["old", ""]
+    sets = {"big": BIG, "table": TABLE, "mid": MID, "odd": ODD}
+    shapes = sets[next((a for a in args if a in sets), "big")]
+    settings = [a for a in args if not a.startswith("--") and a not in sets] or ["old", ""]
     bw = bench.copy_bandwidth_gbps(torch)
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; backward GPU us and % of it")
     header = ["shape"] + [s or "default" for s in settings] + (["liger"] if with_peers else [])

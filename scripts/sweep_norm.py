@@ -1,7 +1,8 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--big|--mid|--small] [FWD_ELEMS,BWD_ELEMS[,BLOCK_THREADS] ...]
-       (default settings: 8,8 16,16 32,16; BLOCK_THREADS: the forward's, default rmsnorm.FWD_BLOCK_THREADS)
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd] [--big|--mid|--small|--lost] SETTING ...
+A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
+("" = the defaults, the only setting when none is given).
 Kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS="-DRMS_WEIGHT_BATCH=1 ..." (kernels_src/rms_norm.cu).
 Each cupyrope setting is checked against torch in fp32 before it is timed. GPU time per call: the
 benchmark suite's CUDA-graph replay over enough input copies to defeat the L2 (autograd peers: events
@@ -25,9 +26,32 @@ if "--big" in sys.argv:
 if "--small" in sys.argv:  # a single wave or less: latency, not bandwidth
     SHAPES = [(512, h, torch.bfloat16) for h in (32, 1024, 4096, 16384)]
     SHAPES += [(2048, 4096, torch.bfloat16), (1024, 8192, torch.bfloat16), (8192, 1024, torch.bfloat16)]
+if "--lost" in sys.argv:  # forward shapes of the [4, S, H] table where Liger was faster (session 5)
+    SHAPES = [(512, h, torch.bfloat16) for h in (32, 128, 512, 1024, 1027, 2048, 4096, 8192, 16384)]
+    SHAPES += [(2048, h, torch.bfloat16) for h in (512, 1027, 2048, 4096, 16384)]
+    SHAPES += [(8192, h, torch.bfloat16) for h in (512, 1024, 2048, 4096, 16384)] + [(32768, 4096, torch.bfloat16)]
+    SHAPES += [(512, 1024, torch.float32), (2048, 1027, torch.float32), (8192, 1027, torch.float32)]
+    SHAPES += [(8192, h, torch.bfloat16) for h in (1027, 3072, 5120, 7168)]
 if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]
+
+
+DEFAULTS = {n: getattr(rmsnorm, n) for n in dir(rmsnorm) if n.isupper()}
+
+
+def apply(setting):
+    """rmsnorm's planner constants back to their defaults, then ``setting`` over them; plans cleared."""
+    for name, value in DEFAULTS.items():
+        setattr(rmsnorm, name, value)
+    if setting == "old":  # the unstaged backward
+        setting = "STAGED_MIN_ROW_BYTES=1000000000"
+    for item in filter(None, setting.split(",")):
+        name, value = item.split("=")
+        if name not in DEFAULTS:
+            raise SystemExit(f"{name}: not a planner constant of cupyrope.rmsnorm")
+        setattr(rmsnorm, name, int(value))
+    rmsnorm._plans = _arrays.PlanCache()
 
 
 def time_us(make_fn, copies, capture=True):
@@ -68,15 +92,13 @@ def check(x, w, dy, y, dx, dw):
 
 
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    default_block = rmsnorm.FWD_BLOCK_THREADS
-    settings = [tuple(map(int, a.split(","))) for a in args] or [(8, 8), (16, 16), (32, 16)]
-    settings = [s if len(s) == 3 else (*s, default_block) for s in settings]
+    settings = [a for a in sys.argv[1:] if not a.startswith("--")] or [""]
     with_peers = "--no-peers" not in sys.argv
+    ops = ("fwd",) if "--fwd" in sys.argv else ("fwd", "bwd")
     bw = bench.copy_bandwidth_gbps(torch)
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; % of it below; options "
           f"{os.environ.get('CUPYROPE_EXTRA_NVRTC_OPTIONS', '(default)')}")
-    header = ["shape", "op"] + [f"cupyrope {f},{b},{t}" for f, b, t in settings]
+    header = ["shape", "op"] + [f"cupyrope {s or 'default'}" for s in settings]
     header += ["F.rms_norm", "liger"] if with_peers else []
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for rows, hidden, dt in SHAPES:
@@ -85,24 +107,24 @@ def main():
         for _ in range(bench.copies_for(nbytes)):
             x = torch.randn(rows, hidden, device=dev, dtype=dt)
             copies.append((x, torch.randn(hidden, device=dev, dtype=dt), torch.randn_like(x)))
-        results = {"fwd": [], "bwd": []}
-        for f, b, t in settings:
-            rmsnorm.FWD_BLOCK_THREADS = t
-            rmsnorm.FWD_ELEMS_PER_THREAD = f
-            rmsnorm.BWD_ELEMS_PER_THREAD = rmsnorm.BWD_ELEMS_PER_THREAD_LONG_ROWS = b
-            rmsnorm._plans = _arrays.PlanCache()
+        results = {op: [] for op in ops}
+        for setting in settings:
+            apply(setting)
             x, w, dy = copies[0]
             dx, dw = cupyrope.rms_norm_backward(dy, x, w)
             check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), dx, dw)
             results["fwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm(x, w, 1e-6)), copies))
-            results["bwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm_backward(dy, x, w)), copies))
+            if "bwd" in ops:
+                results["bwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm_backward(dy, x, w)), copies))
         for fwd, bwd in peers().values() if with_peers else ():
             results["fwd"].append(time_us(fwd, copies))
-            results["bwd"].append(time_us(bwd, copies, capture=False))
+            if "bwd" in ops:
+                results["bwd"].append(time_us(bwd, copies, capture=False))
         for op, times in results.items():
             moved = nbytes * (1 if op == "fwd" else 1.5)
             cells = [f"{t:.1f} us {100 * moved / t / 1e3 / bw:.0f}%" for t in times]
             print(f"| {rows}x{hidden} {str(dt)[6:]} | {op} | " + " | ".join(cells) + " |", flush=True)
+    apply("")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from cupyrope._arrays import Array
-from cupyrope.rmsnorm import plan_backward, plan_forward, row_shape
+from cupyrope.rmsnorm import cap_grid, plan_backward, plan_forward, row_shape
 from cupyrope.rope import plan_rope
 
 BASE = 0x7F0000000000
@@ -96,7 +96,7 @@ def test_cache_variant_and_alignment():
     "hidden,elems,chunks,max_slots,width,slots",
     [(4096, 8, 1, 4, 512, 1), (16384, 4, 2, 8, 512, 8), (32768, 8, 1, 4, 512, 0),
      (65536, 8, 1, 4, 512, 0), (65536, 4, 2, 8, 512, 0), (61, 1, 8, 8, 8, 8), (1, 1, 8, 8, 1, 1), (32, 4, 2, 8, 4, 2),
-     (1027, 1, 8, 8, 256, 8)],
+     (1027, 1, 8, 8, 160, 8), (1027, 8, 1, 4, 160, 1), (5120, 8, 2, 4, 320, 2), (9000, 8, 2, 4, 288, 4)],
 )
 def test_rms_norm_row_shape(hidden, elems, chunks, max_slots, width, slots):
     assert row_shape(hidden, elems, chunks, max_slots) == (width, slots)
@@ -115,10 +115,13 @@ def test_rms_norm_plans():
 def test_rms_norm_odd_rows_move_in_shifted_chunks():
     odd, out = arr((7, 1027)), arr((7, 1027), ptr=BASE + 2**20)
     weight = arr((1027,), "float32", ptr=BASE + 2**21 + 4)  # the weight's alignment does not matter
-    p = plan_forward(odd, out, None, weight, (1027, 1027), 7, 1027)
+    p = plan_forward(odd, out, None, weight, (1027, 1027), 8192, 1027)
     assert p.vectorized and p.shifted and p.name.endswith("float, true, 2, false, true>")
-    # 1027 bf16 + up to 7 elements before the first boundary: 130 chunks, two a thread.
-    assert p.block == (128, 1) and p.slots == 2
+    # 1027 bf16 + up to 7 elements before the first boundary: 130 chunks, two a thread (whole warps).
+    assert p.block == (96, 1) and p.slots == 2
+    # A small input (7 rows): one chunk a thread (the weight is loaded with x).
+    small = plan_forward(odd, out, None, weight, (1027, 1027), 7, 1027)
+    assert small.name.endswith("float, true, 1, false, true>") and small.block == (160, 1)
     assert not plan_forward(odd, out, None, weight, (1027, 1027), 7, 1027, impl="scalar").vectorized
     # Rows of out start at another offset from a 16-byte boundary than x's: element by element.
     assert not plan_forward(odd, arr((7, 1027), ptr=BASE + 2), None, None, (1027, 1027), 7, 1027).vectorized
@@ -128,9 +131,31 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
     assert add.shifted and add.name.endswith("true, true>")
     # Short rows stay element by element.
     assert not plan_forward(arr((7, 61)), arr((7, 61)), None, None, (61, 61), 7, 61).vectorized
-    # The backward shifts too; its dweight sums go through shared memory (columns move between threads).
+    # The backward shifts too; one rows slot a block: its dweight sums stay in registers.
     b = plan_backward(odd, odd, out, weight, (1027,) * 3, 7, 1027, n_sm=132)
-    assert b.shifted and b.name.endswith("float, true, 1, true>") and b.shared_mem == b.block[1] * 1027 * 4
+    assert b.shifted and b.name.endswith("float, true, 1, true>") and b.block[1] == 1 and b.shared_mem == 0
+
+
+@pytest.mark.parametrize("n_sm, rows, hidden, dtype, cap, grid", [
+    (132, 8192, 1027, "bfloat16", None, 1584),  # 160-thread blocks: 132 x 12, a multiple of 8 rows already
+    (132, 8192, 1027, "bfloat16", 132 * 3, 392),  # 3 blocks an SM (occupancy): 396 -> a multiple of 8
+    (131, 8192, 4099, "bfloat16", None, 912),  # 288-thread rows: 131 x 7 = 917 -> 912
+    (131, 8192, 1027, "float32", None, 1572),  # 1572 blocks: a multiple of 4 fp32 rows
+    (131, 100, 4099, "bfloat16", None, 100),  # a row per block: no row is revisited, no rounding
+    (5, 8192, 301, "bfloat16", 15, 14),  # 64 threads, 4 rows a block: a step of 8 rows needs an even grid
+])
+def test_rms_norm_shifted_backward_grid_revisits_rows_of_one_shift(n_sm, rows, hidden, dtype, cap, grid):
+    # A shifted rows slot keeps its dweight sums in registers: all the rows it visits (grid x rows per
+    # block apart) must share one offset from a 16-byte boundary, so the step is a multiple of 16 bytes' elements.
+    item = 2 if dtype == "bfloat16" else 4
+    x = arr((rows, hidden), dtype, ptr=BASE + item)
+    b = plan_backward(x, x, arr((rows, hidden), dtype, ptr=BASE + 2**28 + item), arr((hidden,), "float32"),
+                      (hidden,) * 3, rows, hidden, n_sm=n_sm)
+    if cap is not None:  # the launcher's second cap (blocks the SMs hold at once)
+        b.grid = cap_grid(b, cap, rows, dtype)
+    assert b.shifted and b.grid == grid
+    step = b.grid * b.block[1]
+    assert step >= rows or step % (16 // item) == 0
 
 
 def test_rms_norm_backward_plans():

@@ -61,6 +61,16 @@ def test_strided_rows_no_weight_and_kinds(rng, kind, dtype, hidden):
     np.testing.assert_array_equal(to_host(x), x_host)
 
 
+def unaligned_view(host, dtype, kind, start, pad):
+    """(buffer, view): the view is columns start .. start + hidden of a (rows, hidden + pad) buffer
+    holding `host` there and NaN around it."""
+    rows, hidden = host.shape
+    wide = np.full((rows, hidden + pad), np.nan)
+    wide[:, start:start + hidden] = host
+    buffer = to_device(wide, dtype, kind)
+    return buffer, buffer[:, start:start + hidden]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden,start,pad", [(1027, 0, 5), (1027, 3, 5), (2999, 1, 6), (8191, 5, 9), (300, 7, 9)])
@@ -73,11 +83,8 @@ def test_unaligned_rows(rng, kind, dtype, hidden, start, pad):
     w_host = random_host((hidden,), "float32", rng)
     w = to_device(w_host, "float32", kind)
 
-    def view(host):  # columns start .. start + hidden of a (rows, hidden + pad) buffer, around them NaN
-        wide = np.full((rows, hidden + pad), np.nan)
-        wide[:, start:start + hidden] = host
-        buffer = to_device(wide, dtype, kind)
-        return buffer, buffer[:, start:start + hidden]
+    def view(host):
+        return unaligned_view(host, dtype, kind, start, pad)
 
     def outside(buffer):
         whole = to_host(buffer)
@@ -141,10 +148,11 @@ def fill_next_allocation_with_nan(shape, dtype, kind):
 
 
 # The staged backward (rows copied ahead into shared memory, one row per block): 1 or 2 slots, 128 to
-# 1024 threads, 1 to 3 stages; more rows than blocks (the lookahead runs past the last row); strided rows.
+# 1024 threads (whole warps, not only powers of two), 1 to 3 stages; more rows than blocks (the
+# lookahead runs past the last row); strided rows.
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("hidden,rows,pad", [(1024, 3001, 0), (2048, 133, 8), (8192, 1, 0), (8192, 2999, 0),
-                                             (3072, 700, 16)])
+                                             (3072, 700, 16), (5120, 301, 24)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_staged_rows(rng, kind, dtype, hidden, rows, pad):
     x_host = random_host((rows, hidden), dtype, rng)
@@ -169,7 +177,41 @@ def test_backward_staged_rows(rng, kind, dtype, hidden, rows, pad):
         assert np.all(err <= 4e-6 * terms + ulp(ref_dw, dtype)), f"dweight: worst {err.max():.3g}"
 
 
-@pytest.mark.parametrize("hidden", [4096, 1027])  # dweight sums in registers / in shared memory (shifted rows)
+# Shifted rows (odd hidden sizes: each row starts at another offset from a 16-byte boundary) keep their
+# dweight sums and weights in registers: a rows slot revisits rows one grid step apart, which the planner
+# keeps a multiple of 16 bytes' elements so that they all share one shift. threads_per_sm=480 makes the
+# grid 396 blocks of 160 threads on an H100, rounded to 392 for 16-bit rows (wide rows, 288 threads:
+# 132 -> 128); hidden 301 puts 4 rows slots in a block (their sums added in order through shared memory).
+@pytest.mark.parametrize("threads_per_sm", [2048, 480])
+@pytest.mark.parametrize("hidden", [1027, 301, "wide"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_shifted_rows_revisited(rng, monkeypatch, dtype, hidden, threads_per_sm):
+    from cupyrope import _arrays, rmsnorm
+
+    if hidden == "wide":  # two chunks a thread (fp32 rows of 4099 are too long to shift)
+        hidden = 2051 if dtype == "float32" else 4099
+
+    monkeypatch.setattr(rmsnorm, "THREADS_PER_SM", threads_per_sm)
+    monkeypatch.setattr(rmsnorm, "_plans", _arrays.PlanCache())
+    rows = 5001 if hidden < 4096 else 1201  # more than a wave of rows slots
+    x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), "float32", rng)
+    x, dy, w = to_device(x_host, dtype, "cupy"), to_device(dy_host, dtype, "cupy"), to_device(w_host, "float32", "cupy")
+    fill_next_allocation_with_nan((rows, hidden), dtype, "cupy")
+    dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
+    plan = next(p for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd")
+    assert plan.shifted and plan.grid * plan.block[1] < rows, plan  # rows are revisited
+    ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host, offset=0.25)
+    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
+    scale = np.abs(dy_host * (w_host + 0.25) * rstd_ref[:, None]).max()
+    assert_matches(to_host(dx), ref_dx, dtype, scale=scale, what="dx")  # every row
+    terms = np.abs(dy_host * x_host * rstd_ref[:, None]).sum(0)
+    err = np.abs(to_host(dw) - ref_dw)
+    assert np.all(err <= 4e-6 * terms), f"dweight: worst {err.max():.3g}"
+    np.testing.assert_array_equal(to_host(cupyrope.rms_norm_backward(dy, x, w, offset=0.25)[1]), to_host(dw))
+
+
+@pytest.mark.parametrize("hidden", [4096, 1027])  # dweight sums in registers: aligned / shifted rows
 def test_backward_dweight_is_deterministic(rng, hidden):
     x = to_device(random_host((8192, hidden), "bfloat16", rng), "bfloat16", "cupy")
     dy = to_device(random_host((8192, hidden), "bfloat16", rng), "bfloat16", "cupy")
