@@ -58,7 +58,7 @@ _DW_TAIL = struct.Struct("<2q")
 
 
 class NormPlan:
-    __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "slots", "extents", "shared_mem",
+    __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "small", "slots", "extents", "shared_mem",
                  "shared_acc", "out_layouts", "launch", "dw_launch", "new_output", "new_rstd", "new_dx", "new_dweight",
                  "new_partial")
 
@@ -71,6 +71,7 @@ class NormPlan:
         self.shared_mem = 0
         self.shared_acc = False  # backward: dynamic shared memory holds the rows slots' dweight sums
         self.staged = False
+        self.small = False  # forward: planned as a small input (one chunk a thread)
 
     def __repr__(self):
         return f"NormPlan({self.name}, grid={self.grid}, block={self.block})"
@@ -149,15 +150,36 @@ def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_sl
     return plan
 
 
-def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto") -> NormPlan:
+def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto", elems=None) -> NormPlan:
+    """elems: elements a thread (default: the rule above)."""
     arrays = [x, y, residual, weight]
     add = "true" if residual is not None else "false"
     weight_dtype = weight.dtype if weight is not None else "float32"
     itemsize = _arrays.ITEMSIZE[x.dtype]
     small = hidden * itemsize <= FWD_SMALL_ROW_BYTES and rows * hidden <= FWD_SMALL_ELEMENTS
-    elems = 16 // itemsize if small else FWD_ELEMS_PER_THREAD
-    return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS,
+    elems = elems or (16 // itemsize if small else FWD_ELEMS_PER_THREAD)
+    plan = _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS,
                  elems, FWD_BLOCK_THREADS, [add], impl, can_shift=True)
+    plan.small = small
+    return plan
+
+
+def _waves(plan, device) -> int:
+    """How many rounds of resident blocks the plan's grid takes on the device."""
+    per_wave = sm_count(device) * resident_blocks(get_kernel(SOURCE, plan.name, device), plan.block[0] * plan.block[1],
+                                                  plan.shared_mem, device)
+    return -(-plan.grid // per_wave)
+
+
+def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, impl, device) -> NormPlan:
+    """plan_forward's plan, or the one with twice the elements a thread where that one takes a single
+    wave of blocks instead of two (the second, partial wave costs a whole row's latency: bf16 [512, 8192]
+    on an H100, 512 blocks of 512 threads at 3 an SM; 256 threads with 4 chunks fit 4 an SM)."""
+    plan = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl)
+    if plan.small or not plan.slots or _waves(plan, device) != 2:
+        return plan
+    wider = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl, elems=2 * FWD_ELEMS_PER_THREAD)
+    return wider if wider.name != plan.name and wider.slots and _waves(wider, device) == 1 else plan
 
 
 def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit):
@@ -392,7 +414,7 @@ def _plan_forward_call(xa, wa, oa, eps, offset, return_rstd, impl):
         ya = oa if oa is not None else _arrays.contiguous_like(xa, xa.shape, xa.dtype)
         rows, hidden = _rows(xa.shape), xa.shape[-1]
         strides = _row_strides([xa, ya], ["x", "out"])
-        plan = plan_forward(xa, ya, None, wa, strides, rows, hidden, impl)
+        plan = plan_forward_for_device(xa, ya, None, wa, strides, rows, hidden, impl, xa.device)
         plan.out_layouts = _arrays.out_layouts(xa, oa)
         tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[1], 0, float(eps), float(offset))
         plan.launch = _launch.Launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, 5, tail,
@@ -416,7 +438,7 @@ def _plan_fused_add_call(xa, ra, wa, eps, offset, impl):
         return EmptyPlan()
     rows, hidden = _rows(xa.shape), xa.shape[-1]
     strides = _row_strides([xa, ra], ["x", "residual"])
-    plan = plan_forward(xa, xa, ra, wa, (strides[0], strides[0], strides[1]), rows, hidden, impl)
+    plan = plan_forward_for_device(xa, xa, ra, wa, (strides[0], strides[0], strides[1]), rows, hidden, impl, xa.device)
     tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[0], strides[1], float(eps), float(offset))
     plan.extents = (_arrays.layout_key(xa), _arrays.layout_key(ra))
     plan.launch = _launch.Launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, 5, tail, xa.device,

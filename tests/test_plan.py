@@ -158,6 +158,25 @@ def test_rms_norm_shifted_backward_grid_revisits_rows_of_one_shift(n_sm, rows, h
     assert step >= rows or step % (16 // item) == 0
 
 
+@pytest.mark.parametrize("rows, hidden, expected", [
+    (512, 8192, "true, 4"),  # 512 blocks of 512 threads at 3 an SM: 2 waves; 256 threads x 4 chunks at 4: one
+    (512, 4096, "true, 2"),  # one wave already
+    (4096, 8192, "true, 2"),  # many waves either way
+    (512, 1024, "true, 1"),  # a small input: one chunk a thread
+])
+def test_rms_norm_forward_takes_wider_threads_to_fit_one_wave(monkeypatch, rows, hidden, expected):
+    from cupyrope import rmsnorm
+
+    # An H100 (132 SMs) and the resident blocks its occupancy calculator gives for these variants.
+    monkeypatch.setattr(rmsnorm, "sm_count", lambda device: 132)
+    monkeypatch.setattr(rmsnorm, "get_kernel", lambda source, name, device: name)
+    monkeypatch.setattr(rmsnorm, "resident_blocks", lambda name, threads, shared, device: 65536 // (
+        threads * (40 if ", 2, " in name else 64)))
+    x, y = arr((rows, hidden)), arr((rows, hidden), ptr=BASE + 2**28)
+    plan = rmsnorm.plan_forward_for_device(x, y, None, arr((hidden,)), (hidden, hidden), rows, hidden, "auto", 0)
+    assert plan.name.startswith(f"cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, {expected},")
+
+
 def test_rms_norm_backward_plans():
     x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
     b = plan_backward(x, x, y, arr((4096,), "float32"), (4096,) * 3, 8192, 4096, n_sm=132)
