@@ -15,11 +15,14 @@ REGISTER_SLOTS = (1, 2, 4, 8)  # NPT: accesses per thread kept in registers (0: 
 MAX_WIDTH = 512  # threads per row: a 1024-thread row block leaves one block per SM (no overlap)
 # Elements per thread, measured best on an H100 (docs/perf-notes.md; scripts/sweep_norm.py sets them).
 FWD_ELEMS_PER_THREAD = 16
-# Small inputs (rows of up to FWD_SMALL_ROW_BYTES, FWD_SMALL_ELEMENTS in all): one 16-byte chunk a
-# thread, whose weight the kernel loads with x rather than after the reduction (one memory round trip
-# less on the critical path of a grid that is mostly latency).
+# Small inputs (rows of up to FWD_SMALL_ROW_BYTES, FWD_SMALL_ELEMENTS in all): FWD_SMALL_ELEMS_PER_THREAD,
+# i.e. one 16-byte chunk a thread where rows are vectorized, whose weight the kernel then loads with x
+# rather than after the reduction (one memory round trip less on the critical path of a grid that is
+# mostly latency); 4 elements a thread where rows go element by element (8 measured slower in fp32, 2
+# and 16 in bf16: docs/perf-notes.md v10).
 FWD_SMALL_ROW_BYTES = 4096
 FWD_SMALL_ELEMENTS = 1 << 22
+FWD_SMALL_ELEMS_PER_THREAD = 4
 BWD_ELEMS_PER_THREAD = 8
 BWD_ELEMS_PER_THREAD_LONG_ROWS = 16  # rows of 8 KB or more: fewer, fuller threads per row
 LONG_ROW_BYTES = 8192
@@ -157,7 +160,7 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     weight_dtype = weight.dtype if weight is not None else "float32"
     itemsize = _arrays.ITEMSIZE[x.dtype]
     small = hidden * itemsize <= FWD_SMALL_ROW_BYTES and rows * hidden <= FWD_SMALL_ELEMENTS
-    elems = elems or (16 // itemsize if small else FWD_ELEMS_PER_THREAD)
+    elems = elems or (FWD_SMALL_ELEMS_PER_THREAD if small else FWD_ELEMS_PER_THREAD)
     plan = _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS,
                  elems, FWD_BLOCK_THREADS, [add], impl, can_shift=True)
     plan.small = small

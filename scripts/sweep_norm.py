@@ -1,6 +1,6 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--fwd] [--big|--mid|--small|--lost] SETTING ...
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd] [--big|--mid|--small|--lost|--latency|--scalar] SETTING ...
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
 ("" = the defaults, the only setting when none is given).
 Kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS="-DRMS_WEIGHT_BATCH=1 ..." (kernels_src/rms_norm.cu).
@@ -32,6 +32,12 @@ if "--lost" in sys.argv:  # forward shapes of the [4, S, H] table where Liger wa
     SHAPES += [(8192, h, torch.bfloat16) for h in (512, 1024, 2048, 4096, 16384)] + [(32768, 4096, torch.bfloat16)]
     SHAPES += [(512, 1024, torch.float32), (2048, 1027, torch.float32), (8192, 1027, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (1027, 3072, 5120, 7168)]
+if "--latency" in sys.argv:  # 512 rows (the table's S = 128) and a few single-wave grids
+    SHAPES = [(512, h, torch.bfloat16) for h in (32, 61, 64, 128, 130, 256, 512, 1024, 1027, 2048, 4096, 16384)]
+    SHAPES += [(2048, h, torch.bfloat16) for h in (61, 512, 1024, 2048)] + [(8192, 1024, torch.bfloat16)]
+if "--scalar" in sys.argv:  # rows moved element by element (short odd rows)
+    SHAPES = [(r, h, torch.bfloat16) for r in (512, 2048, 8192) for h in (61, 130)]
+    SHAPES += [(512, 61, torch.float32), (8192, 130, torch.float32), (8192, 255, torch.bfloat16), (32768, 61, torch.bfloat16)]
 if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]

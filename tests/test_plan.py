@@ -130,7 +130,8 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
     add = plan_forward(odd, odd, out, None, (1027, 1027, 1035), 7, 1027)
     assert add.shifted and add.name.endswith("true, true>")
     # Short rows stay element by element.
-    assert not plan_forward(arr((7, 61)), arr((7, 61)), None, None, (61, 61), 7, 61).vectorized
+    short = plan_forward(arr((7, 61)), arr((7, 61)), None, None, (61, 61), 7, 61)
+    assert not short.vectorized and short.block == (16, 8) and short.slots == 4  # small: 4 elements a thread
     # The backward shifts too; one rows slot a block: its dweight sums stay in registers.
     b = plan_backward(odd, odd, out, weight, (1027,) * 3, 7, 1027, n_sm=132)
     assert b.shifted and b.name.endswith("float, true, 1, true>") and b.block[1] == 1 and b.shared_mem == 0
