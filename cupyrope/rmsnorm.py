@@ -74,7 +74,7 @@ class NormPlan:
         self.shared_mem = 0
         self.shared_acc = False  # backward: dynamic shared memory holds the rows slots' dweight sums
         self.staged = False
-        self.small = False  # forward: planned as a small input (one chunk a thread)
+        self.small = False  # forward: planned as a small input (FWD_SMALL_ELEMS_PER_THREAD)
 
     def __repr__(self):
         return f"NormPlan({self.name}, grid={self.grid}, block={self.block})"

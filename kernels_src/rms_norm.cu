@@ -176,8 +176,9 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
 
     if constexpr (NPT > 0) {
         // A weight load behind a store (which may alias it) waits for it: see the knobs above.
-        // One chunk a thread (the planner's choice for small inputs): its weight always comes early.
-        constexpr bool EARLY = NPT * E * sizeof(W) <= (NPT == 1 ? 32 : RMS_WEIGHT_EARLY_BYTES);
+        // One chunk a thread (the planner's choice for small inputs): its weight comes early too, but
+        // for the fused add of shifted rows (an fp32 weight there spills at 32 registers).
+        constexpr bool EARLY = NPT * E * sizeof(W) <= (NPT == 1 && !(ADD && SHIFT) ? 32 : RMS_WEIGHT_EARLY_BYTES);
         const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
         T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
@@ -252,10 +253,10 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
 // dy * x * rstd. Each block walks rows blockIdx.x*rpb + ty, + gridDim.x*rpb, ... and sums dweight
 // over them in a fixed order: NPT > 0 in registers (a thread owns the same columns in every row it
 // visits; SHIFT too: the planner makes the row step gridDim.x*rpb a multiple of E whenever a rows
-// slot visits more than one row, so all its rows share one shift); NPT == 0 in shared memory, or for
-// rows too long for it in the block's partial row. The
-// rows slots (ty) are then added in order into partial[blockIdx.x, :] (through shared memory when
-// blockDim.y > 1), and rms_norm_dw adds the partials in a fixed order: bitwise deterministic.
+// slot visits more than one row, so all its rows share one shift); NPT == 0 in shared memory, or
+// for rows too long for it in the block's partial row. The rows slots (ty) are then added in order
+// into partial[blockIdx.x, :] (through shared memory when blockDim.y > 1), and rms_norm_dw adds the
+// partials in a fixed order: bitwise deterministic.
 
 struct NormBwdParams {  // mirrored by rmsnorm.py's _BWD_TAIL
     const void* dy;
@@ -359,8 +360,10 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
     Pack<W, E> wv[SLOTS];
     if constexpr (WEIGHT_ONCE) {
 #pragma unroll
-        for (int i = 0; i < SLOTS; ++i)
-            if (first + i * step < p.hidden) wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, first + i * step, p.hidden);
+        for (int i = 0; i < SLOTS; ++i) {
+            const i64 col = first + i * step;
+            if (col < p.hidden) wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+        }
     }
     // The loop bound is uniform across the block (the reductions contain barriers).
     for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += rows_per_pass) {

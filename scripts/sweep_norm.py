@@ -37,7 +37,8 @@ if "--latency" in sys.argv:  # 512 rows (the table's S = 128) and a few single-w
     SHAPES += [(2048, h, torch.bfloat16) for h in (61, 512, 1024, 2048)] + [(8192, 1024, torch.bfloat16)]
 if "--scalar" in sys.argv:  # rows moved element by element (short odd rows)
     SHAPES = [(r, h, torch.bfloat16) for r in (512, 2048, 8192) for h in (61, 130)]
-    SHAPES += [(512, 61, torch.float32), (8192, 130, torch.float32), (8192, 255, torch.bfloat16), (32768, 61, torch.bfloat16)]
+    SHAPES += [(512, 61, torch.float32), (8192, 130, torch.float32), (8192, 255, torch.bfloat16),
+               (32768, 61, torch.bfloat16)]
 if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]
