@@ -80,10 +80,14 @@ class NormPlan:
         return f"NormPlan({self.name}, grid={self.grid}, block={self.block})"
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def row_threads(n: int) -> int:
     """Threads for n chunks: a power of two up to a warp (shuffle reductions), else whole warps (a
     power of two would leave up to half of them idle: 130 chunks on 256 threads)."""
-    return 1 << max(0, (n - 1).bit_length()) if n <= 32 else -(-n // 32) * 32
+    return _next_pow2(n) if n <= 32 else -(-n // 32) * 32
 
 
 def row_shape(hidden: int, elems: int, chunks_per_thread: int = 1, max_slots: int = 8) -> tuple[int, int]:
@@ -167,11 +171,14 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     return plan
 
 
+def _blocks_per_wave(kernel, plan, device) -> int:
+    """Blocks of the plan the device's SMs hold at once (registers and shared memory decide)."""
+    return sm_count(device) * resident_blocks(kernel, plan.block[0] * plan.block[1], plan.shared_mem, device)
+
+
 def _waves(plan, device) -> int:
     """How many rounds of resident blocks the plan's grid takes on the device."""
-    per_wave = sm_count(device) * resident_blocks(get_kernel(SOURCE, plan.name, device), plan.block[0] * plan.block[1],
-                                                  plan.shared_mem, device)
-    return -(-plan.grid // per_wave)
+    return -(-plan.grid // _blocks_per_wave(get_kernel(SOURCE, plan.name, device), plan, device))
 
 
 def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, impl, device) -> NormPlan:
@@ -200,7 +207,7 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit):
     # Several chunks a thread: a power of two of threads. Fewer threads measured +5% at bf16 [8192, 5120]
     # (320 x 2) but -10% at fp32 [8192, 5120] (640 x 2, whose 3 stages leave one block an SM).
     per_thread = -(-chunks // slots)
-    width = row_threads(per_thread) if slots == 1 else 1 << (per_thread - 1).bit_length()
+    width = row_threads(per_thread) if slots == 1 else _next_pow2(per_thread)
     stage_bytes = 2 * slots * width * 16
     stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
     if stages < 1:
@@ -474,11 +481,9 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
                               float(offset))
         kernel = get_kernel(SOURCE, plan.name, xa.device)
         allow_shared_memory(kernel, plan.shared_mem, xa.device)
-        # One wave: as many blocks as the SMs hold at once (registers and shared memory decide; the
-        # planner's estimate counts threads only). More would only add dweight partials.
-        threads = plan.block[0] * plan.block[1]
-        plan.grid = cap_grid(plan, sm_count(xa.device) * resident_blocks(kernel, threads, plan.shared_mem, xa.device),
-                             rows, xa.dtype)
+        # One wave: as many blocks as the SMs hold at once (the planner's estimate counts threads
+        # only). More would only add dweight partials.
+        plan.grid = cap_grid(plan, _blocks_per_wave(kernel, plan, xa.device), rows, xa.dtype)
         plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
         if wa is not None:
             dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[wa.dtype]}>", xa.device)
