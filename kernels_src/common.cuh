@@ -161,10 +161,15 @@ __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
-// Sum over the `width` threads (a power of two) that share threadIdx.y, returned to all of them.
-// Up to 32: shuffles only; above: shuffles, then one warp-partial per warp through shared memory.
+// Sum over the `width` threads (a power of two up to 32, else whole warps: at most 1024) that share
+// threadIdx.y, returned to all of them. Up to 32: shuffles only; above: shuffles, then the warps'
+// partials through shared memory, summed again by shuffles (each lane reads one partial: a dozen
+// instructions where a loop over the partials took ~50, which every warp runs after its loads
+// return). Every lane ends with the bitwise same value, the same in every run (a fixed tree).
 // Every thread of the block must call it (it may contain __syncthreads).
-__device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >= blockDim.x*blockDim.y/32 */) {
+// first_use: scratch has not been used by this block before (no barrier needed ahead of its writes).
+__device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >= blockDim.x*blockDim.y/32 */,
+                                         bool first_use = false) {
     if (width <= 32) {
         switch (width) {
             case 32: return group_sum<32>(v);
@@ -178,34 +183,42 @@ __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >
     v = group_sum<32>(v);
     const int warps = width / 32;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    __syncthreads();  // scratch may still be read by a previous call
-    if (lane == 0) scratch[threadIdx.y * warps + warp] = v;
+    float* partials = scratch + threadIdx.y * warps;
+    if (!first_use) __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) partials[warp] = v;
     __syncthreads();
-    float total = 0.f;
-    for (int w = 0; w < warps; ++w) total += scratch[threadIdx.y * warps + w];  // fixed order
-    return total;
+    if (warps <= 16) return group_sum<16>(lane % 16 < warps ? partials[lane % 16] : 0.f);
+    return group_sum<32>(lane < warps ? partials[lane] : 0.f);
 }
 
 // Two sums at once (one pass of barriers): same contract as row_sum; scratch >= 2 * warps.
+// TREE false: the partials are added by one loop in warp order instead (fewer shuffles on the
+// critical path, more instructions).
+template <bool TREE = true>
 __device__ __forceinline__ float2 row_sum2(float a, float b, int width, float* scratch) {
     if (width <= 32) return make_float2(row_sum(a, width, scratch), row_sum(b, width, scratch));
     a = group_sum<32>(a);
     b = group_sum<32>(b);
     const int warps = width / 32;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float* slots = scratch + 2 * threadIdx.y * warps;
+    float2* partials = reinterpret_cast<float2*>(scratch) + threadIdx.y * warps;
     __syncthreads();
-    if (lane == 0) {
-        slots[2 * warp] = a;
-        slots[2 * warp + 1] = b;
-    }
+    if (lane == 0) partials[warp] = make_float2(a, b);
     __syncthreads();
-    float2 total = make_float2(0.f, 0.f);
-    for (int w = 0; w < warps; ++w) {  // fixed order
-        total.x += slots[2 * w];
-        total.y += slots[2 * w + 1];
+    if constexpr (!TREE) {
+        float2 total = make_float2(0.f, 0.f);
+        for (int w = 0; w < warps; ++w) {  // fixed order
+            total.x += partials[w].x;
+            total.y += partials[w].y;
+        }
+        return total;
     }
-    return total;
+    if (warps <= 16) {
+        const float2 mine = lane % 16 < warps ? partials[lane % 16] : make_float2(0.f, 0.f);
+        return make_float2(group_sum<16>(mine.x), group_sum<16>(mine.y));
+    }
+    const float2 mine = lane < warps ? partials[lane] : make_float2(0.f, 0.f);
+    return make_float2(group_sum<32>(mine.x), group_sum<32>(mine.y));
 }
 
 }  // namespace cupyrope

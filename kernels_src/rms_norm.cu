@@ -16,7 +16,7 @@
 
 namespace cupyrope {
 
-struct NormParams {  // mirrored by rmsnorm.py's _FWD_PARAMS
+struct NormParams {  // mirrored by rmsnorm.py's _FWD_TAIL (after the pointers)
     const void* x;
     void* y;
     void* residual;
@@ -25,6 +25,7 @@ struct NormParams {  // mirrored by rmsnorm.py's _FWD_PARAMS
     i64 rows, hidden;
     i64 x_stride, y_stride, residual_stride;
     float eps, offset;
+    float inv_hidden;  // 1 / hidden, rounded to float: a multiply instead of a division on the row's critical path
 };
 
 // Weight for E columns, raw (VEC: the planner checked the weight is 16-byte aligned); no weight: 1.
@@ -41,6 +42,13 @@ __device__ __forceinline__ Pack<W, E> load_weight(const void* weight, i64 col) {
 template <typename W, int E>
 __device__ __forceinline__ float scale(const void* weight, float offset, const Pack<W, E>& w, int e) {
     return weight ? to_float(w.v[e]) + offset : 1.f;
+}
+
+// 1 / sqrt(sum_sq / hidden + eps). The hardware's approximate rsqrt (relative error < 2^-22) and a
+// multiply by 1 / hidden: IEEE division, sqrt and reciprocal are each a dozen dependent instructions
+// (with a slow-path branch), and this chain sits between a row's loads and its stores.
+__device__ __forceinline__ float inverse_rms(float sum_sq, float inv_hidden, float eps) {
+    return rsqrtf(sum_sq * inv_hidden + eps);
 }
 
 template <typename T, bool VEC, int E, bool ADD>
@@ -70,19 +78,22 @@ __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 c
     store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, output<T, W, VEC, E>(p, v, rstd, w));
 }
 
+// Rows held in registers (NPT > 0) have at most 1024 threads x 8 slots x 8 elements, so their
+// column indices are ints: 64-bit indices cost a dozen extra instructions a chunk (wide multiplies
+// and compares, recomputed under each chunk's predicate), which every warp runs after its loads.
 // Columns col ... col + E - 1 of a row (SHIFT: col may be negative and the chunk may end past
 // `hidden`; the part outside the row reads as 0 and is never written).
-__device__ __forceinline__ bool inside(i64 col, i64 hidden) { return col >= 0 && col < hidden; }
+__device__ __forceinline__ bool inside(int col, int hidden) { return col >= 0 && col < hidden; }
 
 // First column of thread `lane`'s first chunk; SHIFT: minus the elements from the row's start back to
 // the previous 16-byte boundary.
 template <bool SHIFT, int E, typename T>
-__device__ __forceinline__ i64 first_column(const T* row, int lane) {
-    return (i64)lane * E - (SHIFT ? (i64)(reinterpret_cast<size_t>(row) / sizeof(T) % E) : 0);
+__device__ __forceinline__ int first_column(const T* row, int lane) {
+    return lane * E - (SHIFT ? (int)(reinterpret_cast<size_t>(row) / sizeof(T) % E) : 0);
 }
 
 template <bool VEC, bool SHIFT, int E, typename T>
-__device__ __forceinline__ Pack<T, E> load_chunk(const T* row, i64 col, i64 hidden) {
+__device__ __forceinline__ Pack<T, E> load_chunk(const T* row, int col, int hidden) {
     if constexpr (SHIFT) {
         if (col < 0 || col + E > hidden) {
             Pack<T, E> pk;
@@ -95,7 +106,7 @@ __device__ __forceinline__ Pack<T, E> load_chunk(const T* row, i64 col, i64 hidd
 }
 
 template <bool VEC, bool SHIFT, int E, typename T>
-__device__ __forceinline__ void store_chunk(T* row, i64 col, i64 hidden, const Pack<T, E>& pk) {
+__device__ __forceinline__ void store_chunk(T* row, int col, int hidden, const Pack<T, E>& pk) {
     if constexpr (SHIFT) {
         if (col < 0 || col + E > hidden) {
 #pragma unroll
@@ -108,7 +119,7 @@ __device__ __forceinline__ void store_chunk(T* row, i64 col, i64 hidden, const P
 }
 
 template <typename W, bool VEC, bool SHIFT, int E>
-__device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, i64 col, i64 hidden) {
+__device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, int col, int hidden) {
     if constexpr (SHIFT) {  // the weight's own alignment is unrelated to the row's: element by element
         if (!weight) return load_weight<W, false, E>(weight, col);
         const W* w = static_cast<const W*>(weight);
@@ -171,7 +182,7 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
     const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     const bool active = row < p.rows;  // inactive threads still join the block reduction
     const int lane = threadIdx.x, width = blockDim.x;
-    const i64 step = (i64)width * E;
+    const int step = width * E;
     float sum_sq = 0.f;
 
     if constexpr (NPT > 0) {
@@ -182,50 +193,50 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
         T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
-        const i64 first = first_column<SHIFT, E>(x_row, lane);
+        const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         Pack<T, E> v[NPT];
         Pack<W, E> w[NPT];
         Pack<T, E> r[ADD ? NPT : 1];
         // Every load of the row is issued before the first residual store (a store orders later loads).
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const i64 col = first + i * step;
-            if (active && col < p.hidden) {
-                if constexpr (EARLY) w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-                v[i] = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
-                if constexpr (ADD) r[ADD ? i : 0] = load_chunk<VEC, SHIFT, E>(res_row, col, p.hidden);
+            const int col = first + i * step;
+            if (active && col < hidden) {
+                if constexpr (EARLY) w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
+                v[i] = load_chunk<VEC, SHIFT, E>(x_row, col, hidden);
+                if constexpr (ADD) r[ADD ? i : 0] = load_chunk<VEC, SHIFT, E>(res_row, col, hidden);
             }
         }
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const i64 col = first + i * step;
-            if (active && col < p.hidden) {
+            const int col = first + i * step;
+            if (active && col < hidden) {
                 if constexpr (ADD) {
 #pragma unroll
                     for (int e = 0; e < E; ++e)
                         v[i].v[e] = from_float<T>(to_float(v[i].v[e]) + to_float(r[ADD ? i : 0].v[e]));
-                    store_chunk<VEC, SHIFT, E>(res_row, col, p.hidden, v[i]);
+                    store_chunk<VEC, SHIFT, E>(res_row, col, hidden, v[i]);
                 }
 #pragma unroll
                 for (int e = 0; e < E; ++e) sum_sq += to_float(v[i].v[e]) * to_float(v[i].v[e]);
             }
         }
-        const float rstd = 1.f / sqrtf(row_sum(sum_sq, width, scratch) / (float)p.hidden + p.eps);
+        const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
         if (!active) return;
         if constexpr (!EARLY && RMS_WEIGHT_BATCH) {
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
-                const i64 col = first + i * step;
-                if (col < p.hidden) w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                const int col = first + i * step;
+                if (col < hidden) w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
             }
         }
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const i64 col = first + i * step;
-            if (col < p.hidden) {
+            const int col = first + i * step;
+            if (col < hidden) {
                 if constexpr (!EARLY && !RMS_WEIGHT_BATCH)
-                    w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-                store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, output<T, W, VEC, E>(p, v[i], rstd, w[i]));
+                    w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
+                store_chunk<VEC, SHIFT, E>(y_row, col, hidden, output<T, W, VEC, E>(p, v[i], rstd, w[i]));
             }
         }
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
@@ -235,7 +246,7 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
 #pragma unroll
             for (int e = 0; e < E; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
         }
-        const float rstd = 1.f / sqrtf(row_sum(sum_sq, width, scratch) / (float)p.hidden + p.eps);
+        const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
         if (!active) return;
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
         // With ADD, the normalized values are the rounded sums this thread just stored in residual.
@@ -269,6 +280,7 @@ struct NormBwdParams {  // mirrored by rmsnorm.py's _BWD_TAIL
     i64 dy_stride, x_stride, dx_stride;
     i64 shared_acc;  // 1: dynamic shared memory holds [blockDim.y, hidden] floats of dweight sums
     float eps, offset;
+    float inv_hidden;  // 1 / hidden, as in NormParams
 };
 
 // dx for E columns (returned); adds dy * x * rstd to sums.
@@ -305,20 +317,21 @@ __device__ __forceinline__ Pack<float, E> zeros() {
     return z;
 }
 
-// This thread's chunks of dy and x of one row (none past the last row) into registers.
+// This thread's chunks of dy and x of one row (none past the last row) into registers; `first` is the
+// thread's first column (the same in every row it visits, SHIFT included: see the kernel).
 template <typename T, bool VEC, int NPT, bool SHIFT, int E>
-__device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, int lane, i64 step, Pack<T, E> (&dyv)[NPT],
+__device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, int first, int step, Pack<T, E> (&dyv)[NPT],
                                              Pack<T, E> (&xv)[NPT]) {
     if (row >= p.rows) return;
     const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
     const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
-    const i64 first = first_column<SHIFT, E>(x_row, lane);
+    const int hidden = (int)p.hidden;  // rows in registers: see first_column
 #pragma unroll
     for (int i = 0; i < NPT; ++i) {
-        const i64 col = first + i * step;
-        if (col < p.hidden) {
-            dyv[i] = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
-            xv[i] = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
+        const int col = first + i * step;
+        if (col < hidden) {
+            dyv[i] = load_chunk<VEC, SHIFT, E>(dy_row, col, hidden);
+            xv[i] = load_chunk<VEC, SHIFT, E>(x_row, col, hidden);
         }
     }
 }
@@ -329,10 +342,10 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
     static_assert(!SHIFT || (VEC && NPT > 0), "SHIFT: vectorized rows held in registers");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
-    __shared__ float scratch[64];
+    __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
     extern __shared__ __align__(16) float dw_acc[];  // [blockDim.y][hidden] when shared_acc
     const int lane = threadIdx.x, width = blockDim.x;
-    const i64 step = (i64)width * E;
+    const int step = width * E, hidden = (int)p.hidden;  // hidden: for NPT > 0 (see first_column)
     const i64 rows_per_pass = (i64)gridDim.x * blockDim.y;
     float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
     // This rows slot's dweight sums: NPT == 0 per column in here; NPT > 0 in registers, stored here at the end.
@@ -352,17 +365,17 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
     constexpr bool PREFETCH = RMS_BWD_PREFETCH && VEC && NPT > 0 && sizeof(T) == 4 && NPT * E <= 8;
     Pack<T, E> dyv[SLOTS], xv[SLOTS];
     const i64 first_row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
-    if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, first_row, lane, step, dyv, xv);
     // A thread's columns are the same in every row it visits (SHIFT: one shift per rows slot, see above).
-    const i64 first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + first_row * p.x_stride, lane);
+    const int first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + first_row * p.x_stride, lane);
+    if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, first_row, first, step, dyv, xv);
     // SHIFT reads the weight element by element (8 loads a 16-bit chunk): once, kept in registers.
     constexpr bool WEIGHT_ONCE = SHIFT && RMS_BWD_SHIFT_WEIGHT_ONCE;
     Pack<W, E> wv[SLOTS];
     if constexpr (WEIGHT_ONCE) {
 #pragma unroll
         for (int i = 0; i < SLOTS; ++i) {
-            const i64 col = first + i * step;
-            if (col < p.hidden) wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+            const int col = first + i * step;
+            if (col < hidden) wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
         }
     }
     // The loop bound is uniform across the block (the reductions contain barriers).
@@ -374,13 +387,13 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
         float sum_sq = 0.f, dot = 0.f;
         if constexpr (NPT > 0) {
-            if constexpr (!PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row, lane, step, dyv, xv);
+            if constexpr (!PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row, first, step, dyv, xv);
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
-                const i64 col = first + i * step;
-                if (active && col < p.hidden) {
+                const int col = first + i * step;
+                if (active && col < hidden) {
                     if constexpr (!WEIGHT_ONCE) {
-                        const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                        const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
                         if constexpr (RMS_BWD_KEEP_WEIGHT) wv[i] = w;
                         add_row_sums<T, W, E>(p, dyv[i], xv[i], w, sum_sq, dot);
                     } else {
@@ -395,21 +408,21 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
             }
         }
         Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
-        if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row + rows_per_pass, lane, step, next_dy, next_x);
+        if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row + rows_per_pass, first, step, next_dy, next_x);
         const float2 sums = row_sum2(sum_sq, dot, width, scratch);
-        const float rstd = p.rstd ? (active ? p.rstd[row] : 0.f) : 1.f / sqrtf(sums.x / (float)p.hidden + p.eps);
-        const float coef = rstd * rstd * rstd * (sums.y / (float)p.hidden);
+        const float rstd = p.rstd ? (active ? p.rstd[row] : 0.f) : inverse_rms(sums.x, p.inv_hidden, p.eps);
+        const float coef = rstd * rstd * rstd * (sums.y * p.inv_hidden);
 
         if (active) {
             if constexpr (NPT > 0) {
     #pragma unroll
                 for (int i = 0; i < NPT; ++i) {
-                    const i64 col = first + i * step;
-                    if (col < p.hidden) {
+                    const int col = first + i * step;
+                    if (col < hidden) {
                         if constexpr (!RMS_BWD_KEEP_WEIGHT && !WEIGHT_ONCE)
-                            wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                            wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
                         // SHIFT: columns outside the row were loaded as 0 and add 0 to their sums.
-                        store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden,
+                        store_chunk<VEC, SHIFT, E>(dx_row, col, hidden,
                                                    bwd_chunk<T, W, E>(p, dyv[i], xv[i], wv[i], rstd, coef, dw[i]));
                     }
                 }
@@ -438,8 +451,8 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
         // written (the chunks cover the row). SHIFT: float columns off 16-byte boundaries, one by one.
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const i64 col = first + i * step;
-            if (col < p.hidden) store_chunk<VEC && !SHIFT, SHIFT, E>(my_acc, col, p.hidden, dw[i]);
+            const int col = first + i * step;
+            if (col < hidden) store_chunk<VEC && !SHIFT, SHIFT, E>(my_acc, col, hidden, dw[i]);
         }
     }
     if (!p.shared_acc) return;
@@ -495,7 +508,7 @@ __device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged,
 template <typename T, typename W, int NPT, int STAGES>
 __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
     constexpr int E = 16 / sizeof(T);
-    __shared__ float scratch[64];
+    __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E;
@@ -529,7 +542,10 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
         // only after its global read: the slot is free.
         stage_row<T, NPT>(p, staged, row + STAGES * row_step, stage);
         stage = stage + 1 == STAGES ? 0 : stage + 1;
-        const float2 sums = row_sum2(sum_sq, dot, width, scratch);
+        const float2 sums = row_sum2<false>(sum_sq, dot, width, scratch);
+        // IEEE division and sqrt, and the loop over the warps' partials (row_sum2<false>): the shorter
+        // chain of rms_norm_bwd (rsqrt, shuffle tree, int columns) made this kernel 3-11% slower at
+        // bf16 [32768, 4096] and [8192, 16384] and fp32 [8192, 5120] (docs/perf-notes.md v11).
         const float rstd = p.rstd ? given_rstd : 1.f / sqrtf(sums.x / (float)p.hidden + p.eps);
         const float coef = rstd * rstd * rstd * (sums.y / (float)p.hidden);
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
@@ -552,7 +568,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
     }
 }
 
-struct DweightParams {  // mirrored by rmsnorm.py's _DW_PARAMS
+struct DweightParams {  // mirrored by rmsnorm.py's _DW_TAIL
     const float* partial;
     void* dweight;
     i64 blocks, hidden;
