@@ -55,9 +55,14 @@ STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against th
 SHIFT_MIN_ROW_BYTES = 512
 
 # Mirror NormParams, NormBwdParams and DweightParams in kernels_src/rms_norm.cu: pointers, then these.
-_FWD_TAIL = struct.Struct("<5q3f")  # ..., eps, offset, 1 / hidden
+_FWD_TAIL = struct.Struct("<5q3f")  # ..., then _scalars()
 _BWD_TAIL = struct.Struct("<6q3f")
 _DW_TAIL = struct.Struct("<2q")
+
+
+def _scalars(eps, offset, hidden) -> tuple[float, float, float]:
+    """The float parameters that end both kernels' structs: eps, offset, 1 / hidden."""
+    return float(eps), float(offset), 1 / hidden
 
 
 class NormPlan:
@@ -426,7 +431,7 @@ def _plan_forward_call(xa, wa, oa, eps, offset, return_rstd, impl):
         strides = _row_strides([xa, ya], ["x", "out"])
         plan = plan_forward_for_device(xa, ya, None, wa, strides, rows, hidden, impl, xa.device)
         plan.out_layouts = _arrays.out_layouts(xa, oa)
-        tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[1], 0, float(eps), float(offset), 1 / hidden)
+        tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[1], 0, *_scalars(eps, offset, hidden))
         plan.launch = _launch.Launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, 5, tail,
                                      xa.device, xa.kind)
     else:
@@ -449,7 +454,7 @@ def _plan_fused_add_call(xa, ra, wa, eps, offset, impl):
     rows, hidden = _rows(xa.shape), xa.shape[-1]
     strides = _row_strides([xa, ra], ["x", "residual"])
     plan = plan_forward_for_device(xa, xa, ra, wa, (strides[0], strides[0], strides[1]), rows, hidden, impl, xa.device)
-    tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[0], strides[1], float(eps), float(offset), 1 / hidden)
+    tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[0], strides[1], *_scalars(eps, offset, hidden))
     plan.extents = (_arrays.layout_key(xa), _arrays.layout_key(ra))
     plan.launch = _launch.Launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, 5, tail, xa.device,
                                  xa.kind)
@@ -477,8 +482,8 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
         strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
         plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl,
                              shared_optin(xa.device) - STATIC_SHARED_BYTES)
-        tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc), float(eps),
-                              float(offset), 1 / hidden)
+        tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc),
+                              *_scalars(eps, offset, hidden))
         kernel = get_kernel(SOURCE, plan.name, xa.device)
         allow_shared_memory(kernel, plan.shared_mem, xa.device)
         # One wave: as many blocks as the SMs hold at once (the planner's estimate counts threads
