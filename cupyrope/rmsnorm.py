@@ -197,15 +197,19 @@ def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, i
     return wider if wider.name != plan.name and wider.slots and _waves(wider, device) == 1 else plan
 
 
-def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit):
-    """The plan of rms_norm_bwd_staged for aligned rows (threads, slots and stages by the rule above),
-    or None where it does not apply."""
+def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False):
+    """The plan of rms_norm_bwd_staged (threads, slots and stages by the rule above), or None where it
+    does not apply. shifted: rows that are not 16-byte aligned (SHIFT), one chunk a thread only (the
+    weight stays in registers as well)."""
     itemsize = _arrays.ITEMSIZE[dtype]
     if hidden * itemsize < STAGED_MIN_ROW_BYTES:
         return None
-    chunks = hidden * itemsize // 16
+    elems = 16 // itemsize
+    chunks = -(-(hidden + (elems - 1 if shifted else 0)) // elems)  # shifted: up to E - 1 elements before the row
     # One chunk a thread up to STAGED_ROW_THREADS, then 2 on up to 1024 threads (not 4 on 512), then 4 or 8.
     limits = {s: STAGED_ROW_THREADS if s == 1 else STAGED_MAX_THREADS[s] for s in STAGED_SLOTS[itemsize]}
+    if shifted:
+        limits = {1: limits[1]}
     slots = next((s for s, limit in limits.items() if s * limit >= chunks), None)
     if slots is None:
         return None
@@ -217,9 +221,10 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit):
     stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
     if stages < 1:
         return None
-    plan = NormPlan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}>",
+    shift = "true" if shifted else "false"
+    plan = NormPlan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}, {shift}>",
                     rows, (width, 1), True, slots)
-    plan.shifted, plan.staged = False, True
+    plan.shifted, plan.staged = shifted, True
     plan.shared_mem = stages * stage_bytes
     return plan
 
@@ -234,8 +239,8 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     # rms_norm_bwd's own register prefetch (fp32 rows of up to 8 elements a thread: its PREFETCH)
     # measured a little faster than staging; everywhere else aligned rows are staged.
     prefetches = plan.vectorized and plan.slots and _arrays.ITEMSIZE[x.dtype] == 4 and plan.slots * 4 <= 8
-    if plan.vectorized and not plan.shifted and not prefetches:
-        plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit) or plan
+    if plan.vectorized and not prefetches:
+        plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted) or plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     plan.grid = cap_grid(plan, n_sm * max(1, THREADS_PER_SM // threads), rows, x.dtype)
@@ -283,7 +288,9 @@ def all_variants():
                             yield SOURCE, f"cupyrope::rms_norm_bwd<{w}, {shift}>"
             for slots in STAGED_SLOTS[_arrays.ITEMSIZE[dtype]]:
                 for stages in STAGED_STAGES:
-                    yield SOURCE, f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, {stages}>"
+                    for shift in ("false", "true") if slots == 1 else ("false",):
+                        yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
+                                       f"{stages}, {shift}>")
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 
 

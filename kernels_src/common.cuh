@@ -123,6 +123,18 @@ __device__ __forceinline__ void copy_async16(void* shared_dst, const void* globa
 #endif
 }
 
+// The same for the first `bytes` (0-16) of the 16 at global_src; the rest of the 16 in shared memory
+// is zero-filled and nothing past global_src + bytes is read.
+__device__ __forceinline__ void copy_async16_first(void* shared_dst, const void* global_src, int bytes) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(global_src), "r"(bytes) : "memory");
+#else
+    unsigned char* d = static_cast<unsigned char*>(shared_dst);
+    for (int b = 0; b < 16; ++b) d[b] = b < bytes ? static_cast<const unsigned char*>(global_src)[b] : 0;
+#endif
+}
+
 __device__ __forceinline__ void copy_async_commit() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");

@@ -466,13 +466,18 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
 }
 
 // ----------------------------------------------------------------------- backward, staged rows
-// One row per block, for 16-byte aligned rows (VEC, not SHIFT). The block walks rows blockIdx.x,
+// One row per block, for 16-byte chunks of rows (VEC; SHIFT as in rms_norm_bwd). The block walks rows blockIdx.x,
 // + gridDim.x, ... and keeps the next STAGES rows' dy and x in flight: cp.async copies them into
 // shared memory, where they hold no registers (v8's register prefetch cost occupancy). A thread
 // copies, and later reads, only its own chunks (lane + i * blockDim.x), so the staging needs no
 // barriers. The current row moves to registers; its stage is refilled with the row STAGES ahead as
 // soon as those values are consumed. dweight sums stay in registers (a thread owns the same columns
 // in every row) and go to partial[blockIdx.x, :] at the end, as in rms_norm_bwd.
+// SHIFT: chunks follow memory's 16-byte boundaries (see the top of this file); the planner keeps the
+// grid a multiple of the elements in 16 bytes, so all rows of a block share one shift. A row's first
+// chunk is copied whole from up to 15 bytes before the row (the same aligned 16 bytes, so the same
+// allocation), its last chunk only up to the row's end; columns outside the row are zeroed after the
+// copy. The weight, read element by element, stays in registers for all rows.
 // Launch bound: up to 2 chunks a thread fit the 64 registers of 1024-thread blocks; 4 or 8 chunks
 // take the 512-thread bound (128 registers). Mirrored by rmsnorm.py's STAGED_MAX_THREADS.
 template <int NPT>
@@ -485,40 +490,84 @@ __device__ __forceinline__ uint4* stage_slot(uint4* staged, int stage, int tenso
     return staged + ((stage * 2 + tensor) * NPT + i) * blockDim.x + threadIdx.x;
 }
 
+// Copies the 16 bytes of a shifted chunk at `col`, but only what lies before the row's end.
+template <typename T>
+__device__ __forceinline__ void stage_chunk(uint4* slot, const T* row, int col, int hidden) {
+    constexpr int E = 16 / sizeof(T);
+    if (col + E > hidden) copy_async16_first(slot, row + col, (hidden - col) * (int)sizeof(T));
+    else copy_async16(slot, row + col);
+}
+
 // Starts copying this thread's chunks of row `row` (nothing past the last row) into `stage`, as one
 // commit group (an empty one past the last row, so every thread's group count stays the same).
-template <typename T, int NPT>
-__device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged, i64 row, int stage) {
+// `first`: the thread's first column (rows are < 2^31 elements: planner).
+template <typename T, int NPT, bool SHIFT>
+__device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged, i64 row, int stage, int first) {
     constexpr int E = 16 / sizeof(T);
     if (row < p.rows) {
         const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
         const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const int col = (i * blockDim.x + threadIdx.x) * E;  // rows are < 2^31 elements (planner)
+            // Aligned rows: as before SHIFT (see staged_column).
+            const int col = SHIFT ? first + i * blockDim.x * E : (i * blockDim.x + threadIdx.x) * E;
             if (col < p.hidden) {
-                copy_async16(stage_slot<NPT>(staged, stage, 0, i), dy_row + col);
-                copy_async16(stage_slot<NPT>(staged, stage, 1, i), x_row + col);
+                if constexpr (SHIFT) {
+                    stage_chunk(stage_slot<NPT>(staged, stage, 0, i), dy_row, col, (int)p.hidden);
+                    stage_chunk(stage_slot<NPT>(staged, stage, 1, i), x_row, col, (int)p.hidden);
+                } else {
+                    copy_async16(stage_slot<NPT>(staged, stage, 0, i), dy_row + col);
+                    copy_async16(stage_slot<NPT>(staged, stage, 1, i), x_row + col);
+                }
             }
         }
     }
     copy_async_commit();
 }
 
-template <typename T, typename W, int NPT, int STAGES>
+// A staged chunk back from shared memory; SHIFT: its columns outside the row read as 0.
+template <bool SHIFT, typename T, int E>
+__device__ __forceinline__ Pack<T, E> unstage_chunk(const uint4* slot, int col, int hidden) {
+    Pack<T, E> pk = load_pack<true, E>(reinterpret_cast<const T*>(slot));
+    if (SHIFT && (col < 0 || col + E > hidden)) {
+#pragma unroll
+        for (int e = 0; e < E; ++e)
+            if (!inside(col + e, hidden)) pk.v[e] = from_float<T>(0.f);
+    }
+    return pk;
+}
+
+// Column of a thread's chunk i. Aligned rows keep the expressions this kernel had before SHIFT
+// (lane * E here, plain 16-byte copies and stores below): ptxas otherwise allocated registers
+// differently and the aligned variants measured 1-3% slower (docs/perf-notes.md v12); their SASS is
+// now identical to v11's.
+template <bool SHIFT, int E>
+__device__ __forceinline__ int staged_column(int first, int lane, int i, int step) {
+    return SHIFT ? first + i * step : lane * E + i * step;
+}
+
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT>
 __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
     constexpr int E = 16 / sizeof(T);
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
     const int lane = threadIdx.x, width = blockDim.x;
-    const int step = width * E;
+    const int step = width * E, hidden = (int)p.hidden;
     const i64 row_step = gridDim.x;
+    // The same columns in every row of the block (SHIFT: one shift, see above).
+    const int first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + (i64)blockIdx.x * p.x_stride, lane);
     Pack<float, E> dw[NPT];
+    Pack<W, E> wv[SHIFT ? NPT : 1];
 #pragma unroll
     for (int i = 0; i < NPT; ++i) dw[i] = zeros<E>();
+    if constexpr (SHIFT) {
+#pragma unroll
+        for (int i = 0; i < NPT; ++i)
+            if (first + i * step < p.hidden) wv[SHIFT ? i : 0] = load_weight_chunk<W, true, true, E>(p.weight, first + i * step, hidden);
+    }
 
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) stage_row<T, NPT>(p, staged, blockIdx.x + s * row_step, s);
+    for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, blockIdx.x + s * row_step, s, first);
     float next_rstd = p.rstd && blockIdx.x < p.rows ? p.rstd[blockIdx.x] : 0.f;
     int stage = 0;
     // The loop bound is uniform across the block (one row per block; the reduction has barriers).
@@ -531,16 +580,17 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
         float sum_sq = 0.f, dot = 0.f;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const int col = lane * E + i * step;
+            const int col = staged_column<SHIFT, E>(first, lane, i, step);
             if (col < p.hidden) {
-                dyv[i] = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT>(staged, stage, 0, i)));
-                xv[i] = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT>(staged, stage, 1, i)));
-                add_row_sums<T, W, E>(p, dyv[i], xv[i], load_weight<W, true, E>(p.weight, col), sum_sq, dot);
+                dyv[i] = unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 0, i), col, hidden);
+                xv[i] = unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden);
+                const Pack<W, E> w = SHIFT ? wv[SHIFT ? i : 0] : load_weight<W, true, E>(p.weight, col);
+                add_row_sums<T, W, E>(p, dyv[i], xv[i], w, sum_sq, dot);
             }
         }
         // The shared reads above precede this refill in program order, and a copy's write lands
         // only after its global read: the slot is free.
-        stage_row<T, NPT>(p, staged, row + STAGES * row_step, stage);
+        stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
         stage = stage + 1 == STAGES ? 0 : stage + 1;
         const float2 sums = row_sum2<false>(sum_sq, dot, width, scratch);
         // IEEE division and sqrt, and the loop over the warps' partials (row_sum2<false>): the shorter
@@ -551,10 +601,13 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const int col = lane * E + i * step;
+            const int col = staged_column<SHIFT, E>(first, lane, i, step);
             if (col < p.hidden) {
-                const Pack<W, E> w = load_weight<W, true, E>(p.weight, col);
-                store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i]));
+                const Pack<W, E> w = SHIFT ? wv[SHIFT ? i : 0] : load_weight<W, true, E>(p.weight, col);
+                if constexpr (SHIFT)
+                    store_chunk<true, true, E>(dx_row, col, hidden, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i]));
+                else
+                    store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i]));
             }
         }
     }
@@ -562,9 +615,12 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
     if (!p.weight) return;
     float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
 #pragma unroll
-    for (int i = 0; i < NPT; ++i) {
-        const int col = lane * E + i * step;
-        if (col < p.hidden) store_pack<true, E>(my_partial + col, dw[i]);
+    for (int i = 0; i < NPT; ++i) {  // SHIFT: float columns off 16-byte boundaries, one by one
+        const int col = staged_column<SHIFT, E>(first, lane, i, step);
+        if (col < p.hidden) {
+            if constexpr (SHIFT) store_chunk<false, true, E>(my_partial, col, hidden, dw[i]);
+            else store_pack<true, E>(my_partial + col, dw[i]);
+        }
     }
 }
 

@@ -31,7 +31,8 @@ ODD = [(8192, 1027, torch.float32), (8192, 1027, torch.bfloat16), (8192, 1027, t
        (2048, 1027, torch.bfloat16), (512, 1027, torch.bfloat16), (32768, 1027, torch.bfloat16),
        (8192, 4099, torch.bfloat16), (8192, 8191, torch.bfloat16), (8192, 2051, torch.float32),
        (8192, 301, torch.bfloat16), (8192, 3072, torch.bfloat16), (8192, 5120, torch.bfloat16),
-       (8192, 7168, torch.bfloat16), (8192, 3072, torch.float32), (8192, 5120, torch.float32)]
+       (8192, 7168, torch.bfloat16), (8192, 3072, torch.float32), (8192, 5120, torch.float32),
+       (8192, 2053, torch.bfloat16), (2048, 2053, torch.bfloat16)]
 
 
 def main():

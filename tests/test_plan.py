@@ -132,9 +132,10 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
     # Short rows stay element by element.
     short = plan_forward(arr((7, 61)), arr((7, 61)), None, None, (61, 61), 7, 61)
     assert not short.vectorized and short.block == (16, 8) and short.slots == 4  # small: 4 elements a thread
-    # The backward shifts too; one rows slot a block: its dweight sums stay in registers.
+    # The backward shifts too (the staged kernel: see test_rms_norm_backward_plans); one rows slot a
+    # block: its dweight sums stay in registers.
     b = plan_backward(odd, odd, out, weight, (1027,) * 3, 7, 1027, n_sm=132)
-    assert b.shifted and b.name.endswith("float, true, 1, true>") and b.block[1] == 1 and b.shared_mem == 0
+    assert b.shifted and b.name.endswith("float, 1, 3, true>") and b.block == (160, 1)
 
 
 @pytest.mark.parametrize("n_sm, rows, hidden, dtype, cap, grid", [
@@ -182,7 +183,7 @@ def test_rms_norm_backward_plans():
     x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
     b = plan_backward(x, x, y, arr((4096,), "float32"), (4096,) * 3, 8192, 4096, n_sm=132)
     # Aligned bf16 rows are staged: 512 threads x one 16-byte chunk, 3 rows ahead (3 x 16 KiB of dy and x).
-    assert b.staged and b.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3>"
+    assert b.staged and b.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, false>"
     assert b.block == (512, 1) and b.shared_mem == 3 * 2 * 8192 and b.grid <= 132 * 4
     # fp32 rows of up to 8 elements a thread keep rms_norm_bwd's register prefetch.
     f = arr((8192, 4096), "float32")
@@ -192,13 +193,26 @@ def test_rms_norm_backward_plans():
     # fp32 [*, 16384]: 512 threads x 8 chunks, one row ahead (128 KiB); fp32 [*, 8192]: 1024 x 2, two ahead.
     wide = arr((64, 16384), "float32")
     w = plan_backward(wide, wide, wide, arr((16384,), "float32"), (16384,) * 3, 64, 16384, n_sm=132)
-    assert w.name.endswith("<float, float, 8, 1>") and w.block == (512, 1) and w.shared_mem == 128 * 1024
+    assert w.name.endswith("<float, float, 8, 1, false>") and w.block == (512, 1) and w.shared_mem == 128 * 1024
     mid = arr((64, 8192), "float32")
     m = plan_backward(mid, mid, mid, None, (8192,) * 3, 64, 8192, n_sm=132)
-    assert m.name.endswith("<float, float, 2, 2>") and m.block == (1024, 1) and m.grid == 64
+    assert m.name.endswith("<float, float, 2, 2, false>") and m.block == (1024, 1) and m.grid == 64
     # Less shared memory than a stage: not staged.
     n = plan_backward(wide, wide, wide, None, (16384,) * 3, 64, 16384, n_sm=132, shared_limit=100 * 1024)
     assert not n.staged and n.slots == 0
+    # Odd bf16 rows of one chunk a thread are staged too (SHIFT): 1027 elements and up to 7 before the
+    # row's first 16-byte boundary take 130 chunks (160 threads); the grid stays a multiple of 8 so that
+    # all rows of a block share one shift. fp32 ones keep the register prefetch; longer odd rows rms_norm_bwd.
+    odd = arr((8192, 1027))
+    o = plan_backward(odd, odd, odd, arr((1027,), "float32"), (1027,) * 3, 8192, 1027, n_sm=132)
+    assert o.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, true>" and o.shifted
+    assert o.block == (160, 1) and o.grid % 8 == 0 and o.shared_mem == 3 * 2 * 160 * 16
+    odd32 = arr((8192, 1027), "float32")
+    o32 = plan_backward(odd32, odd32, odd32, None, (1027,) * 3, 8192, 1027, n_sm=132)
+    assert o32.shifted and not o32.staged and o32.grid % 4 == 0
+    long_odd = arr((8192, 4099))
+    lo = plan_backward(long_odd, long_odd, long_odd, None, (4099,) * 3, 8192, 4099, n_sm=132)
+    assert lo.shifted and not lo.staged and lo.slots == 2
     small = arr((8192, 64))
     s = plan_backward(small, small, small, arr((64,)), (64,) * 3, 8192, 64, n_sm=132)
     assert not s.staged and s.block[1] > 1 and s.shared_mem == s.block[1] * 64 * 4  # rows slots' sums, in order

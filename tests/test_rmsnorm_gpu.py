@@ -177,6 +177,37 @@ def test_backward_staged_rows(rng, kind, dtype, hidden, rows, pad):
         assert np.all(err <= 4e-6 * terms + ulp(ref_dw, dtype)), f"dweight: worst {err.max():.3g}"
 
 
+# The staged backward of shifted rows (fp16/bf16 odd hidden sizes of one chunk a thread): each row's first
+# 16-byte copy starts before the row and its last one ends at the row's end. NaN around the rows (views
+# into a wider buffer; row stride and start a multiple of 16 bytes away from dx's, so the rows shift like dx's)
+# shows any column outside a row that gets into the sums, and any write outside dx's rows.
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("hidden,rows,start", [(1027, 3001, 8), (1027, 5, 0), (3071, 700, 8), (2053, 133, 0)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_staged_shifted_rows(rng, monkeypatch, kind, dtype, hidden, rows, start):
+    from cupyrope import _arrays, rmsnorm
+
+    x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), "float32", rng)
+    _, x = unaligned_view(x_host, dtype, kind, start, 16)
+    _, dy = unaligned_view(dy_host, dtype, kind, start, 16)
+    w = to_device(w_host, "float32", kind)
+    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
+    for weight in (w, None):
+        monkeypatch.setattr(rmsnorm, "_plans", _arrays.PlanCache())
+        fill_next_allocation_with_nan((rows, hidden), dtype, kind)
+        dx, dw = cupyrope.rms_norm_backward(dy, x, weight, offset=0.5)
+        plan = next(p for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd")
+        assert plan.shifted and plan.staged == (dtype != "float32"), plan
+        ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host if weight is not None else None, offset=0.5)
+        scale = np.abs(dy_host * (w_host + 0.5 if weight is not None else 1) * rstd_ref[:, None]).max()
+        assert_matches(to_host(dx), ref_dx, dtype, scale=scale, what="dx")  # every row
+        if weight is not None:
+            terms = np.abs(dy_host * x_host * rstd_ref[:, None]).sum(0)
+            err = np.abs(to_host(dw) - ref_dw)
+            assert np.all(err <= 4e-6 * terms), f"dweight: worst {err.max():.3g}"
+
+
 # Shifted rows (odd hidden sizes: each row starts at another offset from a 16-byte boundary) keep their
 # dweight sums and weights in registers: a rows slot revisits rows one grid step apart, which the planner
 # keeps a multiple of 16 bytes' elements so that they all share one shift. threads_per_sm=480 makes the

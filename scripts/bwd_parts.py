@@ -1,0 +1,69 @@
+"""Where the RMSNorm backward's time goes, on a GPU: the whole call, its main kernel alone and the
+dweight reduction (rms_norm_dw) alone, in GPU µs (graph replay, inputs rotating past the L2), for
+several caps on the main kernel's resident blocks per SM (fewer blocks: fewer dweight partials).
+
+Usage: python scripts/bwd_parts.py [CAP ...]   (CAP: blocks an SM at most; "0" = the planner's own grid)
+"""
+
+import sys
+
+import torch
+
+import cupyrope
+from cupyrope import _device, bench, rmsnorm
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from sweep_norm import apply, check  # noqa: E402
+
+dev = torch.device("cuda")
+SHAPES = [(8192, 1027, torch.bfloat16), (8192, 1024, torch.bfloat16), (8192, 2048, torch.bfloat16),
+          (2048, 4096, torch.bfloat16), (32768, 1027, torch.bfloat16), (8192, 1027, torch.float32),
+          (2048, 1024, torch.bfloat16), (32768, 4096, torch.bfloat16), (8192, 4096, torch.float32),
+          (8192, 16384, torch.float32)]
+_own_blocks_per_wave = rmsnorm._blocks_per_wave
+
+
+def capped(cap):
+    def blocks_per_wave(kernel, plan, device):
+        own = _own_blocks_per_wave(kernel, plan, device)
+        return min(own, cap * _device.sm_count(device)) if cap else own
+    return blocks_per_wave
+
+
+def main():
+    caps = [int(a) for a in sys.argv[1:]] or [0, 8, 4, 2]
+    bw = bench.copy_bandwidth_gbps(torch)
+    print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; GPU µs: whole / main kernel / dw kernel")
+    print("| shape | " + " | ".join(f"cap {c or 'none'}" for c in caps) + " |\n|" + "---|" * (len(caps) + 1), flush=True)
+    for rows, hidden, dt in SHAPES:
+        nbytes = 2 * rows * hidden * torch.finfo(dt).bits // 8
+        copies = []
+        for _ in range(bench.copies_for(nbytes)):
+            x = torch.randn(rows, hidden, device=dev, dtype=dt)
+            copies.append((x, torch.randn(hidden, device=dev, dtype=torch.float32), torch.randn_like(x)))
+        cells = []
+        for cap in caps:
+            apply("")
+            rmsnorm._blocks_per_wave = capped(cap)
+            x, w, dy = copies[0]
+            dx, dw = cupyrope.rms_norm_backward(dy, x, w)
+            check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), dx, dw)
+            plan = next(p for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd")
+            whole = bench.gpu_time_us(torch, [lambda x=x, w=w, dy=dy: cupyrope.rms_norm_backward(dy, x, w)
+                                              for x, w, dy in copies])
+            partial = torch.empty(plan.grid, hidden, device=dev)
+            dxs = [torch.empty_like(c[0]) for c in copies]
+            main_fns = [lambda c=c, d=d: plan.launch(c[2].data_ptr(), c[0].data_ptr(), c[1].data_ptr(), 0, d.data_ptr(),
+                                                     partial.data_ptr()) for c, d in zip(copies, dxs)]
+            main_us = bench.gpu_time_us(torch, main_fns)
+            dw_us = bench.gpu_time_us(torch, [lambda: plan.dw_launch(partial.data_ptr(), dw.data_ptr())])
+            pct = 100 * nbytes * 1.5 / whole / 1e3 / bw
+            cells.append(f"{whole:.1f} ({pct:.0f}%) / {main_us:.1f} / {dw_us:.1f} [{plan.grid}]")
+        print(f"| {rows}x{hidden} {str(dt)[6:]} | " + " | ".join(cells) + f" |  {plan.name.split('::')[1]} {plan.block}",
+              flush=True)
+    rmsnorm._blocks_per_wave = _own_blocks_per_wave
+    apply("")
+
+
+if __name__ == "__main__":
+    main()
