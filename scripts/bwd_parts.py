@@ -13,6 +13,7 @@ import cupyrope
 from cupyrope import _device, bench, rmsnorm
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from sweep_bwd import input_copies  # noqa: E402
 from sweep_norm import apply, check  # noqa: E402
 
 dev = torch.device("cuda")
@@ -36,11 +37,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; GPU µs: whole / main kernel / dw kernel")
     print("| shape | " + " | ".join(f"cap {c or 'none'}" for c in caps) + " |\n|" + "---|" * (len(caps) + 1), flush=True)
     for rows, hidden, dt in SHAPES:
-        nbytes = 2 * rows * hidden * torch.finfo(dt).bits // 8
-        copies = []
-        for _ in range(bench.copies_for(nbytes)):
-            x = torch.randn(rows, hidden, device=dev, dtype=dt)
-            copies.append((x, torch.randn(hidden, device=dev, dtype=torch.float32), torch.randn_like(x)))
+        nbytes, copies = input_copies(rows, hidden, dt)
         cells = []
         for cap in caps:
             apply("")

@@ -35,6 +35,16 @@ ODD = [(8192, 1027, torch.float32), (8192, 1027, torch.bfloat16), (8192, 1027, t
        (8192, 2053, torch.bfloat16), (2048, 2053, torch.bfloat16)]
 
 
+def input_copies(rows, hidden, dt):
+    """(bytes of x and dy, enough (x, fp32 weight, dy) copies to defeat the L2)."""
+    nbytes = 2 * rows * hidden * torch.finfo(dt).bits // 8
+    copies = []
+    for _ in range(bench.copies_for(nbytes)):
+        x = torch.randn(rows, hidden, device=dev, dtype=dt)
+        copies.append((x, torch.randn(hidden, device=dev, dtype=torch.float32), torch.randn_like(x)))
+    return nbytes, copies
+
+
 def main():
     args = sys.argv[1:]
     with_peers = "--peers" in args
@@ -46,11 +56,7 @@ def main():
     header = ["shape"] + [s or "default" for s in settings] + (["liger"] if with_peers else [])
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
     for rows, hidden, dt in shapes:
-        nbytes = 2 * rows * hidden * torch.finfo(dt).bits // 8
-        copies = []
-        for _ in range(bench.copies_for(nbytes)):
-            x = torch.randn(rows, hidden, device=dev, dtype=dt)
-            copies.append((x, torch.randn(hidden, device=dev, dtype=torch.float32), torch.randn_like(x)))
+        nbytes, copies = input_copies(rows, hidden, dt)
         times, names = [], []
         for setting in settings:
             apply(setting)
