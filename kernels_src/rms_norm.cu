@@ -38,10 +38,21 @@ __device__ __forceinline__ Pack<W, E> load_weight(const void* weight, i64 col) {
     return one;
 }
 
+// to_float, or with BY_SHIFT bf16 -> fp32 as an integer shift (exact either way). cuda_bf16.h converts by
+// inline PTX, which the compiler cannot see through: both halves of a loaded 32-bit word then take a
+// register each, shifted down at the load and up again at use. Measured (docs/perf-notes.md v13): the
+// forward's vectorized rows of 2+ chunks a thread 0.5-2% faster by shifts; one chunk a thread ~0.1 us
+// slower and the staged backward ~1% slower; the fused add spilled more (ptxas). Only the former use it.
+template <bool BY_SHIFT> __device__ __forceinline__ float as_float(float v) { return v; }
+template <bool BY_SHIFT> __device__ __forceinline__ float as_float(__half v) { return to_float(v); }
+template <bool BY_SHIFT> __device__ __forceinline__ float as_float(__nv_bfloat16 v) {
+    return BY_SHIFT ? __uint_as_float((unsigned)__bfloat16_as_ushort(v) << 16) : to_float(v);
+}
+
 // weight + offset (no weight: 1, whatever the offset).
-template <typename W, int E>
+template <typename W, int E, bool BY_SHIFT = false>
 __device__ __forceinline__ float scale(const void* weight, float offset, const Pack<W, E>& w, int e) {
-    return weight ? to_float(w.v[e]) + offset : 1.f;
+    return weight ? as_float<BY_SHIFT>(w.v[e]) + offset : 1.f;
 }
 
 // 1 / sqrt(sum_sq / hidden + eps). The hardware's approximate rsqrt (relative error < 2^-22) and a
@@ -64,11 +75,12 @@ __device__ __forceinline__ Pack<T, E> load_input(const NormParams& p, i64 row, i
     return v;
 }
 
-template <typename T, typename W, bool VEC, int E>
+template <typename T, typename W, bool VEC, int E, bool BY_SHIFT = false>
 __device__ __forceinline__ Pack<T, E> output(const NormParams& p, const Pack<T, E>& v, float rstd, const Pack<W, E>& w) {
     Pack<T, E> y;
 #pragma unroll
-    for (int e = 0; e < E; ++e) y.v[e] = from_float<T>(to_float(v.v[e]) * rstd * scale<W, E>(p.weight, p.offset, w, e));
+    for (int e = 0; e < E; ++e)
+        y.v[e] = from_float<T>(as_float<BY_SHIFT>(v.v[e]) * rstd * scale<W, E, BY_SHIFT>(p.weight, p.offset, w, e));
     return y;
 }
 
@@ -190,6 +202,7 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         // One chunk a thread (the planner's choice for small inputs): its weight comes early too, but
         // for the fused add of shifted rows (an fp32 weight there spills at 32 registers).
         constexpr bool EARLY = NPT * E * sizeof(W) <= (NPT == 1 && !(ADD && SHIFT) ? 32 : RMS_WEIGHT_EARLY_BYTES);
+        constexpr bool BY_SHIFT = VEC && NPT >= 2 && !ADD;  // bf16 conversions: see as_float
         const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
         T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
@@ -214,11 +227,11 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
                 if constexpr (ADD) {
 #pragma unroll
                     for (int e = 0; e < E; ++e)
-                        v[i].v[e] = from_float<T>(to_float(v[i].v[e]) + to_float(r[ADD ? i : 0].v[e]));
+                        v[i].v[e] = from_float<T>(as_float<BY_SHIFT>(v[i].v[e]) + as_float<BY_SHIFT>(r[ADD ? i : 0].v[e]));
                     store_chunk<VEC, SHIFT, E>(res_row, col, hidden, v[i]);
                 }
 #pragma unroll
-                for (int e = 0; e < E; ++e) sum_sq += to_float(v[i].v[e]) * to_float(v[i].v[e]);
+                for (int e = 0; e < E; ++e) sum_sq += as_float<BY_SHIFT>(v[i].v[e]) * as_float<BY_SHIFT>(v[i].v[e]);
             }
         }
         const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
@@ -236,7 +249,7 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
             if (col < hidden) {
                 if constexpr (!EARLY && !RMS_WEIGHT_BATCH)
                     w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
-                store_chunk<VEC, SHIFT, E>(y_row, col, hidden, output<T, W, VEC, E>(p, v[i], rstd, w[i]));
+                store_chunk<VEC, SHIFT, E>(y_row, col, hidden, output<T, W, VEC, E, BY_SHIFT>(p, v[i], rstd, w[i]));
             }
         }
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
