@@ -133,6 +133,12 @@ def _shiftable(arrays, row_strides, hidden, dtype) -> bool:
     )
 
 
+def _shifted_span(hidden: int, itemsize: int) -> int:
+    """Elements a shifted row's 16-byte chunks cover at most: up to E - 1 more than the row (the part
+    before its first 16-byte boundary)."""
+    return hidden + 16 // itemsize - 1
+
+
 def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread, block_threads,
           extra, impl, can_shift=False):
     """can_shift: the kernel takes a last SHIFT parameter; arrays[-1] is the weight."""
@@ -145,9 +151,8 @@ def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_sl
     vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
     shifted = can_shift and not vectorized and impl != "scalar" and _shiftable(arrays[:-1], row_strides, hidden, dtype)
     if shifted:
-        # A shifted row spans up to E - 1 more elements (the part before its first boundary); it must
-        # fit in registers (SHIFT has no two-pass loop).
-        width, slots = shape(True, hidden + 16 // itemsize - 1)
+        # A shifted row must fit in registers (SHIFT has no two-pass loop).
+        width, slots = shape(True, _shifted_span(hidden, itemsize))
         shifted = vectorized = slots > 0
     if impl == "vector" and not vectorized:
         raise ValueError("impl: 'vector' needs hidden a multiple of 16 bytes and 16-byte aligned rows")
@@ -204,8 +209,7 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False)
     itemsize = _arrays.ITEMSIZE[dtype]
     if hidden * itemsize < STAGED_MIN_ROW_BYTES:
         return None
-    elems = 16 // itemsize
-    chunks = -(-(hidden + (elems - 1 if shifted else 0)) // elems)  # shifted: up to E - 1 elements before the row
+    chunks = -(-(_shifted_span(hidden, itemsize) if shifted else hidden) * itemsize // 16)
     # One chunk a thread up to STAGED_ROW_THREADS, then 2 on up to 1024 threads (not 4 on 512), then 4 or 8.
     limits = {s: STAGED_ROW_THREADS if s == 1 else STAGED_MAX_THREADS[s] for s in STAGED_SLOTS[itemsize]}
     if shifted:

@@ -503,6 +503,15 @@ __device__ __forceinline__ uint4* stage_slot(uint4* staged, int stage, int tenso
     return staged + ((stage * 2 + tensor) * NPT + i) * blockDim.x + threadIdx.x;
 }
 
+// Column of a thread's chunk i. Aligned rows keep the expressions this kernel had before SHIFT
+// (lane * E here, plain 16-byte copies and stores below): ptxas otherwise allocated registers
+// differently and the aligned variants measured 1-3% slower (docs/perf-notes.md v12); their SASS is
+// now identical to v11's.
+template <bool SHIFT, int E>
+__device__ __forceinline__ int staged_column(int first, int lane, int i, int step) {
+    return SHIFT ? first + i * step : lane * E + i * step;
+}
+
 // Copies the 16 bytes of a shifted chunk at `col`, but only what lies before the row's end.
 template <typename T>
 __device__ __forceinline__ void stage_chunk(uint4* slot, const T* row, int col, int hidden) {
@@ -522,7 +531,7 @@ __device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged,
         const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            // Aligned rows: as before SHIFT (see staged_column).
+            // Aligned rows: this kernel's expression before SHIFT (see staged_column).
             const int col = SHIFT ? first + i * blockDim.x * E : (i * blockDim.x + threadIdx.x) * E;
             if (col < p.hidden) {
                 if constexpr (SHIFT) {
@@ -550,13 +559,11 @@ __device__ __forceinline__ Pack<T, E> unstage_chunk(const uint4* slot, int col, 
     return pk;
 }
 
-// Column of a thread's chunk i. Aligned rows keep the expressions this kernel had before SHIFT
-// (lane * E here, plain 16-byte copies and stores below): ptxas otherwise allocated registers
-// differently and the aligned variants measured 1-3% slower (docs/perf-notes.md v12); their SASS is
-// now identical to v11's.
-template <bool SHIFT, int E>
-__device__ __forceinline__ int staged_column(int first, int lane, int i, int step) {
-    return SHIFT ? first + i * step : lane * E + i * step;
+// Weights of chunk i: SHIFT keeps them in registers (wv, read element by element once); aligned rows
+// load them again per row (vector loads from L1).
+template <bool SHIFT, int E, typename W, int N>
+__device__ __forceinline__ Pack<W, E> staged_weight(const NormBwdParams& p, const Pack<W, E> (&wv)[N], int i, int col) {
+    return SHIFT ? wv[SHIFT ? i : 0] : load_weight<W, true, E>(p.weight, col);
 }
 
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT>
@@ -575,8 +582,10 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
     for (int i = 0; i < NPT; ++i) dw[i] = zeros<E>();
     if constexpr (SHIFT) {
 #pragma unroll
-        for (int i = 0; i < NPT; ++i)
-            if (first + i * step < p.hidden) wv[SHIFT ? i : 0] = load_weight_chunk<W, true, true, E>(p.weight, first + i * step, hidden);
+        for (int i = 0; i < NPT; ++i) {
+            const int col = staged_column<SHIFT, E>(first, lane, i, step);
+            if (col < p.hidden) wv[SHIFT ? i : 0] = load_weight_chunk<W, true, true, E>(p.weight, col, hidden);
+        }
     }
 
 #pragma unroll
@@ -597,7 +606,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
             if (col < p.hidden) {
                 dyv[i] = unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 0, i), col, hidden);
                 xv[i] = unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden);
-                const Pack<W, E> w = SHIFT ? wv[SHIFT ? i : 0] : load_weight<W, true, E>(p.weight, col);
+                const Pack<W, E> w = staged_weight<SHIFT, E>(p, wv, i, col);
                 add_row_sums<T, W, E>(p, dyv[i], xv[i], w, sum_sq, dot);
             }
         }
@@ -616,7 +625,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
         for (int i = 0; i < NPT; ++i) {
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
             if (col < p.hidden) {
-                const Pack<W, E> w = SHIFT ? wv[SHIFT ? i : 0] : load_weight<W, true, E>(p.weight, col);
+                const Pack<W, E> w = staged_weight<SHIFT, E>(p, wv, i, col);
                 if constexpr (SHIFT)
                     store_chunk<true, true, E>(dx_row, col, hidden, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i]));
                 else
