@@ -90,6 +90,33 @@ __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 c
     store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, output<T, W, VEC, E>(p, v, rstd, w));
 }
 
+// Shifted bf16 rows of 2+ chunks a thread (not the fused add) hold each chunk as its four 32-bit words,
+// half the registers of eight converted floats: 5-13% faster there (docs/perf-notes.md v14); aligned
+// rows measured as fast or slower, and keep the Pack path. Element 2k of a chunk is the low half of
+// word k, element 2k + 1 the high half; a bf16 is the upper half of the fp32 of the same value.
+#ifndef RMS_FWD_WORDS
+#define RMS_FWD_WORDS 1
+#endif
+template <typename T> constexpr bool is_bf16 = false;
+template <> constexpr bool is_bf16<__nv_bfloat16> = true;
+
+__device__ __forceinline__ float bf16_half(unsigned word, bool high) {
+    return __uint_as_float(high ? word & 0xffff0000u : word << 16);
+}
+// The same value by a byte permute in inline PTX, which ptxas does not fold into bf16_half's shift and
+// mask: the output cannot reuse the floats the sum of squares converted (8 registers a chunk held
+// through the reduction) and keeps the words instead.
+__device__ __forceinline__ float bf16_half_again(unsigned word, bool high) {
+    unsigned bits;
+    if (high) asm("prmt.b32 %0, %1, 0, 0x3244;" : "=r"(bits) : "r"(word));
+    else asm("prmt.b32 %0, %1, 0, 0x1044;" : "=r"(bits) : "r"(word));
+    return __uint_as_float(bits);
+}
+__device__ __forceinline__ unsigned bf16_pair(float low, float high) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+    return *reinterpret_cast<const unsigned*>(&pair);
+}
+
 // Rows held in registers (NPT > 0) have at most 1024 threads x 8 slots x 8 elements, so their
 // column indices are ints: 64-bit indices cost a dozen extra instructions a chunk (wide multiplies
 // and compares, recomputed under each chunk's predicate), which every warp runs after its loads.
@@ -197,7 +224,49 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
     const int step = width * E;
     float sum_sq = 0.f;
 
-    if constexpr (NPT > 0) {
+    if constexpr (RMS_FWD_WORDS && is_bf16<T> && SHIFT && NPT >= 2 && !ADD) {  // see RMS_FWD_WORDS
+        const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+        T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
+        const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
+        unsigned words[NPT][4] = {};  // chunks outside the row stay 0 and add nothing to the sum
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const int col = first + i * step;
+            if (active && col < hidden) {
+                const Pack<T, E> v = load_chunk<VEC, SHIFT, E>(x_row, col, hidden);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) words[i][k] = word_of(v, k);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float low = bf16_half(words[i][k], false), high = bf16_half(words[i][k], true);
+                sum_sq += low * low;
+                sum_sq += high * high;
+            }
+        }
+        const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
+        if (!active) return;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const int col = first + i * step;
+            if (col < hidden) {
+                const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
+                Pack<T, E> y;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const float low = bf16_half_again(words[i][k], false) * rstd;
+                    const float high = bf16_half_again(words[i][k], true) * rstd;
+                    set_word(y, k, bf16_pair(low * scale<W, E, true>(p.weight, p.offset, w, 2 * k),
+                                             high * scale<W, E, true>(p.weight, p.offset, w, 2 * k + 1)));
+                }
+                store_chunk<VEC, SHIFT, E>(y_row, col, hidden, y);
+            }
+        }
+        if (p.rstd && lane == 0) p.rstd[row] = rstd;
+    } else if constexpr (NPT > 0) {
         // A weight load behind a store (which may alias it) waits for it: see the knobs above.
         // One chunk a thread (the planner's choice for small inputs): its weight comes early too, but
         // for the fused add of shifted rows (an fp32 weight there spills at 32 registers).

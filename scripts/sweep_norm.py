@@ -1,6 +1,6 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--fwd] [--big|--mid|--small|--lost|--latency|--scalar] SETTING ...
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd] [--big|--mid|--small|--lost|--latency|--scalar|--words] SETTING ...
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
 ("" = the defaults, the only setting when none is given).
 Kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS="-DRMS_WEIGHT_BATCH=1 ..." (kernels_src/rms_norm.cu).
@@ -39,6 +39,12 @@ if "--scalar" in sys.argv:  # rows moved element by element (short odd rows)
     SHAPES = [(r, h, torch.bfloat16) for r in (512, 2048, 8192) for h in (61, 130)]
     SHAPES += [(512, 61, torch.float32), (8192, 130, torch.float32), (8192, 255, torch.bfloat16),
                (32768, 61, torch.bfloat16)]
+if "--words" in sys.argv:  # bf16 rows of 2-4 chunks a thread (v14)
+    SHAPES = [(r, h, torch.bfloat16) for r in (512, 2048, 8192) for h in (4096, 8192, 16384)]
+    SHAPES += [(32768, 4096, torch.bfloat16), (16384, 8192, torch.bfloat16), (8192, 3072, torch.bfloat16),
+               (8192, 5120, torch.bfloat16), (8192, 7168, torch.bfloat16)]
+    SHAPES += [(r, h, torch.bfloat16) for r, h in ((8192, 2053), (8192, 4099), (8192, 6151), (2048, 8195),
+                                                     (2048, 12289), (512, 16389))]  # shifted rows
 if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]
