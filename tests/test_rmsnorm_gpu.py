@@ -177,6 +177,32 @@ def test_backward_staged_rows(rng, kind, dtype, hidden, rows, pad):
         assert np.all(err <= 4e-6 * terms + ulp(ref_dw, dtype)), f"dweight: worst {err.max():.3g}"
 
 
+# Shifted forward rows of 2 and 4 chunks a thread (bf16 holds them as 32-bit words there, v14): NaN around
+# the rows, a weight in x's dtype or fp32 or none, an offset, rstd; every row checked.
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("hidden,slots", [(2053, 2), (6151, 2), (8195, 4), (12289, 4)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_forward_shifted_chunks(rng, monkeypatch, kind, dtype, hidden, slots):
+    from cupyrope import _arrays, rmsnorm
+
+    rows, start = 45, 3
+    x_host = random_host((rows, hidden), dtype, rng, scale=3.0)
+    _, x = unaligned_view(x_host, dtype, kind, start, 8)
+    _, ref_rstd = reference.rms_norm(x_host, None, 1e-5, return_rstd=True)
+    for weight_dtype in (dtype, "float32", None):
+        monkeypatch.setattr(rmsnorm, "_plans", _arrays.PlanCache())
+        w_host = None if weight_dtype is None else random_host((hidden,), weight_dtype, rng)
+        w = None if weight_dtype is None else to_device(w_host, weight_dtype, kind)
+        out_buf, out = unaligned_view(np.full((rows, hidden), np.nan), dtype, kind, start, 8)
+        y, rstd = cupyrope.rms_norm(x, w, 1e-5, offset=0.5, out=out, return_rstd=True)
+        plan = next(iter(rmsnorm._plans._plans.values()))
+        assert plan.shifted and plan.slots == slots, plan
+        assert_matches(to_host(y), reference.rms_norm(x_host, w_host, 1e-5, 0.5), dtype, scale=3.0)
+        np.testing.assert_allclose(to_host(rstd), ref_rstd, rtol=2e-6)
+        whole = to_host(out_buf)
+        assert np.isnan(whole[:, :start]).all() and np.isnan(whole[:, start + hidden:]).all(), "wrote outside"
+
+
 # The staged backward of shifted rows (fp16/bf16 odd hidden sizes of one chunk a thread): each row's first
 # 16-byte copy starts before the row and its last one ends at the row's end. NaN around the rows (views
 # into a wider buffer; row stride and start a multiple of 16 bytes away from dx's, so the rows shift like dx's)
