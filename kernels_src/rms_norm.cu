@@ -90,30 +90,44 @@ __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 c
     store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, output<T, W, VEC, E>(p, v, rstd, w));
 }
 
-// Shifted bf16 rows of 2+ chunks a thread (not the fused add) hold each chunk as its four 32-bit words,
-// half the registers of eight converted floats: 5-13% faster there (docs/perf-notes.md v14); aligned
-// rows measured as fast or slower, and keep the Pack path. Element 2k of a chunk is the low half of
-// word k, element 2k + 1 the high half; a bf16 is the upper half of the fp32 of the same value.
+// Shifted fp16/bf16 rows of 2+ chunks a thread (not the fused add) hold each chunk as its four 32-bit
+// words, half the registers of eight converted floats: 5-13% faster there (docs/perf-notes.md v14);
+// aligned rows measured as fast or slower, and keep the Pack path. Element 2k of a chunk is the low
+// half of word k, element 2k + 1 the high half.
 #ifndef RMS_FWD_WORDS
 #define RMS_FWD_WORDS 1
 #endif
-template <typename T> constexpr bool is_bf16 = false;
-template <> constexpr bool is_bf16<__nv_bfloat16> = true;
-
-__device__ __forceinline__ float bf16_half(unsigned word, bool high) {
-    return __uint_as_float(high ? word & 0xffff0000u : word << 16);
+// Half `high` (0: element 2k, 1: element 2k + 1) of a 32-bit word as float.
+template <typename T> __device__ __forceinline__ float half_of(unsigned word, bool high);
+template <> __device__ __forceinline__ float half_of<__nv_bfloat16>(unsigned word, bool high) {
+    return __uint_as_float(high ? word & 0xffff0000u : word << 16);  // a bf16 is its fp32's upper half
 }
-// The same value by a byte permute in inline PTX, which ptxas does not fold into bf16_half's shift and
-// mask: the output cannot reuse the floats the sum of squares converted (8 registers a chunk held
+template <> __device__ __forceinline__ float half_of<__half>(unsigned word, bool high) {
+    return __half2float(__ushort_as_half((unsigned short)(high ? word >> 16 : word)));
+}
+// The same value through a byte permute in inline PTX, which ptxas does not fold into half_of's
+// operations: the output cannot reuse the floats the sum of squares converted (8 registers a chunk held
 // through the reduction) and keeps the words instead.
-__device__ __forceinline__ float bf16_half_again(unsigned word, bool high) {
-    unsigned bits;
+template <typename T> __device__ __forceinline__ float half_again(unsigned word, bool high);
+template <> __device__ __forceinline__ float half_again<__nv_bfloat16>(unsigned word, bool high) {
+    unsigned bits;  // the half moved to the top 16 bits: its fp32
     if (high) asm("prmt.b32 %0, %1, 0, 0x3244;" : "=r"(bits) : "r"(word));
     else asm("prmt.b32 %0, %1, 0, 0x1044;" : "=r"(bits) : "r"(word));
     return __uint_as_float(bits);
 }
-__device__ __forceinline__ unsigned bf16_pair(float low, float high) {
+template <> __device__ __forceinline__ float half_again<__half>(unsigned word, bool high) {
+    unsigned bits;  // the half moved to the low 16 bits, then converted
+    if (high) asm("prmt.b32 %0, %1, 0, 0x4432;" : "=r"(bits) : "r"(word));
+    else asm("prmt.b32 %0, %1, 0, 0x4410;" : "=r"(bits) : "r"(word));
+    return half_of<__half>(bits, false);
+}
+template <typename T> __device__ __forceinline__ unsigned pair_of(float low, float high);
+template <> __device__ __forceinline__ unsigned pair_of<__nv_bfloat16>(float low, float high) {
     const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+    return *reinterpret_cast<const unsigned*>(&pair);
+}
+template <> __device__ __forceinline__ unsigned pair_of<__half>(float low, float high) {
+    const __half2 pair = __floats2half2_rn(low, high);
     return *reinterpret_cast<const unsigned*>(&pair);
 }
 
@@ -224,7 +238,7 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
     const int step = width * E;
     float sum_sq = 0.f;
 
-    if constexpr (RMS_FWD_WORDS && is_bf16<T> && SHIFT && NPT >= 2 && !ADD) {  // see RMS_FWD_WORDS
+    if constexpr (RMS_FWD_WORDS && sizeof(T) == 2 && SHIFT && NPT >= 2 && !ADD) {  // see RMS_FWD_WORDS
         const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
@@ -242,7 +256,7 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         for (int i = 0; i < NPT; ++i) {
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                const float low = bf16_half(words[i][k], false), high = bf16_half(words[i][k], true);
+                const float low = half_of<T>(words[i][k], false), high = half_of<T>(words[i][k], true);
                 sum_sq += low * low;
                 sum_sq += high * high;
             }
@@ -257,9 +271,9 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
                 Pack<T, E> y;
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
-                    const float low = bf16_half_again(words[i][k], false) * rstd;
-                    const float high = bf16_half_again(words[i][k], true) * rstd;
-                    set_word(y, k, bf16_pair(low * scale<W, E, true>(p.weight, p.offset, w, 2 * k),
+                    const float low = half_again<T>(words[i][k], false) * rstd;
+                    const float high = half_again<T>(words[i][k], true) * rstd;
+                    set_word(y, k, pair_of<T>(low * scale<W, E, true>(p.weight, p.offset, w, 2 * k),
                                              high * scale<W, E, true>(p.weight, p.offset, w, 2 * k + 1)));
                 }
                 store_chunk<VEC, SHIFT, E>(y_row, col, hidden, y);

@@ -1,6 +1,6 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--fwd] [--big|--mid|--small|--lost|--latency|--scalar|--words] SETTING ...
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd] [--big|--mid|--small|--lost|--latency|--scalar|--words] [--half] SETTING ...
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
 ("" = the defaults, the only setting when none is given).
 Kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS="-DRMS_WEIGHT_BATCH=1 ..." (kernels_src/rms_norm.cu).
@@ -49,6 +49,8 @@ if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]
 
+if "--half" in sys.argv:  # the same shapes in fp16 instead of bf16
+    SHAPES = [(r, h, torch.float16 if dt == torch.bfloat16 else dt) for r, h, dt in SHAPES]
 
 DEFAULTS = {n: getattr(rmsnorm, n) for n in dir(rmsnorm) if n.isupper()}
 
