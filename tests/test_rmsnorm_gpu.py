@@ -177,7 +177,7 @@ def test_backward_staged_rows(rng, kind, dtype, hidden, rows, pad):
         assert np.all(err <= 4e-6 * terms + ulp(ref_dw, dtype)), f"dweight: worst {err.max():.3g}"
 
 
-# Shifted forward rows of 2 and 4 chunks a thread (bf16 holds them as 32-bit words there, v14): NaN around
+# Shifted forward rows of 2 and 4 chunks a thread (held as 32-bit words there, v14): NaN around
 # the rows, a weight in x's dtype or fp32 or none, an offset, rstd; every row checked.
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("hidden,slots", [(2053, 2), (6151, 2), (8195, 4), (12289, 4)])
