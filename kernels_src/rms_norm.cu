@@ -98,12 +98,8 @@ __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 c
 #define RMS_FWD_WORDS 1
 #endif
 // Half `high` (0: element 2k, 1: element 2k + 1) of a 32-bit word as float.
-template <typename T> __device__ __forceinline__ float half_of(unsigned word, bool high);
-template <> __device__ __forceinline__ float half_of<__nv_bfloat16>(unsigned word, bool high) {
-    return __uint_as_float(high ? word & 0xffff0000u : word << 16);  // a bf16 is its fp32's upper half
-}
-template <> __device__ __forceinline__ float half_of<__half>(unsigned word, bool high) {
-    return __half2float(__ushort_as_half((unsigned short)(high ? word >> 16 : word)));
+template <typename T> __device__ __forceinline__ float half_of(unsigned word, bool high) {
+    return as_float<true>(from_bits<T>(high ? word >> 16 : word));
 }
 // The same value through a byte permute in inline PTX, which ptxas does not fold into half_of's
 // operations: the output cannot reuse the floats the sum of squares converted (8 registers a chunk held
@@ -238,6 +234,8 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
     const int step = width * E;
     float sum_sq = 0.f;
 
+    // A branch of its own: the words must be what the loads produce and the loop holds. The Pack path
+    // below with only its output converting from word_of(v[i], k) kept 54-56 registers (v14 review).
     if constexpr (RMS_FWD_WORDS && sizeof(T) == 2 && SHIFT && NPT >= 2 && !ADD) {  // see RMS_FWD_WORDS
         const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
