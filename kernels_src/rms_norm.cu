@@ -127,6 +127,19 @@ template <> __device__ __forceinline__ unsigned pair_of<__half>(float low, float
     return *reinterpret_cast<const unsigned*>(&pair);
 }
 
+// A row's base pointer, computed once per thread. Without the barrier NVVM folds row * stride into
+// every chunk's address (64-bit row * stride + col, then scaled) and recomputes it per chunk under the
+// chunk's predicate: ~9 instructions a chunk for loads and again for stores (docs/perf-notes.md v15).
+// The pointers are global memory (CuPy and torch allocations), which the assumption keeps visible
+// to the compiler (its loads stay LDG).
+template <bool HELD = true, typename P> __device__ __forceinline__ P* row_base(P* row) {
+    if constexpr (HELD) {
+        asm("mov.b64 %0, %0;" : "+l"(row));
+        __builtin_assume(__isGlobal(row));
+    }
+    return row;
+}
+
 // Rows held in registers (NPT > 0) have at most 1024 threads x 8 slots x 8 elements, so their
 // column indices are ints: 64-bit indices cost a dozen extra instructions a chunk (wide multiplies
 // and compares, recomputed under each chunk's predicate), which every warp runs after its loads.
@@ -200,6 +213,10 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, int 
 #ifndef RMS_FWD_MIN_BLOCKS_4
 #define RMS_FWD_MIN_BLOCKS_4 2
 #endif
+// 1: the forward holds its row pointers (row_base) where that measured faster; 0: nowhere (v14).
+#ifndef RMS_FWD_HELD
+#define RMS_FWD_HELD 1
+#endif
 #ifndef RMS_BWD_MIN_BLOCKS_1
 #define RMS_BWD_MIN_BLOCKS_1 2
 #endif
@@ -237,8 +254,8 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
     // A branch of its own: the words must be what the loads produce and the loop holds. The Pack path
     // below with only its output converting from word_of(v[i], k) kept 54-56 registers (v14 review).
     if constexpr (RMS_FWD_WORDS && sizeof(T) == 2 && SHIFT && NPT >= 2 && !ADD) {  // see RMS_FWD_WORDS
-        const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
-        T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
+        const T* const x_row = row_base<RMS_FWD_HELD != 0>(static_cast<const T*>(p.x) + row * p.x_stride);
+        T* const y_row = row_base<RMS_FWD_HELD != 0>(static_cast<T*>(p.y) + row * p.y_stride);
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         unsigned words[NPT][4] = {};  // chunks outside the row stay 0 and add nothing to the sum
 #pragma unroll
@@ -284,9 +301,15 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         // for the fused add of shifted rows (an fp32 weight there spills at 32 registers).
         constexpr bool EARLY = NPT * E * sizeof(W) <= (NPT == 1 && !(ADD && SHIFT) ? 32 : RMS_WEIGHT_EARLY_BYTES);
         constexpr bool BY_SHIFT = VEC && NPT >= 2 && !ADD;  // bf16 conversions: see as_float
-        const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
-        T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
-        T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
+        // Held row pointers (row_base) where they measured faster (docs/perf-notes.md v15): rows moved
+        // element by element, and the fused add of shifted rows or of fp16/bf16 rows of 4+ chunks a
+        // thread, where the old addressing spilled (up to 19% faster). Elsewhere they changed nothing or
+        // were slower: 1% for the 2-chunk fused add, 11-14% for the fp32 fused add of 4+ chunks.
+        constexpr bool HELD =
+            RMS_FWD_HELD && (!VEC || (ADD && NPT >= 2 && (SHIFT || (NPT >= 4 && sizeof(T) == 2))));
+        const T* const x_row = row_base<HELD>(static_cast<const T*>(p.x) + row * p.x_stride);
+        T* const y_row = row_base<HELD>(static_cast<T*>(p.y) + row * p.y_stride);
+        T* const res_row = ADD ? row_base<HELD>(static_cast<T*>(p.residual) + row * p.residual_stride) : nullptr;
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         Pack<T, E> v[NPT];
         Pack<W, E> w[NPT];

@@ -1,6 +1,7 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--fwd] [--big|--mid|--small|--lost|--latency|--scalar|--words] [--half] SETTING ...
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--add] [--big|--mid|--small|--lost|--latency|--scalar|--words] [--half|--f32] SETTING ...
+--add times fused_add_rms_norm (in place; no peers) instead of the forward and backward.
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
 ("" = the defaults, the only setting when none is given).
 Kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS="-DRMS_WEIGHT_BATCH=1 ..." (kernels_src/rms_norm.cu).
@@ -51,6 +52,8 @@ if "--mid" in sys.argv:
 
 if "--half" in sys.argv:  # the same shapes in fp16 instead of bf16
     SHAPES = [(r, h, torch.float16 if dt == torch.bfloat16 else dt) for r, h, dt in SHAPES]
+if "--f32" in sys.argv:  # the same shapes in fp32
+    SHAPES = [(r, h, torch.float32) for r, h, _ in SHAPES]
 
 DEFAULTS = {n: getattr(rmsnorm, n) for n in dir(rmsnorm) if n.isupper()}
 
@@ -106,10 +109,22 @@ def check(x, w, dy, y, dx, dw):
         assert err < 2e-2, f"{name} relative error {err:.2e}"
 
 
+def check_add(x, w, r):
+    """fused_add_rms_norm on copies against residual + x and F.rms_norm of it, in fp32."""
+    xc, rc = x.clone(), r.clone()
+    cupyrope.fused_add_rms_norm(xc, rc, w, 1e-6)
+    total = (x.float() + r.float()).to(x.dtype)
+    ref = torch.nn.functional.rms_norm(total.float(), (x.shape[-1],), w.float(), 1e-6)
+    assert torch.equal(rc, total), "residual"
+    err = (xc.float() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 2e-2, f"fused add: relative error {err:.2e}"
+
+
 def main():
     settings = [a for a in sys.argv[1:] if not a.startswith("--")] or [""]
     with_peers = "--no-peers" not in sys.argv
-    ops = ("fwd",) if "--fwd" in sys.argv else ("fwd", "bwd")
+    ops = ("fwd",) if "--fwd" in sys.argv else ("add",) if "--add" in sys.argv else ("fwd", "bwd")
+    with_peers = with_peers and "add" not in ops
     bw = bench.copy_bandwidth_gbps(torch)
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; % of it below; options "
           f"{os.environ.get('CUPYROPE_EXTRA_NVRTC_OPTIONS', '(default)')}")
@@ -128,6 +143,10 @@ def main():
             x, w, dy = copies[0]
             dx, dw = cupyrope.rms_norm_backward(dy, x, w)
             check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), dx, dw)
+            if "add" in ops:
+                check_add(x, w, dy)
+                results["add"].append(time_us(lambda x, w, r: (lambda: cupyrope.fused_add_rms_norm(x, r, w, 1e-6)), copies))
+                continue
             results["fwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm(x, w, 1e-6)), copies))
             if "bwd" in ops:
                 results["bwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm_backward(dy, x, w)), copies))
@@ -136,7 +155,7 @@ def main():
             if "bwd" in ops:
                 results["bwd"].append(time_us(bwd, copies, capture=False))
         for op, times in results.items():
-            moved = nbytes * (1 if op == "fwd" else 1.5)
+            moved = nbytes * {"fwd": 1, "bwd": 1.5, "add": 2}[op]
             cells = [f"{t:.1f} us {100 * moved / t / 1e3 / bw:.0f}%" for t in times]
             print(f"| {rows}x{hidden} {str(dt)[6:]} | {op} | " + " | ".join(cells) + " |", flush=True)
     apply("")

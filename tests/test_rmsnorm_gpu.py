@@ -300,6 +300,31 @@ def test_fused_add(rng, kind, dtype, hidden):
     assert_matches(to_host(x), ref_y, dtype, scale=2.0)
 
 
+# The fused add with rows of 2+ chunks a thread, aligned and shifted (held row pointers there, v15):
+# x and residual are views with NaN around the rows; every row checked, nothing outside written.
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("hidden,start", [(16384, 0), (4099, 3), (12289, 5)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_chunks(rng, monkeypatch, kind, dtype, hidden, start):
+    from cupyrope import _arrays, rmsnorm
+
+    monkeypatch.setattr(rmsnorm, "_plans", _arrays.PlanCache())
+    rows, pad = 45, 8
+    x_host, r_host = random_host((rows, hidden), dtype, rng, scale=2.0), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), dtype, rng)
+    x_buf, x = unaligned_view(x_host, dtype, kind, start, pad)
+    r_buf, r = unaligned_view(r_host, dtype, kind, start, pad)
+    cupyrope.fused_add_rms_norm(x, r, to_device(w_host, dtype, kind), 1e-6)
+    plan = next(iter(rmsnorm._plans._plans.values()))
+    assert plan.slots >= 2 and plan.shifted == (start * _arrays.ITEMSIZE[dtype] % 16 != 0), plan
+    ref_y, ref_r = reference.fused_add_rms_norm(x_host, r_host, w_host, 1e-6, dtype=dtype)
+    np.testing.assert_array_equal(to_host(r), ref_r)
+    assert_matches(to_host(x), ref_y, dtype, scale=2.0)
+    for buf in (x_buf, r_buf):
+        whole = to_host(buf)
+        assert np.isnan(whole[:, :start]).all() and np.isnan(whole[:, start + hidden:]).all(), "wrote outside"
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_zero_size(kind):
     x = to_device(np.zeros((0, 64)), "float16", kind)
