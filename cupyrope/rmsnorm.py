@@ -30,6 +30,10 @@ LONG_ROW_BYTES = 8192
 # size): the most that 64 registers hold without spilling (ptxas -v; the backward also keeps dy and
 # the dweight sums). Scalar slots cover odd hidden sizes up to 4096 in registers.
 FWD_MAX_SLOTS = {(True, 4): 8, (True, 2): 4, (False, 4): 8, (False, 2): 8}
+# The fp32 fused add of 8 chunks a thread spills (ptxas: 132-180 bytes); its two-pass loop, which reads
+# the new residual back from the L2, measured faster: [8192, 16384] 982 -> 831 us, [512, 16384] 66 -> 56
+# (docs/perf-notes.md v15). Shifted rows have no two-pass loop and keep FWD_MAX_SLOTS.
+FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 4): 4}
 BWD_MAX_SLOTS = {(True, 4): 2, (True, 2): 2, (False, 4): 8, (False, 2): 8}
 SHARED_ACC_LIMIT = 160 * 1024  # bytes of per-block dweight sums kept in shared memory
 # Threads per block (rows of fewer threads share a block): 128 was best for the forward at every
@@ -177,6 +181,9 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     elems = elems or (FWD_SMALL_ELEMS_PER_THREAD if small else FWD_ELEMS_PER_THREAD)
     plan = _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS,
                  elems, FWD_BLOCK_THREADS, [add], impl, can_shift=True)
+    if residual is not None and plan.vectorized and not plan.shifted and plan.slots > FWD_ADD_MAX_SLOTS[True, itemsize]:
+        plan = _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_ADD_MAX_SLOTS,
+                     elems, FWD_BLOCK_THREADS, [add], impl, can_shift=True)
     plan.small = small
     return plan
 
