@@ -179,11 +179,15 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     itemsize = _arrays.ITEMSIZE[x.dtype]
     small = hidden * itemsize <= FWD_SMALL_ROW_BYTES and rows * hidden <= FWD_SMALL_ELEMENTS
     elems = elems or (FWD_SMALL_ELEMS_PER_THREAD if small else FWD_ELEMS_PER_THREAD)
-    plan = _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_MAX_SLOTS,
-                 elems, FWD_BLOCK_THREADS, [add], impl, can_shift=True)
-    if residual is not None and plan.vectorized and not plan.shifted and plan.slots > FWD_ADD_MAX_SLOTS[True, itemsize]:
-        plan = _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, FWD_ADD_MAX_SLOTS,
+
+    def plan_with(max_slots):
+        return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots,
                      elems, FWD_BLOCK_THREADS, [add], impl, can_shift=True)
+
+    plan = plan_with(FWD_MAX_SLOTS)
+    aligned_add = residual is not None and plan.vectorized and not plan.shifted
+    if aligned_add and plan.slots > FWD_ADD_MAX_SLOTS[True, itemsize]:
+        plan = plan_with(FWD_ADD_MAX_SLOTS)
     plan.small = small
     return plan
 
