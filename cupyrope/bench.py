@@ -142,6 +142,20 @@ def eager_time_us(torch, fns, seconds=0.2) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+def host_only_us(fn, synchronize, calls=400, repeats=15) -> float:
+    """Host time per call with no synchronization inside the timed loop (fewer calls than the launch
+    queue holds): what the Python path costs, whether or not the GPU keeps up. Median of `repeats`."""
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    synchronize()
+    return statistics.median(times)
+
+
 def copies_for(nbytes: int) -> int:
     return max(1, min(MAX_COPIES, math.ceil(L2_BYTES_FLOOR / max(nbytes, 1))))
 

@@ -132,7 +132,7 @@ template <> __device__ __forceinline__ unsigned pair_of<__half>(float low, float
 // chunk's predicate: ~9 instructions a chunk for loads and again for stores (docs/perf-notes.md v15).
 // The pointers are global memory (CuPy and torch allocations), which the assumption keeps visible
 // to the compiler (its loads stay LDG).
-template <bool HELD = true, typename P> __device__ __forceinline__ P* row_base(P* row) {
+template <bool HELD, typename P> __device__ __forceinline__ P* row_base(P* row) {
     if constexpr (HELD) {
         asm("mov.b64 %0, %0;" : "+l"(row));
         __builtin_assume(__isGlobal(row));

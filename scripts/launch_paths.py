@@ -13,11 +13,10 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 
 import cupy
 
-from cupyrope import _launch
+from cupyrope import _launch, bench
 
 C_LOOP = r"""
 #include <time.h>
@@ -31,18 +30,6 @@ double launch_loop(launch_fn launch, void* f, void* stream, void** params, int n
     return ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / n;
 }
 """
-
-
-def host_us(fn, calls=400, repeats=15) -> float:
-    times = []
-    for _ in range(repeats):
-        cupy.cuda.Device().synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    cupy.cuda.Device().synchronize()
-    return statistics.median(times)
 
 
 def c_floor_us(libcuda, function: int, stream: int, params: int):
@@ -114,7 +101,7 @@ def main() -> None:
     if floor is not None:
         print(f"| cuLaunchKernel from a C loop (floor) | {floor:.2f} |")
     for name, fn in {**rows, **steps}.items():
-        print(f"| {name} | {host_us(fn):.2f} |")
+        print(f"| {name} | {bench.host_only_us(fn, cupy.cuda.Device().synchronize):.2f} |")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ differs between machines, so compare rows of one run only. Usage: python scripts
 
 import statistics
 import sys
-import time
 import timeit
 
 import cupy
@@ -72,20 +71,6 @@ def calls():
     return rows
 
 
-def host_only_us(fn, calls=400, repeats=15) -> float:
-    """Host time per call with no synchronization inside the timed loop (fewer calls than the launch
-    queue holds): what the Python path costs, whether or not the GPU keeps up."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def pieces():
     """Costs of the steps of a call (µs), to see where the time over a bare launch goes."""
     q, k, pos, _, _ = torch_inputs()
@@ -108,7 +93,7 @@ def main() -> int:
             fn()
         torch.cuda.synchronize()
         samples = {name: [] for name in rows}
-        host = {name: host_only_us(fn) for name, fn in rows.items()}
+        host = {name: bench.host_only_us(fn, torch.cuda.synchronize) for name, fn in rows.items()}
         for _ in range(3):
             for name, fn in rows.items():
                 samples[name].append(bench.eager_time_us(torch, [fn]))

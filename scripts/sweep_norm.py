@@ -122,9 +122,8 @@ def check_add(x, w, r):
 
 def main():
     settings = [a for a in sys.argv[1:] if not a.startswith("--")] or [""]
-    with_peers = "--no-peers" not in sys.argv
     ops = ("fwd",) if "--fwd" in sys.argv else ("add",) if "--add" in sys.argv else ("fwd", "bwd")
-    with_peers = with_peers and "add" not in ops
+    with_peers = "--no-peers" not in sys.argv and "add" not in ops
     bw = bench.copy_bandwidth_gbps(torch)
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; % of it below; options "
           f"{os.environ.get('CUPYROPE_EXTRA_NVRTC_OPTIONS', '(default)')}")
@@ -141,12 +140,12 @@ def main():
         for setting in settings:
             apply(setting)
             x, w, dy = copies[0]
-            dx, dw = cupyrope.rms_norm_backward(dy, x, w)
-            check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), dx, dw)
-            if "add" in ops:
+            if "add" in ops:  # dy serves as the residual
                 check_add(x, w, dy)
                 results["add"].append(time_us(lambda x, w, r: (lambda: cupyrope.fused_add_rms_norm(x, r, w, 1e-6)), copies))
                 continue
+            dx, dw = cupyrope.rms_norm_backward(dy, x, w)
+            check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), dx, dw)
             results["fwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm(x, w, 1e-6)), copies))
             if "bwd" in ops:
                 results["bwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm_backward(dy, x, w)), copies))

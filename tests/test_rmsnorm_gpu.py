@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cupyrope
-from cupyrope import reference
+from cupyrope import _arrays, reference, rmsnorm
 from helpers import (DTYPES, KINDS, assert_matches, poison, ulp, random_host, requires_gpu, requires_torch_cuda,
                      to_device, to_host)
 
@@ -61,6 +61,22 @@ def test_strided_rows_no_weight_and_kinds(rng, kind, dtype, hidden):
     np.testing.assert_array_equal(to_host(x), x_host)
 
 
+def fresh_plans(monkeypatch):
+    """Empties the plan cache, so that the next call's plan can be looked at (planned)."""
+    monkeypatch.setattr(rmsnorm, "_plans", _arrays.PlanCache())
+
+
+def planned(op):
+    """The plan the cache holds for op ("fwd", "add" or "bwd")."""
+    return next(plan for key, plan in rmsnorm._plans._plans.items() if key[0] == op)
+
+
+def outside_rows(buffer, start, hidden):
+    """The columns of an unaligned_view's buffer around its rows, on the host."""
+    whole = to_host(buffer)
+    return np.concatenate([whole[:, :start], whole[:, start + hidden:]], axis=1)
+
+
 def unaligned_view(host, dtype, kind, start, pad):
     """(buffer, view): the view is columns start .. start + hidden of a (rows, hidden + pad) buffer
     holding `host` there and NaN around it."""
@@ -86,15 +102,11 @@ def test_unaligned_rows(rng, kind, dtype, hidden, start, pad):
     def view(host):
         return unaligned_view(host, dtype, kind, start, pad)
 
-    def outside(buffer):
-        whole = to_host(buffer)
-        return np.concatenate([whole[:, :start], whole[:, start + hidden:]], axis=1)
-
     x_buf, x = view(x_host)
     out_buf, out = view(np.full((rows, hidden), np.nan))
     cupyrope.rms_norm(x, w, 1e-6, out=out)
     assert_matches(to_host(out), reference.rms_norm(x_host, w_host, 1e-6), dtype, scale=2.0)
-    assert np.isnan(outside(out_buf)).all(), "wrote outside the rows"
+    assert np.isnan(outside_rows(out_buf, start, hidden)).all(), "wrote outside the rows"
     scalar = cupyrope.rms_norm(x, w, 1e-6, impl="scalar")
     assert_matches(to_host(out), to_host(scalar).astype(np.float64), dtype, scale=2.0)  # sums in another order
     # Fused add, x and residual both unaligned views.
@@ -103,7 +115,8 @@ def test_unaligned_rows(rng, kind, dtype, hidden, start, pad):
     ref_y, ref_r = reference.fused_add_rms_norm(x_host, r_host, w_host, 1e-6, dtype=dtype)
     np.testing.assert_array_equal(to_host(r), ref_r)
     assert_matches(to_host(x), ref_y, dtype, scale=2.0)
-    assert np.isnan(outside(x_buf)).all() and np.isnan(outside(r_buf)).all(), "wrote outside the rows"
+    for buffer in (x_buf, r_buf):
+        assert np.isnan(outside_rows(buffer, start, hidden)).all(), "wrote outside the rows"
     # Backward from unaligned views (dx is a fresh contiguous array).
     x_buf, x = view(x_host)
     dy_host = random_host((rows, hidden), dtype, rng)
@@ -183,24 +196,21 @@ def test_backward_staged_rows(rng, kind, dtype, hidden, rows, pad):
 @pytest.mark.parametrize("hidden,slots", [(2053, 2), (6151, 2), (8195, 4), (12289, 4)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_forward_shifted_chunks(rng, monkeypatch, kind, dtype, hidden, slots):
-    from cupyrope import _arrays, rmsnorm
-
     rows, start = 45, 3
     x_host = random_host((rows, hidden), dtype, rng, scale=3.0)
     _, x = unaligned_view(x_host, dtype, kind, start, 8)
     _, ref_rstd = reference.rms_norm(x_host, None, 1e-5, return_rstd=True)
     for weight_dtype in (dtype, "float32", None):
-        monkeypatch.setattr(rmsnorm, "_plans", _arrays.PlanCache())
+        fresh_plans(monkeypatch)
         w_host = None if weight_dtype is None else random_host((hidden,), weight_dtype, rng)
         w = None if weight_dtype is None else to_device(w_host, weight_dtype, kind)
         out_buf, out = unaligned_view(np.full((rows, hidden), np.nan), dtype, kind, start, 8)
         y, rstd = cupyrope.rms_norm(x, w, 1e-5, offset=0.5, out=out, return_rstd=True)
-        plan = next(iter(rmsnorm._plans._plans.values()))
+        plan = planned("fwd")
         assert plan.shifted and plan.slots == slots, plan
         assert_matches(to_host(y), reference.rms_norm(x_host, w_host, 1e-5, 0.5), dtype, scale=3.0)
         np.testing.assert_allclose(to_host(rstd), ref_rstd, rtol=2e-6)
-        whole = to_host(out_buf)
-        assert np.isnan(whole[:, :start]).all() and np.isnan(whole[:, start + hidden:]).all(), "wrote outside"
+        assert np.isnan(outside_rows(out_buf, start, hidden)).all(), "wrote outside"
 
 
 # The staged backward of shifted rows (fp16/bf16 odd hidden sizes of one chunk a thread): each row's first
@@ -211,8 +221,6 @@ def test_forward_shifted_chunks(rng, monkeypatch, kind, dtype, hidden, slots):
 @pytest.mark.parametrize("hidden,rows,start", [(1027, 3001, 8), (1027, 5, 0), (3071, 700, 8), (2053, 133, 0)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_staged_shifted_rows(rng, monkeypatch, kind, dtype, hidden, rows, start):
-    from cupyrope import _arrays, rmsnorm
-
     x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), "float32", rng)
     _, x = unaligned_view(x_host, dtype, kind, start, 16)
@@ -220,10 +228,10 @@ def test_backward_staged_shifted_rows(rng, monkeypatch, kind, dtype, hidden, row
     w = to_device(w_host, "float32", kind)
     rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
     for weight in (w, None):
-        monkeypatch.setattr(rmsnorm, "_plans", _arrays.PlanCache())
+        fresh_plans(monkeypatch)
         fill_next_allocation_with_nan((rows, hidden), dtype, kind)
         dx, dw = cupyrope.rms_norm_backward(dy, x, weight, offset=0.5)
-        plan = next(p for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd")
+        plan = planned("bwd")
         assert plan.shifted and plan.staged == (dtype != "float32"), plan
         ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host if weight is not None else None, offset=0.5)
         scale = np.abs(dy_host * (w_host + 0.5 if weight is not None else 1) * rstd_ref[:, None]).max()
@@ -243,20 +251,18 @@ def test_backward_staged_shifted_rows(rng, monkeypatch, kind, dtype, hidden, row
 @pytest.mark.parametrize("hidden", [1027, 301, "wide"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_shifted_rows_revisited(rng, monkeypatch, dtype, hidden, threads_per_sm):
-    from cupyrope import _arrays, rmsnorm
-
     if hidden == "wide":  # two chunks a thread (fp32 rows of 4099 are too long to shift)
         hidden = 2051 if dtype == "float32" else 4099
 
     monkeypatch.setattr(rmsnorm, "THREADS_PER_SM", threads_per_sm)
-    monkeypatch.setattr(rmsnorm, "_plans", _arrays.PlanCache())
+    fresh_plans(monkeypatch)
     rows = 5001 if hidden < 4096 else 1201  # more than a wave of rows slots
     x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), "float32", rng)
     x, dy, w = to_device(x_host, dtype, "cupy"), to_device(dy_host, dtype, "cupy"), to_device(w_host, "float32", "cupy")
     fill_next_allocation_with_nan((rows, hidden), dtype, "cupy")
     dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
-    plan = next(p for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd")
+    plan = planned("bwd")
     assert plan.shifted and plan.grid * plan.block[1] < rows, plan  # rows are revisited
     ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host, offset=0.25)
     rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
@@ -307,16 +313,14 @@ def test_fused_add(rng, kind, dtype, hidden):
 @pytest.mark.parametrize("hidden,start", [(16384, 0), (4099, 3), (12289, 5)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_add_chunks(rng, monkeypatch, kind, dtype, hidden, start):
-    from cupyrope import _arrays, rmsnorm
-
-    monkeypatch.setattr(rmsnorm, "_plans", _arrays.PlanCache())
+    fresh_plans(monkeypatch)
     rows, pad = 45, 8
     x_host, r_host = random_host((rows, hidden), dtype, rng, scale=2.0), random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), dtype, rng)
     x_buf, x = unaligned_view(x_host, dtype, kind, start, pad)
     r_buf, r = unaligned_view(r_host, dtype, kind, start, pad)
     cupyrope.fused_add_rms_norm(x, r, to_device(w_host, dtype, kind), 1e-6)
-    plan = next(iter(rmsnorm._plans._plans.values()))
+    plan = planned("add")
     shifted = start * _arrays.ITEMSIZE[dtype] % 16 != 0
     two_pass = dtype == "float32" and not shifted
     assert plan.shifted == shifted and (plan.slots == 0 if two_pass else plan.slots >= 2), plan
@@ -324,8 +328,7 @@ def test_fused_add_chunks(rng, monkeypatch, kind, dtype, hidden, start):
     np.testing.assert_array_equal(to_host(r), ref_r)
     assert_matches(to_host(x), ref_y, dtype, scale=2.0)
     for buf in (x_buf, r_buf):
-        whole = to_host(buf)
-        assert np.isnan(whole[:, :start]).all() and np.isnan(whole[:, start + hidden:]).all(), "wrote outside"
+        assert np.isnan(outside_rows(buf, start, hidden)).all(), "wrote outside"
 
 
 @pytest.mark.parametrize("kind", KINDS)
