@@ -90,10 +90,11 @@ __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 c
     store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, output<T, W, VEC, E>(p, v, rstd, w));
 }
 
-// Shifted fp16/bf16 rows of 2+ chunks a thread (not the fused add) hold each chunk as its four 32-bit
-// words, half the registers of eight converted floats: 5-13% faster there (docs/perf-notes.md v14);
-// aligned rows measured as fast or slower, and keep the Pack path. Element 2k of a chunk is the low
-// half of word k, element 2k + 1 the high half.
+// Vectorized fp16/bf16 rows of 2+ chunks a thread (not the fused add) hold each chunk as its four
+// 32-bit words, half the registers of eight converted floats: shifted rows 5-13% faster (v14), aligned
+// rows as fast, and 5-10% faster on one- and two-wave grids together with their weight loaded early
+// (v16; docs/perf-notes.md). Element 2k of a chunk is the low half of word k, element 2k + 1 the high
+// half. 0: the Pack path for every row.
 #ifndef RMS_FWD_WORDS
 #define RMS_FWD_WORDS 1
 #endif
@@ -194,8 +195,16 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, int 
 }
 
 // Tuning knobs (docs/perf-notes.md; swept with CUPYROPE_EXTRA_NVRTC_OPTIONS by scripts/sweep_norm.py).
-// Weight bytes per thread loaded with x and kept in registers; the other weights are loaded after
-// the reduction, each right before its store (RMS_WEIGHT_BATCH 0) or all before the first (1).
+// Weight bytes per thread loaded with x and kept in registers through the reduction: RMS_FWD_EARLY_BYTES
+// for the plain forward's aligned vectorized rows, RMS_WEIGHT_EARLY_BYTES for the fused add and
+// shifted rows (early, the fused add spilled and ran 3x slower; shifted rows, which load the weight
+// element by element, 5-10% slower). The other weights are loaded after the reduction, each right
+// before its store (RMS_WEIGHT_BATCH 0) or all before the first (1). A weight load behind a store
+// (which may alias it) waits for that store: late weights add a memory round trip a chunk to a row's
+// chain, which single- and two-wave grids pay in full (v16: bf16 [512, 16384] 15.3 -> 13.9 us).
+#ifndef RMS_FWD_EARLY_BYTES
+#define RMS_FWD_EARLY_BYTES 64
+#endif
 #ifndef RMS_WEIGHT_EARLY_BYTES
 #define RMS_WEIGHT_EARLY_BYTES 16
 #endif
@@ -233,6 +242,16 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, int 
 #define RMS_BWD_KEEP_WEIGHT 0
 #endif
 
+// Whether the forward loads a row's weight with x (see RMS_FWD_EARLY_BYTES). One chunk a thread (the
+// planner's choice for small inputs): up to 32 bytes, but for the fused add of shifted rows (an fp32
+// weight there spills at 32 registers).
+template <typename W, bool VEC, int NPT, int E, bool ADD, bool SHIFT>
+__device__ constexpr bool weight_early() {
+    constexpr int bytes = NPT * E * (int)sizeof(W);
+    if (NPT == 1 && !(ADD && SHIFT)) return bytes <= 32;
+    return bytes <= (VEC && !ADD && !SHIFT ? RMS_FWD_EARLY_BYTES : RMS_WEIGHT_EARLY_BYTES);
+}
+
 // Blocks have at most 512 threads (rmsnorm.py: MAX_WIDTH, BLOCK_THREADS).
 template <int NPT>
 struct FwdMinBlocks {
@@ -253,11 +272,14 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
 
     // A branch of its own: the words must be what the loads produce and the loop holds. The Pack path
     // below with only its output converting from word_of(v[i], k) kept 54-56 registers (v14 review).
-    if constexpr (RMS_FWD_WORDS && sizeof(T) == 2 && SHIFT && NPT >= 2 && !ADD) {  // see RMS_FWD_WORDS
+    constexpr bool EARLY = weight_early<W, VEC, NPT, E, ADD, SHIFT>();
+    if constexpr (RMS_FWD_WORDS && sizeof(T) == 2 && VEC && NPT >= 2 && !ADD) {  // see RMS_FWD_WORDS
         const T* const x_row = row_base<RMS_FWD_HELD != 0>(static_cast<const T*>(p.x) + row * p.x_stride);
         T* const y_row = row_base<RMS_FWD_HELD != 0>(static_cast<T*>(p.y) + row * p.y_stride);
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         unsigned words[NPT][4] = {};  // chunks outside the row stay 0 and add nothing to the sum
+        constexpr int WEIGHT_WORDS = E * sizeof(W) / 4;  // EARLY: the weight's chunks held as words too
+        unsigned weight_words[EARLY ? NPT : 1][WEIGHT_WORDS];
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = first + i * step;
@@ -265,6 +287,11 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
                 const Pack<T, E> v = load_chunk<VEC, SHIFT, E>(x_row, col, hidden);
 #pragma unroll
                 for (int k = 0; k < 4; ++k) words[i][k] = word_of(v, k);
+                if constexpr (EARLY) {
+                    const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
+#pragma unroll
+                    for (int k = 0; k < WEIGHT_WORDS; ++k) weight_words[EARLY ? i : 0][k] = word_of(w, k);
+                }
             }
         }
 #pragma unroll
@@ -282,7 +309,13 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         for (int i = 0; i < NPT; ++i) {
             const int col = first + i * step;
             if (col < hidden) {
-                const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
+                Pack<W, E> w;
+                if constexpr (EARLY) {
+#pragma unroll
+                    for (int k = 0; k < WEIGHT_WORDS; ++k) set_word(w, k, weight_words[EARLY ? i : 0][k]);
+                } else {
+                    w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
+                }
                 Pack<T, E> y;
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
@@ -296,10 +329,6 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         }
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
     } else if constexpr (NPT > 0) {
-        // A weight load behind a store (which may alias it) waits for it: see the knobs above.
-        // One chunk a thread (the planner's choice for small inputs): its weight comes early too, but
-        // for the fused add of shifted rows (an fp32 weight there spills at 32 registers).
-        constexpr bool EARLY = NPT * E * sizeof(W) <= (NPT == 1 && !(ADD && SHIFT) ? 32 : RMS_WEIGHT_EARLY_BYTES);
         constexpr bool BY_SHIFT = VEC && NPT >= 2 && !ADD;  // bf16 conversions: see as_float
         // Held row pointers (row_base) where they measured faster (docs/perf-notes.md v15): rows moved
         // element by element, and the fused add of shifted rows or of fp16/bf16 rows of 4+ chunks a

@@ -1,8 +1,9 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--add] [--big|--mid|--small|--lost|--latency|--scalar|--words] [--half|--f32] SETTING ...
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words] [--half|--f32] SETTING ...
 --add times fused_add_rms_norm (in place; no peers) instead of the forward and backward.
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
+or entries of their tables, e.g. "FWD_MAX_SLOTS[True:2]=8"
 ("" = the defaults, the only setting when none is given).
 Kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS="-DRMS_WEIGHT_BATCH=1 ..." (kernels_src/rms_norm.cu).
 Each cupyrope setting is checked against torch in fp32 before it is timed. GPU time per call: the
@@ -46,6 +47,10 @@ if "--words" in sys.argv:  # bf16 rows of 2-4 chunks a thread (v14)
                (8192, 5120, torch.bfloat16), (8192, 7168, torch.bfloat16)]
     SHAPES += [(r, h, torch.bfloat16) for r, h in ((8192, 2053), (8192, 4099), (8192, 6151), (2048, 8195),
                                                      (2048, 12289), (512, 16389))]  # shifted rows
+if "--decode" in sys.argv:  # 1-128 rows (decode batches; one partial wave) and the table's S = 128 losses
+    SHAPES = [(r, h, torch.bfloat16) for r in (1, 16, 128) for h in (4096, 8192)]
+    SHAPES += [(r, 4096, torch.float32) for r in (1, 128)]
+    SHAPES += [(512, h, torch.bfloat16) for h in (256, 512, 1024, 2048)]
 if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]
@@ -66,9 +71,15 @@ def apply(setting):
         setting = "STAGED_MIN_ROW_BYTES=1000000000"
     for item in filter(None, setting.split(",")):
         name, value = item.split("=")
+        name, _, key = name.partition("[")  # NAME[True:2]=8: one entry of a table (a copy is changed)
         if name not in DEFAULTS:
             raise SystemExit(f"{name}: not a planner constant of cupyrope.rmsnorm")
-        setattr(rmsnorm, name, int(value))
+        if key:
+            table = dict(getattr(rmsnorm, name))
+            table[tuple(eval(k) for k in key.rstrip("]").split(":"))] = int(value)
+            setattr(rmsnorm, name, table)
+        else:
+            setattr(rmsnorm, name, int(value))
     rmsnorm._plans = _arrays.PlanCache()
 
 
