@@ -190,13 +190,19 @@ def test_backward_staged_rows(rng, kind, dtype, hidden, rows, pad):
         assert np.all(err <= 4e-6 * terms + ulp(ref_dw, dtype)), f"dweight: worst {err.max():.3g}"
 
 
-# Shifted forward rows of 2 and 4 chunks a thread (held as 32-bit words there, v14): NaN around
-# the rows, a weight in x's dtype or fp32 or none, an offset, rstd; every row checked.
+# Forward rows of 2 and 4 chunks a thread: fp16/bf16 held as 32-bit words (shifted rows v14, aligned
+# rows v16), aligned rows with the weight loaded early (v16), fp32 too. NaN around the rows, a weight
+# in x's dtype or fp32 or none, an offset, rstd; every row checked.
+REGISTER_CHUNKS = [(dt, h, 3, slots) for dt in ("bfloat16", "float16")
+                   for h, slots in ((2053, 2), (6151, 2), (8195, 4), (12289, 4))]  # shifted
+REGISTER_CHUNKS += [(dt, h, 0, slots) for dt in ("bfloat16", "float16") for h, slots in ((4096, 2), (16384, 4))]
+REGISTER_CHUNKS += [("float32", h, 0, 4) for h in (1028, 8192)]
+
+
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("hidden,slots", [(2053, 2), (6151, 2), (8195, 4), (12289, 4)])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_forward_shifted_chunks(rng, monkeypatch, kind, dtype, hidden, slots):
-    rows, start = 45, 3
+@pytest.mark.parametrize("dtype,hidden,start,slots", REGISTER_CHUNKS)
+def test_forward_register_chunks(rng, monkeypatch, kind, dtype, hidden, start, slots):
+    rows = 45
     x_host = random_host((rows, hidden), dtype, rng, scale=3.0)
     _, x = unaligned_view(x_host, dtype, kind, start, 8)
     _, ref_rstd = reference.rms_norm(x_host, None, 1e-5, return_rstd=True)
@@ -207,7 +213,7 @@ def test_forward_shifted_chunks(rng, monkeypatch, kind, dtype, hidden, slots):
         out_buf, out = unaligned_view(np.full((rows, hidden), np.nan), dtype, kind, start, 8)
         y, rstd = cupyrope.rms_norm(x, w, 1e-5, offset=0.5, out=out, return_rstd=True)
         plan = planned("fwd")
-        assert plan.shifted and plan.slots == slots, plan
+        assert plan.vectorized and plan.shifted == (start > 0) and plan.slots == slots, plan
         assert_matches(to_host(y), reference.rms_norm(x_host, w_host, 1e-5, 0.5), dtype, scale=3.0)
         np.testing.assert_allclose(to_host(rstd), ref_rstd, rtol=2e-6)
         assert np.isnan(outside_rows(out_buf, start, hidden)).all(), "wrote outside"
