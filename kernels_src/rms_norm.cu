@@ -270,15 +270,17 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
     const int step = width * E;
     float sum_sq = 0.f;
 
+    constexpr bool EARLY = weight_early<W, VEC, NPT, E, ADD, SHIFT>();
     // A branch of its own: the words must be what the loads produce and the loop holds. The Pack path
     // below with only its output converting from word_of(v[i], k) kept 54-56 registers (v14 review).
-    constexpr bool EARLY = weight_early<W, VEC, NPT, E, ADD, SHIFT>();
     if constexpr (RMS_FWD_WORDS && sizeof(T) == 2 && VEC && NPT >= 2 && !ADD) {  // see RMS_FWD_WORDS
         const T* const x_row = row_base<RMS_FWD_HELD != 0>(static_cast<const T*>(p.x) + row * p.x_stride);
         T* const y_row = row_base<RMS_FWD_HELD != 0>(static_cast<T*>(p.y) + row * p.y_stride);
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         unsigned words[NPT][4] = {};  // chunks outside the row stay 0 and add nothing to the sum
-        constexpr int WEIGHT_WORDS = E * sizeof(W) / 4;  // EARLY: the weight's chunks held as words too
+        // EARLY: the weight's chunks held as loaded words too (as a Pack, the compiler split bf16
+        // weights into halves right at the load, which waited for it before the next loads and spilled).
+        constexpr int WEIGHT_WORDS = E * sizeof(W) / 4;
         unsigned weight_words[EARLY ? NPT : 1][WEIGHT_WORDS];
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {

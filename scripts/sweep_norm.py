@@ -11,6 +11,7 @@ benchmark suite's CUDA-graph replay over enough input copies to defeat the L2 (a
 around an eager loop), as % of the copy bandwidth measured in the same run.
 """
 
+import ast
 import os
 import sys
 
@@ -76,7 +77,7 @@ def apply(setting):
             raise SystemExit(f"{name}: not a planner constant of cupyrope.rmsnorm")
         if key:
             table = dict(getattr(rmsnorm, name))
-            table[tuple(eval(k) for k in key.rstrip("]").split(":"))] = int(value)
+            table[tuple(ast.literal_eval(k) for k in key.rstrip("]").split(":"))] = int(value)
             setattr(rmsnorm, name, table)
         else:
             setattr(rmsnorm, name, int(value))
