@@ -44,7 +44,7 @@ def main():
             rmsnorm._blocks_per_wave = capped(cap)
             x, w, dy = copies[0]
             dx, dw = cupyrope.rms_norm_backward(dy, x, w)
-            check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), dx, dw)
+            check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), (dx, dw))
             plan = next(p for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd")
             whole = bench.gpu_time_us(torch, [lambda x=x, w=w, dy=dy: cupyrope.rms_norm_backward(dy, x, w)
                                               for x, w, dy in copies])

@@ -62,7 +62,7 @@ def main():
             apply(setting)
             x, w, dy = copies[0]
             dx, dw = cupyrope.rms_norm_backward(dy, x, w)
-            check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), dx, dw)
+            check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), (dx, dw))
             names.append(next(p.name for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd").split("::")[1])
             times.append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm_backward(dy, x, w)), copies))
         if with_peers and "liger" in peers():
