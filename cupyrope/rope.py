@@ -24,19 +24,24 @@ MAX_BLOCK_TOKENS = 64
 COS_SIN_FLOATS = 8192  # shared-memory cos/sin table per block: 32 KiB
 MAX_ROTARY_DIM = 1024
 BLOCKS_PER_SM = 2  # below this many blocks per SM, fewer tokens per block
+# rope_direct_kernel (one item a thread, no shared memory) takes calls of at most this many tokens,
+# and every vectorized call with a cos/sin cache; the block kernel, which shares the cos/sin a
+# block's tokens need across their heads, takes the rest (scripts/sweep_rope.py, docs/perf-notes.md).
+DIRECT_MAX_TOKENS = 64
+DIRECT_THREADS = 64  # threads per block of the direct kernel: small blocks spread a call over the SMs
 
 # Mirrors RopeParams in kernels_src/rope.cu: six pointers, then this tail.
-_TAIL = struct.Struct("<3q16q3q2q3q3qdq")
+_TAIL = struct.Struct("<3q16q3q2q3q3qdqd4q")
 
 
 class RopePlan:
     __slots__ = ("name", "grid", "block", "shared_mem", "tail", "vectorized", "tokens_per_block", "lanes", "extents",
                  "launch", "out_layouts", "new_output")
 
-    def __init__(self, name, grid, shared_mem, tail, vectorized, tokens_per_block, lanes):
+    def __init__(self, name, grid, block, shared_mem, tail, vectorized, tokens_per_block, lanes):
         self.name = name
         self.grid = grid
-        self.block = (BLOCK_THREADS, 1)
+        self.block = (block, 1)
         self.shared_mem = shared_mem
         self.tail = tail  # RopeParams after the six pointers, packed
         self.vectorized = vectorized
@@ -47,11 +52,11 @@ class RopePlan:
         return f"RopePlan({self.name}, grid={self.grid}, tokens_per_block={self.tokens_per_block})"
 
 
-def kernel_name(dtype, cache_dtype, pos_dtype, style, vectorized, use_cache) -> str:
+def kernel_name(dtype, cache_dtype, pos_dtype, style, vectorized, use_cache, direct=False) -> str:
     cache_ctype = CTYPE[cache_dtype] if use_cache else "float"
     return (
-        f"cupyrope::rope_kernel<{CTYPE[dtype]}, {cache_ctype}, {CTYPE[pos_dtype]}, {STYLES[style]}, "
-        f"{'true' if vectorized else 'false'}, {'true' if use_cache else 'false'}>"
+        f"cupyrope::{'rope_direct_kernel' if direct else 'rope_kernel'}<{CTYPE[dtype]}, {cache_ctype}, "
+        f"{CTYPE[pos_dtype]}, {STYLES[style]}, {'true' if vectorized else 'false'}, {'true' if use_cache else 'false'}>"
     )
 
 
@@ -63,8 +68,19 @@ def all_variants():
             for pos in INDEX_DTYPES:
                 for style in STYLES:
                     for vectorized in (False, True):
-                        name = kernel_name(dtype, cache or "float32", pos, style, vectorized, cache is not None)
-                        yield SOURCE, name
+                        for direct in (False, True):
+                            yield SOURCE, kernel_name(dtype, cache or "float32", pos, style, vectorized,
+                                                      cache is not None, direct)
+
+
+def fast_divisor(d: int) -> int:
+    """(magic | shift << 32) such that n // d == (mulhi32(n, magic) + n) >> shift for every
+    0 <= n < 2^31 (kernels_src/rope.cu: fast_div; the round-up method of Granlund and Montgomery)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divisor {d} out of range")
+    shift = (d - 1).bit_length()  # ceil(log2(d))
+    magic = (2**32 * (2**shift - d)) // d + 1
+    return magic | shift << 32
 
 
 def _vector_blockers(tensors, dtype, style, rotary_dim, head_dim, copies) -> list[str]:
@@ -103,18 +119,26 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
     blockers = _vector_blockers(named, dtype, style, rotary_dim, head_dim, copies)
     if impl == "vector" and blockers:
         raise ValueError("impl: 'vector' is not possible here: " + "; ".join(blockers))
-    vectorized = impl != "scalar" and not blockers
+    n_tokens, n_q_heads, n_heads = layout.n_tokens, layout.heads[0], sum(layout.heads)
+    can_vectorize = impl != "scalar" and not blockers
+    direct = n_tokens <= DIRECT_MAX_TOKENS or (cache is not None and can_vectorize)
+    direct = direct and n_tokens * n_heads * head_dim < 2**31  # item indices in fast_div's range
+    # A direct thread computes the inv_freq and cos/sin of its own pairs: one pair, not 4-8 (each an exp).
+    vectorized = can_vectorize and not (direct and cache is None and impl == "auto")
 
     elems = 16 // _arrays.ITEMSIZE[dtype] if vectorized else (2 if style == "gptj" else 1)
     rot_lanes = rotary_dim // 2 // elems if style == "neox" else rotary_dim // elems
     copy_lanes = (head_dim - rotary_dim) // (elems if vectorized else 1) if copies else 0
-    n_q_heads, n_heads, n_tokens = layout.heads[0], sum(layout.heads), layout.n_tokens
     if n_tokens >= 2**31 or n_tokens * n_heads * max(rot_lanes, copy_lanes, 1) >= 2**32:
         raise ValueError(f"x: {n_tokens} tokens x {n_heads} heads is too many for one call; split it")
-    # Tokens per block: enough items to keep every thread busy, few enough to spread over the SMs.
-    tokens = max(1, ITEMS_PER_BLOCK // max(1, n_heads * (rot_lanes + copy_lanes)))
-    tokens = min(tokens, MAX_BLOCK_TOKENS, COS_SIN_FLOATS // rotary_dim, max(1, n_tokens // (n_sm * BLOCKS_PER_SM)))
-    grid = max(1, -(-n_tokens // tokens))
+    if direct:  # one item a thread: (token, head, lane), lanes rotating then copying
+        tokens, block = 0, DIRECT_THREADS
+        grid = -(-n_tokens * n_heads * (rot_lanes + copy_lanes) // block)
+    else:
+        # Tokens per block: enough items to keep every thread busy, few enough to spread over the SMs.
+        tokens = max(1, ITEMS_PER_BLOCK // max(1, n_heads * (rot_lanes + copy_lanes)))
+        tokens = min(tokens, MAX_BLOCK_TOKENS, COS_SIN_FLOATS // rotary_dim, max(1, n_tokens // (n_sm * BLOCKS_PER_SM)))
+        grid, block = max(1, -(-n_tokens // tokens)), BLOCK_THREADS
 
     strides = []
     for t in range(4):  # q in, q out, k in, k out; without k, k's slots repeat q's (0 k heads)
@@ -129,10 +153,14 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         cache.strides[0] if use_cache else 0, cache.shape[0] if use_cache else 0,
         n_q_heads, n_heads, tokens,
         rotary_dim, rot_lanes, copy_lanes,
-        float(theta), int(bool(inverse)),
+        float(theta), int(bool(inverse)), -2.0 * math.log(theta) / rotary_dim,
+        *(fast_divisor(d) if direct else 0
+          for d in (rot_lanes + copy_lanes, n_heads, layout.token_sizes[2], layout.token_sizes[1])),
     )  # fmt: skip
-    name = kernel_name(dtype, cache.dtype if use_cache else "float32", positions.dtype, style, vectorized, use_cache)
-    return RopePlan(name, grid, tokens * rotary_dim * 4, _TAIL.pack(*tail), vectorized, tokens, (rot_lanes, copy_lanes))
+    name = kernel_name(dtype, cache.dtype if use_cache else "float32", positions.dtype, style, vectorized, use_cache,
+                       direct)
+    return RopePlan(name, grid, block, tokens * rotary_dim * 4, _TAIL.pack(*tail), vectorized, tokens,
+                    (rot_lanes, copy_lanes))
 
 
 # ---------------------------------------------------------------------------------------------- checks

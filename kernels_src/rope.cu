@@ -4,6 +4,7 @@
 // is computed (or read from the cache) exactly once, into shared memory. Phase 2: the block's threads
 // stream independent items (token, head, lane) -- all q heads, then all k heads -- each item one
 // 16-byte chunk of a head (or one pair when scalar), several items in flight per thread.
+// Small calls (decode) take rope_direct_kernel instead: one item a thread, no shared memory.
 // Template parameters pick the variant:
 //   T      element type of q/k (float, __half, __nv_bfloat16)
 //   C      element type of the cos/sin cache (float or T; unused without CACHE)
@@ -27,6 +28,7 @@ constexpr int GPTJ = 1;
 #endif
 constexpr int UNROLL = ROPE_ITEM_UNROLL;
 constexpr int BLOCK_THREADS = 256;
+constexpr int DIRECT_MAX_THREADS = 256;  // rope.py: DIRECT_THREADS
 constexpr int MAX_BLOCK_TOKENS = 64;  // rope.py keeps tokens_per_block * rot_dim * 4 bytes <= 32 KiB
 constexpr int MAX_ROTARY_DIM = 1024;  // rope.py checks it
 
@@ -46,7 +48,17 @@ struct RopeParams {  // mirrored by rope.py's _PARAMS (all 8-byte fields: no pad
     i64 rot_dim, rot_lanes, copy_lanes;  // copy_lanes: lanes copying features past rot_dim (0 in place)
     double theta;
     i64 inverse;
+    double log_step;  // ln(theta) * -2 / rot_dim: inv_freq(f) = exp(f * log_step)
+    // Divisors of the direct kernel's index math as (magic | shift << 32), see fast_div.
+    i64 div_lanes, div_heads, div_n2, div_n1;
 };
+
+// n / d for n < 2^31 with d's (magic, shift) from rope.py's fast_divisor: a multiply, an add and a
+// shift where a 32-bit division by a run-time value costs ~20 dependent instructions. The direct
+// kernel's index math comes before its first load.
+__device__ __forceinline__ unsigned fast_div(unsigned n, i64 divisor) {
+    return (__umulhi(n, (unsigned)divisor) + n) >> (unsigned)(divisor >> 32);
+}
 
 // cos/sin of pos * inv_freq (inv_freq = theta^(-2f/rot_dim) in double), equal to the exact values to
 // fp32 rounding at any position up to 2^24: angle and range reduction in double (2*pi split in two
@@ -70,19 +82,51 @@ struct BlockTokens {  // per token of the block: where its rows start in q_in, q
     i64 position[MAX_BLOCK_TOKENS];
 };
 
+// Where token `token`'s rows start in q_in, q_out, k_in, k_out, and its position.
+template <typename P, bool FAST = false>
+__device__ __forceinline__ i64 token_rows(const RopeParams& p, unsigned token, i64 (&offset)[4]) {
+    // 32-bit index math: a 64-bit division would dominate the kernel's registers.
+    const unsigned n1 = (unsigned)p.n1, n2 = (unsigned)p.n2;
+    i64 t0, t1, t2;
+    if constexpr (FAST) {
+        const unsigned rest = fast_div(token, p.div_n2), outer = fast_div(rest, p.div_n1);
+        t2 = token - rest * n2, t1 = rest - outer * n1, t0 = outer;
+    } else {
+        const unsigned rest = token / n2;
+        t2 = token - rest * n2, t1 = rest % n1, t0 = rest / n1;
+    }
+    offset[0] = t0 * p.q_in_s[0] + t1 * p.q_in_s[1] + t2 * p.q_in_s[2];
+    offset[1] = t0 * p.q_out_s[0] + t1 * p.q_out_s[1] + t2 * p.q_out_s[2];
+    offset[2] = t0 * p.k_in_s[0] + t1 * p.k_in_s[1] + t2 * p.k_in_s[2];
+    offset[3] = t0 * p.k_out_s[0] + t1 * p.k_out_s[1] + t2 * p.k_out_s[2];
+    return (i64) static_cast<const P*>(p.positions)[t0 * p.pos_s[0] + t1 * p.pos_s[1] + t2 * p.pos_s[2]];
+}
+
 template <typename P>
 __device__ __forceinline__ void load_block_tokens(const RopeParams& p, unsigned first, int count, BlockTokens& bt) {
-    for (int t = threadIdx.x; t < count; t += blockDim.x) {
-        // 32-bit index math: a 64-bit division would dominate the kernel's registers.
-        const unsigned token = first + t, n1 = (unsigned)p.n1, n2 = (unsigned)p.n2;
-        const unsigned rest = token / n2;
-        const i64 t2 = token - rest * n2, t1 = rest % n1, t0 = rest / n1;
-        bt.offset[t][0] = t0 * p.q_in_s[0] + t1 * p.q_in_s[1] + t2 * p.q_in_s[2];
-        bt.offset[t][1] = t0 * p.q_out_s[0] + t1 * p.q_out_s[1] + t2 * p.q_out_s[2];
-        bt.offset[t][2] = t0 * p.k_in_s[0] + t1 * p.k_in_s[1] + t2 * p.k_in_s[2];
-        bt.offset[t][3] = t0 * p.k_out_s[0] + t1 * p.k_out_s[1] + t2 * p.k_out_s[2];
-        bt.position[t] = (i64) static_cast<const P*>(p.positions)[t0 * p.pos_s[0] + t1 * p.pos_s[1] + t2 * p.pos_s[2]];
+    for (int t = threadIdx.x; t < count; t += blockDim.x) bt.position[t] = token_rows<P>(p, first + t, bt.offset[t]);
+}
+
+// The cache's cos/sin of frequency f at pos (vLLM layout: cos half, then sin half).
+template <typename C>
+__device__ __forceinline__ void cached_cos_sin(const RopeParams& p, i64 pos, int f, int half, float& c, float& s) {
+    if (pos >= 0 && pos < p.max_position) {
+        const C* row = static_cast<const C*>(p.cache) + pos * p.cache_stride;
+        c = to_float(row[f]);
+        s = to_float(row[half + f]);
+    } else {  // documented: rotated features of out-of-range positions become NaN
+        s = c = __int_as_float(0x7fc00000);
     }
+}
+
+#ifndef ROPE_INV_FREQ_EXP  // experiment knob: 0 = pow(theta, -2f / rot_dim)
+#define ROPE_INV_FREQ_EXP 1
+#endif
+// theta^(-2f/rot_dim) in double as exp(f * log_step): as accurate as pow (exp's 1 ulp plus the
+// rounding of f * log_step, both far below fp32's resolution of the angle) at a third of the work.
+__device__ __forceinline__ double inv_freq_of(const RopeParams& p, int f) {
+    if (ROPE_INV_FREQ_EXP) return exp((double)f * p.log_step);
+    return pow(p.theta, (double)(-2 * f) / (double)p.rot_dim);
 }
 
 // cos_sin[t * rot_dim + f] = cos, cos_sin[t * rot_dim + rot_dim/2 + f] = sin (sin negated if inverse).
@@ -95,13 +139,7 @@ __device__ __forceinline__ void fill_cos_sin(const RopeParams& p, int count, con
         const i64 pos = bt.position[t];
         float c, s;
         if constexpr (CACHE) {
-            if (pos >= 0 && pos < p.max_position) {
-                const C* row = static_cast<const C*>(p.cache) + pos * p.cache_stride;
-                c = to_float(row[f]);
-                s = to_float(row[half + f]);
-            } else {  // documented: rotated features of out-of-range positions become NaN
-                c = s = __int_as_float(0x7fc00000);
-            }
+            cached_cos_sin<C>(p, pos, f, half, c, s);
         } else {
             exact_sincos(pos, inv_freq[f], s, c);
         }
@@ -117,6 +155,18 @@ struct Item {
     int token;
 };
 
+// Head h of a token whose rows start at offset (token_rows): a q head, or k head h - n_q_heads.
+template <typename T>
+__device__ __forceinline__ Item head_of(const RopeParams& p, const i64 (&offset)[4], i64 h, int t) {
+    const bool is_q = h < p.n_q_heads;
+    const i64 kh = h - p.n_q_heads;
+    const T* in = is_q ? static_cast<const T*>(p.q_in) + offset[0] + h * p.q_in_s[3]
+                       : static_cast<const T*>(p.k_in) + offset[2] + kh * p.k_in_s[3];
+    T* out = is_q ? static_cast<T*>(p.q_out) + offset[1] + h * p.q_out_s[3]
+                  : static_cast<T*>(p.k_out) + offset[3] + kh * p.k_out_s[3];
+    return {in, out, t};
+}
+
 template <typename T>
 __device__ __forceinline__ Item locate(const RopeParams& p, const BlockTokens& bt, unsigned item, unsigned lanes,
                                        unsigned& lane) {
@@ -125,13 +175,33 @@ __device__ __forceinline__ Item locate(const RopeParams& p, const BlockTokens& b
     const unsigned n_heads = (unsigned)p.n_heads;
     const int t = (int)(row / n_heads);
     const i64 h = row - (unsigned)t * n_heads;
-    const bool is_q = h < p.n_q_heads;
-    const i64 kh = h - p.n_q_heads;
-    const T* in = is_q ? static_cast<const T*>(p.q_in) + bt.offset[t][0] + h * p.q_in_s[3]
-                       : static_cast<const T*>(p.k_in) + bt.offset[t][2] + kh * p.k_in_s[3];
-    T* out = is_q ? static_cast<T*>(p.q_out) + bt.offset[t][1] + h * p.q_out_s[3]
-                  : static_cast<T*>(p.k_out) + bt.offset[t][3] + kh * p.k_out_s[3];
-    return {in, out, t};
+    return head_of<T>(p, bt.offset[t], h, t);
+}
+
+// Rotates one item's pairs by (c, s) and stores it: x1 holds features f0.. (NEOX: x2 those at f0 + half);
+// GPTJ: x1 holds the pairs of frequencies f0.. interleaved.
+template <typename T, int STYLE, bool VEC, int E, int F>
+__device__ __forceinline__ void rotate_store(const Pack<T, E>& x1, const Pack<T, E>& x2, const Pack<float, F>& c,
+                                             const Pack<float, F>& s, T* out, i64 f0, i64 half) {
+    Pack<T, E> y1, y2;
+    if constexpr (STYLE == NEOX) {
+#pragma unroll
+        for (int i = 0; i < E; ++i) {
+            const float v1 = to_float(x1.v[i]), v2 = to_float(x2.v[i]);
+            y1.v[i] = from_float<T>(v1 * c.v[i] - v2 * s.v[i]);
+            y2.v[i] = from_float<T>(v2 * c.v[i] + v1 * s.v[i]);
+        }
+        store_pack<VEC, E>(out + f0, y1);
+        store_pack<VEC, E>(out + f0 + half, y2);
+    } else {
+#pragma unroll
+        for (int i = 0; i < F; ++i) {
+            const float even = to_float(x1.v[2 * i]), odd = to_float(x1.v[2 * i + 1]);
+            y1.v[2 * i] = from_float<T>(even * c.v[i] - odd * s.v[i]);
+            y1.v[2 * i + 1] = from_float<T>(odd * c.v[i] + even * s.v[i]);
+        }
+        store_pack<VEC, E>(out + 2 * f0, y1);
+    }
 }
 
 template <typename T, int STYLE, bool VEC, int E>
@@ -163,26 +233,7 @@ __device__ __forceinline__ void rotate_items(const RopeParams& p, const BlockTok
             const float* cs = cos_sin + it[u].token * p.rot_dim + f0[u];
             const Pack<float, F> c = *reinterpret_cast<const Pack<float, F>*>(cs);
             const Pack<float, F> s = *reinterpret_cast<const Pack<float, F>*>(cs + half);
-            T* out = static_cast<T*>(it[u].out);
-            Pack<T, E> y1, y2;
-            if constexpr (STYLE == NEOX) {
-#pragma unroll
-                for (int i = 0; i < E; ++i) {
-                    const float v1 = to_float(x1[u].v[i]), v2 = to_float(x2[u].v[i]);
-                    y1.v[i] = from_float<T>(v1 * c.v[i] - v2 * s.v[i]);
-                    y2.v[i] = from_float<T>(v2 * c.v[i] + v1 * s.v[i]);
-                }
-                store_pack<VEC, E>(out + f0[u], y1);
-                store_pack<VEC, E>(out + f0[u] + half, y2);
-            } else {
-#pragma unroll
-                for (int i = 0; i < F; ++i) {
-                    const float even = to_float(x1[u].v[2 * i]), odd = to_float(x1[u].v[2 * i + 1]);
-                    y1.v[2 * i] = from_float<T>(even * c.v[i] - odd * s.v[i]);
-                    y1.v[2 * i + 1] = from_float<T>(odd * c.v[i] + even * s.v[i]);
-                }
-                store_pack<VEC, E>(out + 2 * f0[u], y1);
-            }
+            rotate_store<T, STYLE, VEC, E, F>(x1[u], x2[u], c, s, static_cast<T*>(it[u].out), f0[u], half);
         }
     }
 }
@@ -212,10 +263,14 @@ __device__ __forceinline__ void copy_items(const RopeParams& p, const BlockToken
     }
 }
 
+template <typename T, int STYLE, bool VEC>
+constexpr int ELEMS = VEC ? 16 / sizeof(T) : (STYLE == GPTJ ? 2 : 1);  // elements per access
+template <typename T, bool VEC>
+constexpr int COPY_ELEMS = VEC ? 16 / sizeof(T) : 1;  // elements per copy access
+
 template <typename T, typename C, typename P, int STYLE, bool VEC, bool CACHE>
 __global__ void __launch_bounds__(BLOCK_THREADS, ROPE_MIN_BLOCKS) rope_kernel(const RopeParams p) {
-    constexpr int E = VEC ? 16 / sizeof(T) : (STYLE == GPTJ ? 2 : 1);  // elements per access
-    constexpr int EC = VEC ? 16 / sizeof(T) : 1;                         // elements per copy access
+    constexpr int E = ELEMS<T, STYLE, VEC>, EC = COPY_ELEMS<T, VEC>;
     __shared__ BlockTokens bt;
     __shared__ double inv_freq[CACHE ? 1 : MAX_ROTARY_DIM / 2];
     extern __shared__ __align__(16) float cos_sin[];  // [tokens_per_block][rot_dim]
@@ -224,7 +279,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, ROPE_MIN_BLOCKS) rope_kernel(co
     const int count = (int)min((i64)p.tokens_per_block, p.n_tokens - first);
     if constexpr (!CACHE) {
         for (int f = threadIdx.x; f < p.rot_dim / 2; f += blockDim.x)
-            inv_freq[f] = pow(p.theta, (double)(-2 * f) / (double)p.rot_dim);
+            inv_freq[f] = inv_freq_of(p, f);
     }
     load_block_tokens<P>(p, first, count, bt);
     __syncthreads();
@@ -233,6 +288,48 @@ __global__ void __launch_bounds__(BLOCK_THREADS, ROPE_MIN_BLOCKS) rope_kernel(co
     const unsigned rows = (unsigned)count * (unsigned)p.n_heads;
     rotate_items<T, STYLE, VEC, E>(p, bt, cos_sin, rows * (unsigned)p.rot_lanes);
     if (p.copy_lanes) copy_items<T, VEC, EC>(p, bt, rows * (unsigned)p.copy_lanes);
+}
+
+// Small calls (decode): one item a thread, no shared memory, no barrier. The block kernel runs its
+// position load, the cos/sin and the x loads one after the other (three memory round trips, which
+// a call of a few tokens pays in full); here a thread issues its x and position loads together and
+// computes (or reads) the cos/sin of its own frequencies, inv_freq's pow needing no input. Heads no
+// longer share the cos/sin, so this pays only while the call is small (rope.py: DIRECT_MAX_TOKENS).
+// Items: (token, head, lane) with lanes = rot_lanes rotating, then copy_lanes copying.
+template <typename T, typename C, typename P, int STYLE, bool VEC, bool CACHE>
+__global__ void __launch_bounds__(DIRECT_MAX_THREADS) rope_direct_kernel(const RopeParams p) {
+    constexpr int E = ELEMS<T, STYLE, VEC>, EC = COPY_ELEMS<T, VEC>;
+    constexpr int F = STYLE == NEOX ? E : E / 2;  // frequencies per item
+    const unsigned rot_lanes = (unsigned)p.rot_lanes, lanes = rot_lanes + (unsigned)p.copy_lanes;
+    const unsigned item = blockIdx.x * blockDim.x + threadIdx.x;  // rope.py keeps items < 2^31
+    const unsigned row = fast_div(item, p.div_lanes), lane = item - row * lanes;
+    const unsigned n_heads = (unsigned)p.n_heads, token = fast_div(row, p.div_heads);
+    if (token >= p.n_tokens) return;
+    i64 offset[4];
+    const i64 pos = token_rows<P, true>(p, token, offset);
+    const Item it = head_of<T>(p, offset, row - token * n_heads, 0);
+    const T* in = static_cast<const T*>(it.in);
+    T* out = static_cast<T*>(it.out);
+    if (lane >= rot_lanes) {  // out of place with rot_dim < head_dim: a chunk past rot_dim, copied
+        const i64 at = p.rot_dim + (i64)(lane - rot_lanes) * EC;
+        store_pack<VEC, EC>(out + at, load_pack<VEC, EC>(in + at));
+        return;
+    }
+    const i64 f0 = (i64)lane * F, half = p.rot_dim / 2;
+    const Pack<T, E> x1 = load_pack<VEC, E>(in + (STYLE == NEOX ? f0 : 2 * f0));
+    Pack<T, E> x2;
+    if constexpr (STYLE == NEOX) x2 = load_pack<VEC, E>(in + f0 + half);
+    Pack<float, F> c, s;
+#pragma unroll
+    for (int i = 0; i < F; ++i) {
+        if constexpr (CACHE) {
+            cached_cos_sin<C>(p, pos, (int)f0 + i, (int)half, c.v[i], s.v[i]);
+        } else {
+            exact_sincos(pos, inv_freq_of(p, (int)f0 + i), s.v[i], c.v[i]);
+        }
+        if (p.inverse) s.v[i] = -s.v[i];
+    }
+    rotate_store<T, STYLE, VEC, E, F>(x1, x2, c, s, out, f0, half);
 }
 
 }  // namespace cupyrope

@@ -3,6 +3,7 @@ here without a GPU."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from cupyrope._arrays import Array
@@ -38,10 +39,56 @@ def test_llama_prefill_bf16_is_vectorized_and_shares_cos_sin():
     assert p.shared_mem == 2 * 128 * 4  # one cos/sin row per token of the block
 
 
-def test_decode_is_one_block():
+def test_decode_takes_the_direct_kernel_one_pair_a_thread():
     q, k = arr((1, 32, 128)), arr((1, 8, 128), ptr=BASE + 4096 * 2)
     p = plan([(q, q), (k, k)], arr((1,), "int32"))
-    assert p.tokens_per_block == 1 and p.grid == 1  # 40 heads x 8 lanes: 320 items in one block
+    # In-kernel cos/sin: each thread computes its own pair's (one exp and sincos), so pairs, not 16 bytes.
+    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, int, 0, false, false>"
+    assert p.lanes == (64, 0) and p.block == (64, 1) and p.grid == 40 and p.shared_mem == 0  # 40 heads x 64
+    forced = plan([(q, q), (k, k)], arr((1,), "int32"), impl="vector")
+    assert forced.vectorized and forced.lanes == (8, 0) and forced.grid == 5
+
+
+@pytest.mark.parametrize("tokens,direct", [(1, True), (64, True), (65, False), (32768, False)])
+def test_in_kernel_cos_sin_take_the_block_kernel_past_64_tokens(tokens, direct):
+    x, y = arr((tokens, 32, 128)), arr((tokens, 32, 128), ptr=BASE + 2**30)
+    p = plan([(x, y)], arr((tokens,), "int64"))
+    assert ("rope_direct_kernel<" in p.name) == direct and p.vectorized != direct
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 65, 32768])
+def test_a_cos_sin_cache_takes_the_direct_kernel_at_every_size(tokens):
+    x, y = arr((tokens, 32, 128)), arr((tokens, 32, 128), ptr=BASE + 2**30)
+    cache = arr((32768, 128), "float32", ptr=BASE + 2**34)
+    p = plan([(x, y)], arr((tokens,), "int64"), cache)
+    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, long long, 0, true, true>"
+    assert p.grid == -(-tokens * 32 * 8 // 64)  # one 16-byte pair of chunks a thread
+    scalar = plan([(x, y)], arr((tokens,), "int64"), cache, impl="scalar")  # one pair a thread: block past 64
+    assert ("rope_direct_kernel<" in scalar.name) == (tokens <= 64) and not scalar.vectorized
+
+
+def test_huge_calls_keep_the_block_kernel():  # the direct kernel's item index stays below 2^31
+    x = arr((2**20, 32, 128))
+    p = plan([(x, x)], arr((2**20,), "int64"), arr((32768, 128), "float32", ptr=BASE + 2**40))
+    assert "rope_kernel<" in p.name and p.vectorized
+
+
+def test_fast_divisor_matches_integer_division():
+    from cupyrope.rope import fast_divisor
+
+    rng = np.random.default_rng(0)
+    divisors = list(range(1, 300)) + [2**k for k in range(31)] + [2**k + 1 for k in range(30)] + [2**31 - 1]
+    divisors += rng.integers(1, 2**31, 200).tolist()
+    for d in divisors:
+        packed = fast_divisor(d)
+        magic, shift = packed & 0xFFFFFFFF, packed >> 32
+        n = np.array([0, 1, d - 1, d, d + 1, 2**31 - 1, (2**31 - 1) // d * d, (2**31 - 1) // d * d - 1]
+                     + rng.integers(0, 2**31, 50).tolist(), dtype=object)
+        n = n[(n >= 0) & (n < 2**31)]
+        got = (((n * magic) >> 32) + n) >> shift  # kernels_src/rope.cu: fast_div, in exact integers
+        assert (got == n // d).all(), d
+    with pytest.raises(ValueError):
+        fast_divisor(0)
 
 
 def test_misaligned_pointer_falls_back_to_scalar_and_vector_request_is_refused():
@@ -63,32 +110,32 @@ def test_misaligned_pointer_falls_back_to_scalar_and_vector_request_is_refused()
     ],
 )
 def test_lanes_per_head(head_dim, rotary_dim, style, dtype, vec, lanes):
-    x, y = arr((3, 4, head_dim), dtype), arr((3, 4, head_dim), dtype, ptr=BASE + 2**20)
-    p = plan([(x, y)], arr((3,), "int64"), style=style, rotary_dim=rotary_dim)
+    x, y = arr((300, 4, head_dim), dtype), arr((300, 4, head_dim), dtype, ptr=BASE + 2**20)
+    p = plan([(x, y)], arr((300,), "int64"), style=style, rotary_dim=rotary_dim)
     assert p.vectorized == vec
     assert p.lanes == lanes
 
 
 def test_in_place_partial_rotary_copies_nothing():
-    x = arr((3, 4, 128))
-    p = plan([(x, x)], arr((3,), "int64"), rotary_dim=64)
-    assert p.lanes == (32 // 8 * 8 // 8 * 4 // 4, 0)
+    x = arr((300, 4, 128))
+    p = plan([(x, x)], arr((300,), "int64"), rotary_dim=64)
+    assert p.lanes == (4, 0)  # 32 pairs = 4 lanes of 8 bf16 pairs; no copying lanes in place
 
 
 def test_fused_qkv_slices_stay_vectorized():
     row = (32 + 8 + 8) * 128
-    q = arr((7, 32, 128), strides=(row, 128, 1))
-    k = arr((7, 8, 128), strides=(row, 128, 1), ptr=BASE + 32 * 128 * 2)
-    p = plan([(q, q), (k, k)], arr((7,), "int64"))
-    assert p.vectorized
+    q = arr((700, 32, 128), strides=(row, 128, 1))
+    k = arr((700, 8, 128), strides=(row, 128, 1), ptr=BASE + 32 * 128 * 2)
+    assert plan([(q, q), (k, k)], arr((700,), "int64")).vectorized
+    assert plan([(q, q), (k, k)], arr((700,), "int64"), impl="vector").vectorized
 
 
 def test_cache_variant_and_alignment():
     x = arr((5, 2, 64))
     cache = arr((100, 64), "float32")
     p = plan([(x, x)], arr((5,), "int32"), cache)
-    assert "rope_kernel<__nv_bfloat16, float, int, 0, true, true>" in p.name
-    odd_cache = arr((100, 64), "float32", ptr=BASE + 4)  # read once per (token, frequency): any alignment
+    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, int, 0, true, true>"
+    odd_cache = arr((100, 64), "float32", ptr=BASE + 4)  # read element by element: any alignment
     assert plan([(x, x)], arr((5,), "int32"), odd_cache).vectorized
 
 

@@ -1,10 +1,14 @@
 """RoPE on the GPU against the float64 reference: every variant, layouts, streams, graphs."""
 
+import importlib
+
 import numpy as np
 import pytest
 
 import cupyrope
-from cupyrope import reference
+from cupyrope import _arrays, reference
+
+rope_module = importlib.import_module("cupyrope.rope")  # the module (cupyrope.rope is the function)
 from helpers import (DTYPES, KINDS, assert_matches, index_to_device, poison, random_host, requires_gpu,
                      requires_torch_cuda, to_device, to_host)
 
@@ -13,7 +17,22 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 MAX_POS = 2**24
 
 
-def run_case(rng, *, dtype, style, source, impl, rotary_dim, in_place, shape=(37, 3, 128), kind="cupy",
+@pytest.fixture(params=["block", "direct"])
+def kernel(request, monkeypatch):
+    """Runs a test with each RoPE kernel: the block kernel (cos/sin shared by a block's heads) and the
+    direct one (one item a thread; what the planner takes for small calls). Returns its name's start."""
+    monkeypatch.setattr(rope_module, "DIRECT_MAX_TOKENS", 0 if request.param == "block" else 2**31)
+    monkeypatch.setattr(rope_module, "_plans", _arrays.PlanCache())
+    return "rope_direct_kernel<" if request.param == "direct" else "rope_kernel<"
+
+
+def assert_ran(kernel):
+    """Every plan made since the kernel fixture ran that kernel."""
+    names = [plan.name for plan in rope_module._plans._plans.values() if hasattr(plan, "name")]
+    assert names and all(kernel in name for name in names), names
+
+
+def run_case(rng, *, dtype, style, source, impl, rotary_dim, in_place, kernel, shape=(37, 3, 128), kind="cupy",
              pos_dtype="int64"):
     """Rotate random x at random positions with cupyrope and compare with the reference."""
     x_host = random_host(shape, dtype, rng)
@@ -37,6 +56,7 @@ def run_case(rng, *, dtype, style, source, impl, rotary_dim, in_place, shape=(37
         np.testing.assert_array_equal(to_host(x), x_host)  # input untouched
     expected = reference.rope(x_host, pos_host, style=style, rotary_dim=rotary_dim, cos_sin_cache=cache_host)
     assert_matches(to_host(result), expected, dtype, what=f"{dtype} {style} {source} {impl}")
+    assert_ran(kernel)
     return result
 
 
@@ -46,28 +66,28 @@ def run_case(rng, *, dtype, style, source, impl, rotary_dim, in_place, shape=(37
 @pytest.mark.parametrize("source", ["theta", "cache-fp32", "cache-dtype"])
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_variant(rng, dtype, style, source, impl, partial, in_place):
+def test_every_variant(rng, dtype, style, source, impl, partial, in_place, kernel):
     run_case(rng, dtype=dtype, style=style, source=source, impl=impl, rotary_dim=64 if partial else 128,
-             in_place=in_place)
+             in_place=in_place, kernel=kernel)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_head_dims_auto(rng, dtype, style, head_dim):
+def test_head_dims_auto(rng, dtype, style, head_dim, kernel):
     run_case(rng, dtype=dtype, style=style, source="theta", impl="auto", rotary_dim=head_dim, in_place=False,
-             shape=(19, 5, head_dim))
+             shape=(19, 5, head_dim), kernel=kernel)
 
 
 @pytest.mark.parametrize("pos_dtype", ["int32", "int64"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_kinds_and_position_dtypes(rng, kind, pos_dtype):
+def test_kinds_and_position_dtypes(rng, kind, pos_dtype, kernel):
     result = run_case(rng, dtype="bfloat16", style="neox", source="cache-fp32", impl="auto", rotary_dim=96,
-                      in_place=False, shape=(33, 4, 128), kind=kind, pos_dtype=pos_dtype)
+                      in_place=False, shape=(33, 4, 128), kind=kind, pos_dtype=pos_dtype, kernel=kernel)
     assert type(result).__module__.split(".")[0] == kind
 
 
-def test_in_kernel_cos_sin_is_exact_to_fp32_rounding(rng):
+def test_in_kernel_cos_sin_is_exact_to_fp32_rounding(rng, kernel):
     """x = (1, ..., 1, 0, ..., 0) rotates to (cos, sin): compare with float64 at positions up to 2^24."""
     n, rotary_dim = 4096, 128
     host = np.concatenate([np.ones((n, 1, 64)), np.zeros((n, 1, 64))], axis=-1)
@@ -85,10 +105,11 @@ def test_in_kernel_cos_sin_is_exact_to_fp32_rounding(rng):
     hf_angle = (pos_host[:, None].astype(np.float32) * reference.inv_freq(rotary_dim).astype(np.float32))
     hf_err = np.abs(np.cos(hf_angle.astype(np.float64)) - exact[:, 0, :64]).max()
     assert err.max() < hf_err / 1000
+    assert_ran(kernel)
 
 
 @pytest.mark.parametrize("style", ["neox", "gptj"])
-def test_inverse_undoes_rope(rng, style):
+def test_inverse_undoes_rope(rng, style, kernel):
     host = random_host((29, 4, 64), "float32", rng)
     x = to_device(host, "float32", "cupy")
     pos = index_to_device(rng.integers(0, 100000, 29), "cupy")
@@ -97,11 +118,12 @@ def test_inverse_undoes_rope(rng, style):
     np.testing.assert_allclose(to_host(back), host, atol=2e-6)
     expected = reference.rope(host, to_host(pos).astype(np.int64), style=style, inverse=True)
     assert_matches(to_host(cupyrope.rope(x, pos, style=style, inverse=True)), expected, "float32")
+    assert_ran(kernel)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_qk_on_fused_qkv_slices_with_gqa(rng, kind, dtype):
+def test_rope_qk_on_fused_qkv_slices_with_gqa(rng, kind, dtype, kernel):
     t, hq, hk, d = 45, 8, 2, 128
     qkv_host = random_host((t, (hq + 2 * hk) * d), dtype, rng)
     qkv = to_device(qkv_host, dtype, kind)
@@ -117,6 +139,7 @@ def test_rope_qk_on_fused_qkv_slices_with_gqa(rng, kind, dtype):
     assert_matches(out[:, : hq * d].reshape(t, hq, d), q_ref, dtype, what="q")
     assert_matches(out[:, hq * d : (hq + hk) * d].reshape(t, hk, d), k_ref, dtype, what="k")
     np.testing.assert_array_equal(out[:, (hq + hk) * d :], qkv_host[:, (hq + hk) * d :])  # v untouched
+    assert_ran(kernel)
 
 
 @pytest.mark.parametrize(
@@ -129,7 +152,7 @@ def test_rope_qk_on_fused_qkv_slices_with_gqa(rng, kind, dtype):
         ((5, 6, 64), (5, 1), None),
     ],
 )
-def test_layouts_and_broadcast_positions(rng, x_shape, pos_shape, transpose):
+def test_layouts_and_broadcast_positions(rng, x_shape, pos_shape, transpose, kernel):
     import cupy
 
     host = random_host(x_shape, "float16", rng)
@@ -140,9 +163,10 @@ def test_layouts_and_broadcast_positions(rng, x_shape, pos_shape, transpose):
     pos_host = rng.integers(0, 50000, pos_shape)
     out = cupyrope.rope(x, cupy.asarray(pos_host), style="gptj")
     assert_matches(to_host(out), reference.rope(host, pos_host, style="gptj"), "float16")
+    assert_ran(kernel)
 
 
-def test_out_of_range_cache_positions_give_nan_and_never_read_outside(rng):
+def test_out_of_range_cache_positions_give_nan_and_never_read_outside(rng, kernel):
     host = random_host((6, 2, 64), "float32", rng)
     cache = cupyrope.rope_cache(100, 32)
     pos_host = np.array([0, 99, 100, -1, 2**40, 5])
@@ -150,6 +174,7 @@ def test_out_of_range_cache_positions_give_nan_and_never_read_outside(rng):
                                 rotary_dim=32, cos_sin_cache=cache))
     assert np.isnan(out[2:5, :, :32]).all() and not np.isnan(out[[0, 1, 5]]).any()
     np.testing.assert_array_equal(out[:, :, 32:], host[:, :, 32:])  # the unrotated tail is still copied
+    assert_ran(kernel)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -182,7 +207,7 @@ def test_cupy_non_default_stream(rng):
 
 
 @requires_torch_cuda
-def test_torch_side_stream_and_cuda_graph(rng):
+def test_torch_side_stream_and_cuda_graph(rng, kernel):
     import torch
 
     host = random_host((64, 8, 128), "bfloat16", rng)
@@ -210,3 +235,4 @@ def test_torch_side_stream_and_cuda_graph(rng):
         torch.cuda.synchronize()
         assert_matches(to_host(q), reference.rope(new_q, new_pos), "bfloat16", what="graph q")
         assert_matches(to_host(k), reference.rope(new_k, new_pos), "bfloat16", what="graph k")
+    assert_ran(kernel)
