@@ -31,7 +31,7 @@ DIRECT_MAX_TOKENS = 64
 DIRECT_THREADS = 64  # threads per block of the direct kernel: small blocks spread a call over the SMs
 
 # Mirrors RopeParams in kernels_src/rope.cu: six pointers, then this tail.
-_TAIL = struct.Struct("<3q16q3q2q3q3qdqd4q")
+_TAIL = struct.Struct("<3q16q3q2q3q3qdq4q")
 
 
 class RopePlan:
@@ -153,7 +153,7 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         cache.strides[0] if use_cache else 0, cache.shape[0] if use_cache else 0,
         n_q_heads, n_heads, tokens,
         rotary_dim, rot_lanes, copy_lanes,
-        float(theta), int(bool(inverse)), -2.0 * math.log(theta) / rotary_dim,
+        -2.0 * math.log(theta) / rotary_dim, int(bool(inverse)),
         *(fast_divisor(d) if direct else 0
           for d in (rot_lanes + copy_lanes, n_heads, layout.token_sizes[2], layout.token_sizes[1])),
     )  # fmt: skip

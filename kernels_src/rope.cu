@@ -46,9 +46,8 @@ struct RopeParams {  // mirrored by rope.py's _PARAMS (all 8-byte fields: no pad
     i64 cache_stride, max_position;
     i64 n_q_heads, n_heads, tokens_per_block;
     i64 rot_dim, rot_lanes, copy_lanes;  // copy_lanes: lanes copying features past rot_dim (0 in place)
-    double theta;
-    i64 inverse;
     double log_step;  // ln(theta) * -2 / rot_dim: inv_freq(f) = exp(f * log_step)
+    i64 inverse;
     // Divisors of the direct kernel's index math as (magic | shift << 32), see fast_div.
     i64 div_lanes, div_heads, div_n2, div_n1;
 };
@@ -119,15 +118,9 @@ __device__ __forceinline__ void cached_cos_sin(const RopeParams& p, i64 pos, int
     }
 }
 
-#ifndef ROPE_INV_FREQ_EXP  // experiment knob: 0 = pow(theta, -2f / rot_dim)
-#define ROPE_INV_FREQ_EXP 1
-#endif
 // theta^(-2f/rot_dim) in double as exp(f * log_step): as accurate as pow (exp's 1 ulp plus the
 // rounding of f * log_step, both far below fp32's resolution of the angle) at a third of the work.
-__device__ __forceinline__ double inv_freq_of(const RopeParams& p, int f) {
-    if (ROPE_INV_FREQ_EXP) return exp((double)f * p.log_step);
-    return pow(p.theta, (double)(-2 * f) / (double)p.rot_dim);
-}
+__device__ __forceinline__ double inv_freq_of(const RopeParams& p, int f) { return exp((double)f * p.log_step); }
 
 // cos_sin[t * rot_dim + f] = cos, cos_sin[t * rot_dim + rot_dim/2 + f] = sin (sin negated if inverse).
 template <typename C, bool CACHE>
