@@ -28,6 +28,7 @@ BLOCKS_PER_SM = 2  # below this many blocks per SM, fewer tokens per block
 # and every vectorized call with a cos/sin cache; the block kernel, which shares the cos/sin a
 # block's tokens need across their heads, takes the rest (scripts/sweep_rope.py, docs/perf-notes.md).
 DIRECT_MAX_TOKENS = 64
+DIRECT_WITH_CACHE = True
 DIRECT_THREADS = 64  # threads per block of the direct kernel: small blocks spread a call over the SMs
 
 # Mirrors RopeParams in kernels_src/rope.cu: six pointers, then this tail.
@@ -121,7 +122,7 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         raise ValueError("impl: 'vector' is not possible here: " + "; ".join(blockers))
     n_tokens, n_q_heads, n_heads = layout.n_tokens, layout.heads[0], sum(layout.heads)
     can_vectorize = impl != "scalar" and not blockers
-    direct = n_tokens <= DIRECT_MAX_TOKENS or (cache is not None and can_vectorize)
+    direct = n_tokens <= DIRECT_MAX_TOKENS or (DIRECT_WITH_CACHE and cache is not None and can_vectorize)
     direct = direct and n_tokens * n_heads * head_dim < 2**31  # item indices in fast_div's range
     # A direct thread computes the inv_freq and cos/sin of its own pairs: one pair, not 4-8 (each an exp).
     vectorized = can_vectorize and not (direct and cache is None and impl == "auto")

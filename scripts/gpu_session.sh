@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 for step in $STEPS; do
   echo "== $step"
   case $step in
-    tests) timeout 300 python3 -m pytest -q tests/ -m "gpu and not huge" --ignore=tests/test_reliability_gpu.py \
+    tests) timeout 480 python3 -m pytest -q tests/ -m "gpu and not huge" --ignore=tests/test_reliability_gpu.py \
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5 ;;
     reliability) timeout 200 python3 -m pytest -q tests/test_reliability_gpu.py -p no:cacheprovider 2>&1 \
              | tee "$OUT/reliability.log" | tail -8 ;;

@@ -100,6 +100,7 @@ for tokens in TOKENS:
         row = [str(tokens), name]
         for label, max_tokens, threads in settings:
             rope.DIRECT_MAX_TOKENS, rope.DIRECT_THREADS = max_tokens, threads
+            rope.DIRECT_WITH_CACHE = max_tokens > 0
             for IMPL in IMPLS:
                 rope._plans = _arrays.PlanCache()
                 d = made[0]

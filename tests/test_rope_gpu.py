@@ -22,6 +22,7 @@ def kernel(request, monkeypatch):
     """Runs a test with each RoPE kernel: the block kernel (cos/sin shared by a block's heads) and the
     direct one (one item a thread; what the planner takes for small calls). Returns its name's start."""
     monkeypatch.setattr(rope_module, "DIRECT_MAX_TOKENS", 0 if request.param == "block" else 2**31)
+    monkeypatch.setattr(rope_module, "DIRECT_WITH_CACHE", request.param == "direct")
     monkeypatch.setattr(rope_module, "_plans", _arrays.PlanCache())
     return "rope_direct_kernel<" if request.param == "direct" else "rope_kernel<"
 
