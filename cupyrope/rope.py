@@ -124,17 +124,18 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
     can_vectorize = impl != "scalar" and not blockers
     direct = n_tokens <= DIRECT_MAX_TOKENS or (DIRECT_WITH_CACHE and cache is not None and can_vectorize)
     direct = direct and n_tokens * n_heads * head_dim < 2**31  # item indices in fast_div's range
-    # A direct thread computes the inv_freq and cos/sin of its own pairs: one pair, not 4-8 (each an exp).
-    vectorized = can_vectorize and not (direct and cache is None and impl == "auto")
+    vectorized = can_vectorize
 
     elems = 16 // _arrays.ITEMSIZE[dtype] if vectorized else (2 if style == "gptj" else 1)
     rot_lanes = rotary_dim // 2 // elems if style == "neox" else rotary_dim // elems
     copy_lanes = (head_dim - rotary_dim) // (elems if vectorized else 1) if copies else 0
     if n_tokens >= 2**31 or n_tokens * n_heads * max(rot_lanes, copy_lanes, 1) >= 2**32:
         raise ValueError(f"x: {n_tokens} tokens x {n_heads} heads is too many for one call; split it")
-    if direct:  # one item a thread: (token, head, lane), lanes rotating then copying
+    if direct:  # items (token, head, lane), lanes rotating then copying; one thread each, or one per
+        # frequency of a 16-byte item when the kernel computes the cos/sin
+        per_item = (elems if style == "neox" else elems // 2) if vectorized and cache is None else 1
         tokens, block = 0, DIRECT_THREADS
-        grid = -(-n_tokens * n_heads * (rot_lanes + copy_lanes) // block)
+        grid = -(-n_tokens * n_heads * (rot_lanes + copy_lanes) * per_item // block)
     else:
         # Tokens per block: enough items to keep every thread busy, few enough to spread over the SMs.
         tokens = max(1, ITEMS_PER_BLOCK // max(1, n_heads * (rot_lanes + copy_lanes)))

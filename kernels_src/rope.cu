@@ -283,20 +283,27 @@ __global__ void __launch_bounds__(BLOCK_THREADS, ROPE_MIN_BLOCKS) rope_kernel(co
     if (p.copy_lanes) copy_items<T, VEC, EC>(p, bt, rows * (unsigned)p.copy_lanes);
 }
 
-// Small calls (decode): one item a thread, no shared memory, no barrier. The block kernel runs its
-// position load, the cos/sin and the x loads one after the other (three memory round trips, which
-// a call of a few tokens pays in full); here a thread issues its x and position loads together and
-// computes (or reads) the cos/sin of its own frequencies, inv_freq's pow needing no input. Heads no
-// longer share the cos/sin, so this pays only while the call is small (rope.py: DIRECT_MAX_TOKENS).
-// Items: (token, head, lane) with lanes = rot_lanes rotating, then copy_lanes copying.
+// Small calls (decode), and calls with a cos/sin cache: no shared memory, no barrier. The block kernel
+// runs its position load, the cos/sin and the x loads one after the other (three memory round trips,
+// which a call of a few tokens pays in full); here a thread issues its x and position loads together
+// and reads (or computes) the cos/sin of its own item. Heads no longer share computed cos/sin, so with
+// in-kernel cos/sin this pays only while the call is small (rope.py: DIRECT_MAX_TOKENS).
+// Items: (token, head, lane) with lanes = rot_lanes rotating, then copy_lanes copying. One thread an
+// item, except for in-kernel cos/sin of 16-byte items: there G = F threads share one, each computing
+// one frequency's cos/sin (an exp and a sincos: 8 in one thread measured 1.7x slower at decode), and
+// the group's first thread gathers them by shuffles and moves the item.
 template <typename T, typename C, typename P, int STYLE, bool VEC, bool CACHE>
 __global__ void __launch_bounds__(DIRECT_MAX_THREADS) rope_direct_kernel(const RopeParams p) {
     constexpr int E = ELEMS<T, STYLE, VEC>, EC = COPY_ELEMS<T, VEC>;
     constexpr int F = STYLE == NEOX ? E : E / 2;  // frequencies per item
+    constexpr unsigned G = VEC && !CACHE ? F : 1;   // threads per item (a power of two, <= 8)
     const unsigned rot_lanes = (unsigned)p.rot_lanes, lanes = rot_lanes + (unsigned)p.copy_lanes;
-    const unsigned item = blockIdx.x * blockDim.x + threadIdx.x;  // rope.py keeps items < 2^31
+    const unsigned thread = blockIdx.x * blockDim.x + threadIdx.x;  // rope.py keeps it < 2^31
+    const unsigned item = thread / G, k = thread % G;
     const unsigned row = fast_div(item, p.div_lanes), lane = item - row * lanes;
     const unsigned n_heads = (unsigned)p.n_heads, token = fast_div(row, p.div_heads);
+    unsigned rotating = 0;  // the lanes of this warp whose item rotates (a group is all in or all out)
+    if constexpr (G > 1) rotating = __ballot_sync(0xffffffffu, token < p.n_tokens && lane < rot_lanes);
     if (token >= p.n_tokens) return;
     i64 offset[4];
     const i64 pos = token_rows<P, true>(p, token, offset);
@@ -305,22 +312,37 @@ __global__ void __launch_bounds__(DIRECT_MAX_THREADS) rope_direct_kernel(const R
     T* out = static_cast<T*>(it.out);
     if (lane >= rot_lanes) {  // out of place with rot_dim < head_dim: a chunk past rot_dim, copied
         const i64 at = p.rot_dim + (i64)(lane - rot_lanes) * EC;
-        store_pack<VEC, EC>(out + at, load_pack<VEC, EC>(in + at));
+        if (k == 0) store_pack<VEC, EC>(out + at, load_pack<VEC, EC>(in + at));
         return;
     }
     const i64 f0 = (i64)lane * F, half = p.rot_dim / 2;
-    const Pack<T, E> x1 = load_pack<VEC, E>(in + (STYLE == NEOX ? f0 : 2 * f0));
-    Pack<T, E> x2;
-    if constexpr (STYLE == NEOX) x2 = load_pack<VEC, E>(in + f0 + half);
+    Pack<T, E> x1, x2;
+    if (k == 0) {
+        x1 = load_pack<VEC, E>(in + (STYLE == NEOX ? f0 : 2 * f0));
+        if constexpr (STYLE == NEOX) x2 = load_pack<VEC, E>(in + f0 + half);
+    }
     Pack<float, F> c, s;
+    if constexpr (G > 1) {
+        float ck, sk;
+        exact_sincos(pos, inv_freq_of(p, (int)(f0 + k)), sk, ck);
+        if (p.inverse) sk = -sk;
+        const int first = (threadIdx.x & 31) - k;
 #pragma unroll
-    for (int i = 0; i < F; ++i) {
-        if constexpr (CACHE) {
-            cached_cos_sin<C>(p, pos, (int)f0 + i, (int)half, c.v[i], s.v[i]);
-        } else {
-            exact_sincos(pos, inv_freq_of(p, (int)f0 + i), s.v[i], c.v[i]);
+        for (int i = 0; i < F; ++i) {
+            c.v[i] = __shfl_sync(rotating, ck, first + i);
+            s.v[i] = __shfl_sync(rotating, sk, first + i);
         }
-        if (p.inverse) s.v[i] = -s.v[i];
+        if (k != 0) return;
+    } else {
+#pragma unroll
+        for (int i = 0; i < F; ++i) {
+            if constexpr (CACHE) {
+                cached_cos_sin<C>(p, pos, (int)f0 + i, (int)half, c.v[i], s.v[i]);
+            } else {
+                exact_sincos(pos, inv_freq_of(p, (int)f0 + i), s.v[i], c.v[i]);
+            }
+            if (p.inverse) s.v[i] = -s.v[i];
+        }
     }
     rotate_store<T, STYLE, VEC, E, F>(x1, x2, c, s, out, f0, half);
 }
