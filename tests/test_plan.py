@@ -39,23 +39,23 @@ def test_llama_prefill_bf16_is_vectorized_and_shares_cos_sin():
     assert p.shared_mem == 2 * 128 * 4  # one cos/sin row per token of the block
 
 
-def test_decode_takes_the_direct_kernel_one_thread_a_frequency():
+def test_decode_takes_the_direct_kernel_one_pair_a_thread():
     q, k = arr((1, 32, 128)), arr((1, 8, 128), ptr=BASE + 4096 * 2)
     p = plan([(q, q), (k, k)], arr((1,), "int32"))
-    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, int, 0, true, false>"
-    # 40 heads x 8 lanes of 16-byte items, each shared by the 8 threads computing its 8 cos/sin
-    assert p.lanes == (8, 0) and p.block == (64, 1) and p.grid == 40 * 8 * 8 // 64 and p.shared_mem == 0
-    gptj = plan([(q, q), (k, k)], arr((1,), "int32"), style="gptj")  # 4 pairs in 16 bytes of bf16
+    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, int, 0, false, false>"
+    assert p.lanes == (64, 0) and p.block == (64, 1) and p.grid == 40 and p.shared_mem == 0  # 40 heads x 64
+    # Forced 16-byte items: each shared by the 8 threads computing its 8 cos/sin (40 heads x 8 lanes x 8).
+    vector = plan([(q, q), (k, k)], arr((1,), "int32"), impl="vector")
+    assert vector.vectorized and vector.lanes == (8, 0) and vector.grid == 40 * 8 * 8 // 64
+    gptj = plan([(q, q), (k, k)], arr((1,), "int32"), style="gptj", impl="vector")  # 4 pairs in 16 bytes
     assert gptj.lanes == (16, 0) and gptj.grid == 40 * 16 * 4 // 64
-    scalar = plan([(q, q), (k, k)], arr((1,), "int32"), impl="scalar")  # one pair a thread
-    assert not scalar.vectorized and scalar.lanes == (64, 0) and scalar.grid == 40
 
 
 @pytest.mark.parametrize("tokens,direct", [(1, True), (64, True), (65, False), (32768, False)])
 def test_in_kernel_cos_sin_take_the_block_kernel_past_64_tokens(tokens, direct):
     x, y = arr((tokens, 32, 128)), arr((tokens, 32, 128), ptr=BASE + 2**30)
     p = plan([(x, y)], arr((tokens,), "int64"))
-    assert ("rope_direct_kernel<" in p.name) == direct and p.vectorized
+    assert ("rope_direct_kernel<" in p.name) == direct and p.vectorized != direct
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 65, 32768])
