@@ -4,7 +4,8 @@
 // is computed (or read from the cache) exactly once, into shared memory. Phase 2: the block's threads
 // stream independent items (token, head, lane) -- all q heads, then all k heads -- each item one
 // 16-byte chunk of a head (or one pair when scalar), several items in flight per thread.
-// Small calls (decode) take rope_direct_kernel instead: one item a thread, no shared memory.
+// Small calls (decode) and calls with a cos/sin cache take rope_direct_kernel instead: one item a
+// thread, no shared memory (see there).
 // Template parameters pick the variant:
 //   T      element type of q/k (float, __half, __nv_bfloat16)
 //   C      element type of the cos/sin cache (float or T; unused without CACHE)
