@@ -178,6 +178,23 @@ def test_out_of_range_cache_positions_give_nan_and_never_read_outside(rng, kerne
     assert_ran(kernel)
 
 
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_cache_rows_off_16_byte_boundaries(rng, style, cache_dtype, kernel):
+    """A column-offset cache view (rows off 16-byte boundaries): the same results as an aligned cache."""
+    shape, rotary_dim, max_pos = (21, 3, 128), 128, 500
+    x_host = random_host(shape, "bfloat16", rng)
+    table = reference.round_to(reference.rope_cache(max_pos, rotary_dim, 10000.0), cache_dtype)
+    padded = np.full((max_pos, rotary_dim + 1), np.nan)
+    padded[:, 1:] = table
+    cache = to_device(padded, cache_dtype, "cupy")[:, 1:]
+    pos_host = rng.integers(0, max_pos, shape[0])
+    out = cupyrope.rope(to_device(x_host, "bfloat16", "cupy"), index_to_device(pos_host, "cupy"), style=style,
+                        cos_sin_cache=cache, impl="vector")
+    assert_matches(to_host(out), reference.rope(x_host, pos_host, style=style, cos_sin_cache=table), "bfloat16")
+    assert_ran(kernel)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_cache_matches_reference(kind, dtype):
