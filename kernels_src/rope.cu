@@ -29,7 +29,7 @@ constexpr int GPTJ = 1;
 #endif
 constexpr int UNROLL = ROPE_ITEM_UNROLL;
 constexpr int BLOCK_THREADS = 256;
-constexpr int DIRECT_MAX_THREADS = 256;  // rope.py: DIRECT_THREADS
+constexpr int DIRECT_MAX_THREADS = 256;  // the most threads a block rope.py's DIRECT_THREADS may ask for
 constexpr int MAX_BLOCK_TOKENS = 64;  // rope.py keeps tokens_per_block * rot_dim * 4 bytes <= 32 KiB
 constexpr int MAX_ROTARY_DIM = 1024;  // rope.py checks it
 

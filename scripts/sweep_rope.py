@@ -44,20 +44,16 @@ def inputs(tokens, copies):
     return made
 
 
-def host(t):
-    return t.detach().float().cpu().numpy().astype(np.float64)
-
-
-def cases():
-    """name -> (call(d), check(d, result))."""
+def cases(impl):
+    """name -> call(d), returning what it wrote: q alone (32 heads) or q and k in one launch."""
     def q_only(cache):
-        return lambda d: cupyrope.rope(d["x"][:, :32], d["pos"], out=d["out"][:, :32], cos_sin_cache=cache, impl=IMPL)
+        return lambda d: cupyrope.rope(d["x"][:, :32], d["pos"], out=d["out"][:, :32], cos_sin_cache=cache, impl=impl)
 
     def qk(cache):
         def run(d):
             x, out = d["x"], d["out"]
             cupyrope.rope_qk(x[:, :32], x[:, 32:], d["pos"], out=(out[:, :32], out[:, 32:]), cos_sin_cache=cache,
-                             impl=IMPL)
+                             impl=impl)
             return out
         return run
 
@@ -66,8 +62,8 @@ def cases():
 
 def check(name, d, result):
     heads = 32 if name.startswith("q ") else HEADS
-    expected = reference.rope(host(d["x"][:, :heads]), d["pos"].cpu().numpy())
-    got = host(result[:, :heads])
+    expected = reference.rope(bench._host(torch, d["x"][:, :heads]), d["pos"].cpu().numpy())
+    got = bench._host(torch, result[:, :heads])
     tol = 1e-5 if DTYPE == torch.float32 else 2**-7
     err = np.abs(got - expected).max() / max(1.0, np.abs(expected).max())
     assert err <= tol, f"{name}: error {err:.3g}"
@@ -96,12 +92,13 @@ for tokens in TOKENS:
     made = inputs(tokens, bench.copies_for(nbytes))
     compile_us = time_us(lambda d: compiled(d["x"][:, :32], COS, SIN, d["pos"]), made)
     empty_us = time_us(launch_empty, made)
-    for name, fn in cases().items():
+    for name in cases("auto"):
         row = [str(tokens), name]
         for label, max_tokens, threads in settings:
             rope.DIRECT_MAX_TOKENS, rope.DIRECT_THREADS = max_tokens, threads
             rope.DIRECT_WITH_CACHE = max_tokens > 0
-            for IMPL in IMPLS:
+            for impl in IMPLS:
+                fn = cases(impl)[name]
                 rope._plans = _arrays.PlanCache()
                 d = made[0]
                 d["out"].fill_(float("nan"))
