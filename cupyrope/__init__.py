@@ -1,7 +1,7 @@
 """cupyrope: fused RoPE and RMSNorm CUDA kernels for CuPy arrays and torch tensors, compiled at run time
 with NVRTC (no compiler toolchain, no build step)."""
 
-from . import reference
+from . import reference, rope_scaling
 from ._cupy import vet_cache_dir
 from ._compile import KernelCompileError
 from .rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_backward
@@ -21,4 +21,5 @@ __all__ = [
     "rope_",
     "rope_cache",
     "rope_qk",
+    "rope_scaling",
 ]

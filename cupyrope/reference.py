@@ -6,6 +6,8 @@ half), NeoX pairs (i, i + r/2), GPT-J pairs (2i, 2i + 1), and y = x / sqrt(mean(
 
 import numpy as np
 
+from .rope_scaling import frequencies, inv_freq  # noqa: F401 (inv_freq: part of the reference API)
+
 STYLES = ("neox", "gptj")
 
 
@@ -19,15 +21,12 @@ def round_to(values, dtype: str) -> np.ndarray:
     return values.astype(dtype).astype(np.float64)
 
 
-def inv_freq(rotary_dim: int, theta: float = 10000.0) -> np.ndarray:
-    """theta^(-2i/rotary_dim) for i < rotary_dim/2, in float64 (the kernels use the same formula)."""
-    return np.power(float(theta), -2.0 * np.arange(rotary_dim // 2, dtype=np.float64) / rotary_dim)
-
-
-def rope_cache(max_position: int, rotary_dim: int, theta: float = 10000.0) -> np.ndarray:
-    """[max_position, rotary_dim] float64: cos of every angle, then sin (vLLM's layout)."""
-    angles = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq(rotary_dim, theta)
-    return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1)
+def rope_cache(max_position: int, rotary_dim: int, theta: float = 10000.0, scaling=None) -> np.ndarray:
+    """[max_position, rotary_dim] float64: cos of every angle, then sin (vLLM's layout). ``scaling``: a
+    Hugging Face rope_scaling dict (cupyrope.rope_scaling), whose attention factor multiplies both."""
+    freqs, attention_factor = frequencies(rotary_dim, theta, scaling)
+    angles = np.arange(max_position, dtype=np.float64)[:, None] * freqs
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1) * attention_factor
 
 
 def _cos_sin(positions, leading_ndim, rotary_dim, theta, cos_sin_cache):

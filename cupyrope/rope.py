@@ -9,7 +9,7 @@ import struct
 
 import numpy as np
 
-from . import _arrays, _launch
+from . import _arrays, _launch, rope_scaling
 from ._arrays import (CTYPE, FLOAT_DTYPES, INDEX_DTYPES, EmptyPlan, check_not_overlapping, describe, describe_optional,
                       fingerprint, fingerprint_optional)
 from ._compile import get_kernel
@@ -374,10 +374,13 @@ def _prepare_launch(plan: RopePlan, like) -> None:
     plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 6, plan.tail, like.device, like.kind, plan.shared_mem)
 
 
-def rope_cache(max_position, rotary_dim, theta=10000.0, *, dtype="float32", kind="cupy", device=0):
+def rope_cache(max_position, rotary_dim, theta=10000.0, *, scaling=None, dtype="float32", kind="cupy",
+               device=0):
     """The (max_position, rotary_dim) cos/sin table in vLLM's layout, computed in float64 and rounded
     once to ``dtype``; returned as a CuPy array (kind="cupy") or a torch tensor (kind="torch") on
-    ``device``. A setup-time helper: it builds the table on the host and copies it over."""
+    ``device``. ``scaling``: a Hugging Face ``rope_scaling``/``rope_parameters`` dict for long-context
+    models ("linear", "llama3" or "yarn"; see cupyrope.rope_scaling). A setup-time helper: it builds
+    the table on the host and copies it over."""
     from . import reference
 
     if isinstance(max_position, bool) or not isinstance(max_position, (int, np.integer)) or max_position < 1:
@@ -390,8 +393,9 @@ def rope_cache(max_position, rotary_dim, theta=10000.0, *, dtype="float32", kind
         raise TypeError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype!r}")
     if kind not in ("cupy", "torch"):
         raise ValueError(f"kind: expected 'cupy' or 'torch', got {kind!r}")
+    rope_scaling.check_scaling(scaling, theta)
     # Round float64 -> dtype once, on the host (torch's double -> half cast rounds twice, via float).
-    host = reference.rope_cache(int(max_position), int(rotary_dim), theta).astype(_arrays._cupy_dtype(dtype))
+    host = reference.rope_cache(int(max_position), int(rotary_dim), theta, scaling).astype(_arrays._cupy_dtype(dtype))
     if kind == "torch":
         import torch
 

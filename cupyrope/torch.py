@@ -20,6 +20,7 @@ from .rope import rope as _rope
 from .rope import rope_cache as _rope_cache
 from .rope import rope_qk as _rope_qk
 from . import reference as _reference
+from . import rope_scaling as _rope_scaling
 
 __all__ = ["RMSNorm", "RotaryEmbedding", "fused_add_rms_norm", "rms_norm", "rope", "rope_qk", "rope_qk_"]
 
@@ -307,21 +308,42 @@ class RotaryEmbedding(nn.Module):
     """RoPE for (q, k, positions): ``forward(q, k, positions, inplace=False) -> (q, k)``.
 
     By default cos/sin are computed in the kernel from theta (exact to fp32 rounding, no table);
-    ``use_cache=True`` builds a (max_position, rotary_dim) fp32 cos/sin buffer instead (vLLM layout)."""
+    ``use_cache=True`` builds a (max_position, rotary_dim) fp32 cos/sin buffer instead (vLLM layout).
+    ``scaling`` (a Hugging Face rope_scaling dict: "linear", "llama3", "yarn") always uses the buffer,
+    built with the scaled frequencies. ``from_hf_config`` reads all of it from a model config."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float = 10000.0, style: str = "neox",
-                 rotary_dim: Optional[int] = None, use_cache: bool = False, device=None):
+                 rotary_dim: Optional[int] = None, use_cache: Optional[bool] = None, scaling: Optional[dict] = None,
+                 device=None):
         super().__init__()
         self.head_dim = head_dim
         self.max_position = max_position
         self.theta = float(theta)
         self.style = style
         self.rotary_dim = rotary_dim or head_dim
+        self.scaling = None if _rope_scaling.check_scaling(scaling, self.theta) == "default" else dict(scaling)
+        if self.scaling is not None and use_cache is False:
+            raise ValueError("use_cache: scaled RoPE (scaling=...) needs the cos/sin table; leave use_cache unset")
         cache = None
-        if use_cache:
-            table = _reference.rope_cache(max_position, self.rotary_dim, self.theta)
+        if use_cache or self.scaling is not None:
+            table = _reference.rope_cache(max_position, self.rotary_dim, self.theta, self.scaling)
             cache = torch.from_numpy(table.astype("float32")).to(device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    @classmethod
+    def from_hf_config(cls, config, max_position: Optional[int] = None, device=None) -> "RotaryEmbedding":
+        """The RoPE of a Hugging Face model config (transformers 4's rope_theta / rope_scaling /
+        partial_rotary_factor, or 5's rope_parameters), NeoX style (rotate_half, as in transformers).
+        max_position defaults to the config's max_position_embeddings."""
+        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        if any(isinstance(value, dict) for value in params.values()):
+            raise ValueError("config: per-layer rope_parameters (one dict per layer type) are not supported; "
+                             "build one RotaryEmbedding per layer type")
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+        return cls(head_dim, max_position or config.max_position_embeddings, theta=theta,
+                   rotary_dim=int(head_dim * partial), scaling=params or None, device=device)
 
     def forward(self, q: Tensor, k: Tensor, positions: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor]:
         options = dict(theta=self.theta, style=self.style, rotary_dim=self.rotary_dim, cos_sin_cache=self.cos_sin_cache)
@@ -330,12 +352,14 @@ class RotaryEmbedding(nn.Module):
         return rope_qk(q, k, positions, **options)
 
     def extra_repr(self) -> str:
+        scaling = "" if self.scaling is None else f", scaling={self.scaling}"
         return (f"head_dim={self.head_dim}, max_position={self.max_position}, theta={self.theta}, "
-                f"style={self.style!r}, rotary_dim={self.rotary_dim}")
+                f"style={self.style!r}, rotary_dim={self.rotary_dim}{scaling}")
 
 
-def rope_cache(max_position: int, rotary_dim: int, theta: float = 10000.0, *, dtype=torch.float32, device="cuda"):
+def rope_cache(max_position: int, rotary_dim: int, theta: float = 10000.0, *, scaling: Optional[dict] = None,
+               dtype=torch.float32, device="cuda"):
     """``cupyrope.rope_cache`` as a torch tensor on ``device``."""
     index = torch.device(device).index or 0
-    return _rope_cache(max_position, rotary_dim, theta, dtype=str(dtype).removeprefix("torch."), kind="torch",
-                       device=index)
+    return _rope_cache(max_position, rotary_dim, theta, scaling=scaling, dtype=str(dtype).removeprefix("torch."),
+                       kind="torch", device=index)

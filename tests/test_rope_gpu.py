@@ -203,6 +203,31 @@ def test_rope_cache_matches_reference(kind, dtype):
     np.testing.assert_array_equal(to_host(cache), reference.round_to(reference.rope_cache(1000, 64, 500000.0), dtype))
 
 
+SCALINGS = {  # Llama 3.1's, and DeepSeek-V3's YaRN (its attention factor scales cos and sin)
+    "llama3": (500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192}),
+    "yarn": (10000.0, {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 0.707,
+                       "mscale_all_dim": 1.0}),
+}
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_scaled_cache(rng, kind, cache_dtype, scaling, kernel):
+    """rope_cache(scaling=...) on the device equals the float64 table rounded once, and rotates like it."""
+    theta, config = SCALINGS[scaling]
+    max_pos, shape = 20000, (19, 5, 128)
+    cache = cupyrope.rope_cache(max_pos, 128, theta, scaling=config, dtype=cache_dtype, kind=kind)
+    table = reference.round_to(reference.rope_cache(max_pos, 128, theta, config), cache_dtype)
+    np.testing.assert_array_equal(to_host(cache), table)
+    x_host = random_host(shape, "bfloat16", rng)
+    pos_host = rng.integers(0, max_pos, shape[0])
+    out = cupyrope.rope(to_device(x_host, "bfloat16", kind), index_to_device(pos_host, kind), cos_sin_cache=cache)
+    assert_matches(to_host(out), reference.rope(x_host, pos_host, cos_sin_cache=table), "bfloat16")
+    assert_ran(kernel)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_zero_size_returns_at_once(kind):
     x = to_device(np.zeros((0, 4, 64)), "bfloat16", kind)

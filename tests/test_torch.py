@@ -209,6 +209,25 @@ def test_llama_block_matches_hf_formulas_forward_and_backward(dtype):
 
 
 @gpu
+def test_rotary_embedding_with_llama31_scaling_on_gpu(rng):
+    from types import SimpleNamespace
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    config = SimpleNamespace(hidden_size=4096, num_attention_heads=32, head_dim=None, max_position_embeddings=20000,
+                             rope_theta=500000.0, rope_scaling=scaling)
+    rotary = ct.RotaryEmbedding.from_hf_config(config).cuda()
+    assert rotary.cos_sin_cache.is_cuda
+    q, k = torch.randn(9, 32, 128, device="cuda"), torch.randn(9, 8, 128, device="cuda")
+    pos_host = rng.integers(0, 20000, 9)
+    q_out, k_out = rotary(q, k, torch.from_numpy(pos_host).cuda())
+    table = reference.round_to(reference.rope_cache(20000, 128, 500000.0, scaling), "float32")
+    for out, x in ((q_out, q), (k_out, k)):
+        expected = reference.rope(x.cpu().double().numpy(), pos_host, cos_sin_cache=table)
+        np.testing.assert_allclose(out.cpu().double().numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+@gpu
 def test_hf_transformers_modules_swap_in():
     modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
     hf = modeling.LlamaRMSNorm(512, eps=1e-5).cuda().to(torch.bfloat16)
