@@ -1,0 +1,42 @@
+"""The parameter structs the launcher packs on the host mirror the kernels' structs, field for field
+(a mismatch would shift every field after it: silent garbage). Reads the .cu text; no GPU, no CuPy."""
+
+import importlib
+import re
+
+import pytest
+
+from cupyrope import _sources
+
+
+def _struct_format(source: str, name: str) -> str:
+    """struct.Struct codes of a kernel parameter struct's fields, read from its source text: pointers
+    'Q', i64 'q', double 'd', float 'f' (arrays repeat their code)."""
+    text = (_sources.kernels_dir() / source).read_text()
+    body = re.search(r"struct " + name + r" \{(.*?)\n\};", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    codes = []
+    for declaration in filter(None, (d.strip() for d in body.split(";"))):
+        kind, names = re.match(r"((?:const )?\w+\*?)\s+(.*)", declaration, re.S).groups()
+        code = "Q" if kind.endswith("*") else {"i64": "q", "double": "d", "float": "f"}[kind]
+        for field in names.split(","):
+            count = re.search(r"\[(\d+)\]", field)
+            codes.append(code * (int(count.group(1)) if count else 1))
+    return "".join(codes)
+
+
+def _expand(fmt: str) -> str:
+    return "".join(code * int(n or 1) for n, code in re.findall(r"(\d*)([a-zA-Z])", fmt.lstrip("<")))
+
+
+@pytest.mark.parametrize("source,name,pointers,tail", [
+    ("rope.cu", "RopeParams", 6, "cupyrope.rope:_TAIL"),
+    ("rms_norm.cu", "NormParams", 5, "cupyrope.rmsnorm:_FWD_TAIL"),
+    ("rms_norm.cu", "NormBwdParams", 6, "cupyrope.rmsnorm:_BWD_TAIL"),
+    ("rms_norm.cu", "DweightParams", 2, "cupyrope.rmsnorm:_DW_TAIL"),
+])
+def test_parameter_structs_mirror_the_kernels(source, name, pointers, tail):
+    """The launcher packs pointers then the planner's tail: field for field what the kernel's struct holds."""
+    module, attribute = tail.split(":")
+    packed = getattr(importlib.import_module(module), attribute)
+    assert _struct_format(source, name) == "Q" * pointers + _expand(packed.format)
