@@ -2,7 +2,9 @@
 kernel (rope.DIRECT_MAX_TOKENS) over token counts, with torch.compile of the cos/sin-cache formula.
 
 Usage: python scripts/sweep_rope.py [--tokens 1,2,4,...] [--threads 32,64,128] [--f32]
-The last column is the floor: an empty CuPy kernel launched in the same kind of graph.
+The last columns are floors: an empty CuPy kernel launched in the same kind of graph, and empty kernels
+taking an 8-byte and a RopeParams-sized struct through cupyrope's launcher (does the size of the
+parameter block cost launch time?).
 Each cupyrope setting is checked against the float64 reference before it is timed. GPU time per call:
 the benchmark suite's CUDA-graph replay over enough input copies to defeat the L2.
 """
@@ -16,7 +18,7 @@ import numpy as np
 import torch
 
 import cupyrope
-from cupyrope import _arrays, bench, reference
+from cupyrope import _arrays, _launch, bench, reference
 
 rope = importlib.import_module("cupyrope.rope")  # the module (cupyrope.rope is the function)
 
@@ -82,16 +84,29 @@ def launch_empty(d):
         EMPTY((1,), (32,), ())
 
 
+def empty_launcher(n_bytes):
+    """An empty kernel with an n_bytes struct parameter, launched like a RoPE plan (torch's stream)."""
+    raw = cupy.RawKernel(f'struct P {{ unsigned long long v[{n_bytes // 8}]; }};\n'
+                         f'extern "C" __global__ void empty_{n_bytes}(P p) {{}}', f"empty_{n_bytes}")
+    launch = _launch.Launch(type("Kernel", (), {"ptr": raw.kernel.ptr})(), 1, (32, 1), 0, bytes(n_bytes), 0, "torch")
+    return lambda d: launch()
+
+
+PARAM_BYTES = 6 * 8 + rope._TAIL.size
+EMPTY_SMALL, EMPTY_ROPE_SIZED = empty_launcher(8), empty_launcher(PARAM_BYTES)
+
+
 print(f"{torch.cuda.get_device_name()}, {DTYPE}, [T, {HEADS} heads, {D}]; GPU us per call (graph replay)")
 settings = [("block", 0, 256)] + [(f"direct {t}", 10**9, t) for t in THREADS]
 IMPLS = ("auto", "vector", "scalar")
-header = ["T", "case"] + [f"{s} {impl}" for s, _, _ in settings for impl in IMPLS] + ["compile", "empty kernel"]
+header = (["T", "case"] + [f"{s} {impl}" for s, _, _ in settings for impl in IMPLS]
+          + ["compile", "empty kernel", "empty, 8 B param", f"empty, {PARAM_BYTES} B param"])
 print(" | ".join(header))
 for tokens in TOKENS:
     nbytes = 2 * tokens * HEADS * D * DTYPE.itemsize
     made = inputs(tokens, bench.copies_for(nbytes))
     compile_us = time_us(lambda d: compiled(d["x"][:, :32], COS, SIN, d["pos"]), made)
-    empty_us = time_us(launch_empty, made)
+    empty_us = [time_us(fn, made) for fn in (launch_empty, EMPTY_SMALL, EMPTY_ROPE_SIZED)]
     for name in cases("auto"):
         row = [str(tokens), name]
         for label, max_tokens, threads in settings:
@@ -104,5 +119,5 @@ for tokens in TOKENS:
                 d["out"].fill_(float("nan"))
                 check(name, d, fn(d))
                 row.append(f"{time_us(fn, made):.2f}")
-        row += [f"{compile_us:.2f}", f"{empty_us:.2f}"] if name == "q cache" else ["", ""]
+        row += [f"{us:.2f}" for us in (compile_us, *empty_us)] if name == "q cache" else [""] * 4
         print(" | ".join(row), flush=True)
