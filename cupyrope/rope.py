@@ -288,10 +288,9 @@ def rope_(x, positions, **options):
 
 def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None,
             inverse=False, impl="auto", out=None):
-    """Rotate q (..., Hq, head_dim) and k (..., Hk, head_dim) in one launch; cos/sin are computed once
-    per token and shared by all heads. In place by default; out=(q_out, k_out) writes elsewhere. q and
-    k may be strided views (e.g. column slices of a fused qkv tensor) as long as their last dimension
-    is contiguous. Returns (q, k), or out."""
+    """Rotate q (..., Hq, head_dim) and k (..., Hk, head_dim) in one launch (options as in rope()). In
+    place by default; out=(q_out, k_out) writes elsewhere. q and k may be strided views (e.g. column
+    slices of a fused qkv tensor) as long as their last dimension is contiguous. Returns (q, k), or out."""
     q_key, q_ptr = fingerprint(q, "q")
     k_key, k_ptr = fingerprint(k, "k")
     p_key, p_ptr = fingerprint(positions, "positions")
