@@ -93,21 +93,50 @@ def test_frequencies_match_the_transformers_formulas(model):
     assert not np.allclose(ours, reference.inv_freq(rotary_dim, theta))  # the scaling changed something
 
 
+def transformers_llama_config(rotary_dim, theta, scaling):
+    """A transformers LlamaConfig with this RoPE, as the installed version spells it (5: rope_parameters;
+    4: rope_theta and rope_scaling)."""
+    import transformers
+
+    kind = scaling.get("rope_type", scaling.get("type"))
+    rest = {k: v for k, v in scaling.items() if k not in ("type", "rope_type")}
+    sizes = dict(hidden_size=rotary_dim * 8, num_attention_heads=8, num_key_value_heads=2, head_dim=rotary_dim,
+                 max_position_embeddings=131072)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return transformers.LlamaConfig(**sizes, rope_parameters={"rope_type": kind, "rope_theta": theta, **rest})
+    return transformers.LlamaConfig(**sizes, rope_theta=theta, rope_scaling={"rope_type": kind, **rest})
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_frequencies_match_installed_transformers(model):
     """The real transformers functions (float32), when transformers is installed: same within fp32."""
     utils = pytest.importorskip("transformers.modeling_rope_utils", reason="transformers is not installed")
-    from transformers import LlamaConfig
-
     rotary_dim, theta, scaling = MODELS[model]
-    params = {"rope_type": scaling.get("rope_type", scaling.get("type")), "rope_theta": theta,
-              **{k: v for k, v in scaling.items() if k not in ("type", "rope_type")}}
-    config = LlamaConfig(hidden_size=rotary_dim * 8, num_attention_heads=8, head_dim=rotary_dim,
-                         max_position_embeddings=131072, rope_parameters=params)
-    theirs, their_attention = utils.ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+    config = transformers_llama_config(rotary_dim, theta, scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    theirs, their_attention = utils.ROPE_INIT_FUNCTIONS[kind](config, "cpu")
     ours, attention = rope_scaling.frequencies(rotary_dim, theta, scaling)
     np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=1e-6)
     assert attention == pytest.approx(their_attention, rel=1e-7)
+
+
+@pytest.mark.parametrize("model", ["llama-3.1", "qwen-2.5-yarn", "deepseek-v3-yarn", "gpt-oss-yarn"])
+def test_rotary_embedding_matches_installed_transformers_llama(model, rng):
+    """RotaryEmbedding.from_hf_config against transformers' LlamaRotaryEmbedding + apply_rotary_pos_emb
+    (float32 tables; positions below 100, where their fp32 angles are still accurate)."""
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama", reason="transformers is not installed")
+    torch = pytest.importorskip("torch")
+    ct = pytest.importorskip("cupyrope.torch")
+    config = transformers_llama_config(*MODELS[model])
+    rotary_dim = MODELS[model][0]
+    pos = torch.from_numpy(rng.integers(0, 100, 7))
+    q, k = torch.randn(1, 8, 7, rotary_dim), torch.randn(1, 2, 7, rotary_dim)  # (batch, heads, seq, dim)
+    cos, sin = modeling.LlamaRotaryEmbedding(config)(q, pos[None])
+    hf_q, hf_k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+    ours = ct.RotaryEmbedding.from_hf_config(config, max_position=100)
+    q_out, k_out = ours(q[0].transpose(0, 1), k[0].transpose(0, 1), pos)  # as (tokens, heads, dim)
+    torch.testing.assert_close(q_out, hf_q[0].transpose(0, 1), atol=3e-5, rtol=1e-5)
+    torch.testing.assert_close(k_out, hf_k[0].transpose(0, 1), atol=3e-5, rtol=1e-5)
 
 
 def test_llama3_keeps_short_wavelengths_and_slows_long_ones():
