@@ -59,8 +59,9 @@ def check_scaling(scaling, theta: float) -> str:
         raise ValueError(f"scaling: rope_type {name!r} needs " + ", ".join(missing))
     unknown = sorted(set(scaling) - set(required) - set(optional) - set(COMMON_KEYS))
     if unknown:
-        raise ValueError(f"scaling: unknown keys {unknown} for rope_type {name!r}; it takes "
-                         + ", ".join(required + optional))
+        takes = ", ".join(required + optional) or "no keys of its own"
+        raise ValueError(f"scaling: unknown keys {unknown} for rope_type {name!r} (it takes {takes}; also "
+                         f"{', '.join(COMMON_KEYS)})")
     if "rope_theta" in scaling and not math.isclose(float(scaling["rope_theta"]), float(theta), rel_tol=1e-12):
         raise ValueError(f"scaling: rope_theta {scaling['rope_theta']} differs from theta={theta}; pass "
                          f"theta={scaling['rope_theta']}")

@@ -180,6 +180,8 @@ BAD_SCALINGS = [
     ({"rope_type": "linear"}, ValueError, "scaling: rope_type 'linear' needs factor"),
     ({**LLAMA31, "low_freq_factr": 1.0}, ValueError, r"scaling: unknown keys \['low_freq_factr'\]"),
     ({**QWEN25_YARN, "beta_fst": 8}, ValueError, r"scaling: unknown keys \['beta_fst'\]"),
+    ({"rope_type": "default", "mrope_section": [16, 24, 24]}, ValueError,
+     r"scaling: unknown keys \['mrope_section'\] for rope_type 'default' \(it takes no keys of its own"),
     ({**LLAMA31, "rope_theta": 10000.0}, ValueError, r"scaling: rope_theta 10000.0 differs from theta=500000.0"),
     ({**LLAMA31, "factor": 0}, ValueError, "scaling: factor must be a finite number > 0"),
     ({**LLAMA31, "factor": float("inf")}, ValueError, "scaling: factor must be a finite number > 0"),
