@@ -9,7 +9,7 @@ import struct
 
 import numpy as np
 
-from . import _arrays, _launch, rope_scaling
+from . import _arrays, _launch
 from ._arrays import (CTYPE, FLOAT_DTYPES, INDEX_DTYPES, EmptyPlan, check_not_overlapping, describe, describe_optional,
                       fingerprint, fingerprint_optional)
 from ._compile import get_kernel
@@ -378,8 +378,8 @@ def rope_cache(max_position, rotary_dim, theta=10000.0, *, scaling=None, dtype="
     """The (max_position, rotary_dim) cos/sin table in vLLM's layout, computed in float64 and rounded
     once to ``dtype``; returned as a CuPy array (kind="cupy") or a torch tensor (kind="torch") on
     ``device``. ``scaling``: a Hugging Face ``rope_scaling``/``rope_parameters`` dict for long-context
-    models ("linear", "llama3" or "yarn"; see cupyrope.rope_scaling). A setup-time helper: it builds
-    the table on the host and copies it over."""
+    models ("linear", "llama3" or "yarn"; see cupyrope.rope_scaling), checked before anything reaches
+    the GPU. A setup-time helper: it builds the table on the host and copies it over."""
     from . import reference
 
     if isinstance(max_position, bool) or not isinstance(max_position, (int, np.integer)) or max_position < 1:
@@ -392,7 +392,6 @@ def rope_cache(max_position, rotary_dim, theta=10000.0, *, scaling=None, dtype="
         raise TypeError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype!r}")
     if kind not in ("cupy", "torch"):
         raise ValueError(f"kind: expected 'cupy' or 'torch', got {kind!r}")
-    rope_scaling.check_scaling(scaling, theta)
     # Round float64 -> dtype once, on the host (torch's double -> half cast rounds twice, via float).
     host = reference.rope_cache(int(max_position), int(rotary_dim), theta, scaling).astype(_arrays._cupy_dtype(dtype))
     if kind == "torch":

@@ -20,6 +20,9 @@ REQUIRED_KEYS = {
     "yarn": ("factor", "original_max_position_embeddings"),
 }
 OPTIONAL_KEYS = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")}
+NUMBER_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "attention_factor",
+               "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+SIGNED_KEYS = ("mscale", "mscale_all_dim")  # any finite number; the others must be > 0
 # Keys any config may carry: the type's name, and what rope_cache's own arguments already say
 # (rope_theta must then equal theta; partial_rotary_factor is rotary_dim / head_dim).
 COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
@@ -65,17 +68,11 @@ def check_scaling(scaling, theta: float) -> str:
     if "rope_theta" in scaling and not math.isclose(float(scaling["rope_theta"]), float(theta), rel_tol=1e-12):
         raise ValueError(f"scaling: rope_theta {scaling['rope_theta']} differs from theta={theta}; pass "
                          f"theta={scaling['rope_theta']}")
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-                "attention_factor", "beta_fast", "beta_slow"):
-        value = scaling.get(key)
+    for key in NUMBER_KEYS:
+        value, positive = scaling.get(key), key not in SIGNED_KEYS
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value <= 0):
-            raise ValueError(f"scaling: {key} must be a finite number > 0, got {value!r}")
-    for key in ("mscale", "mscale_all_dim"):
-        value = scaling.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value)):
-            raise ValueError(f"scaling: {key} must be a finite number, got {value!r}")
+                                  or not math.isfinite(value) or (positive and value <= 0)):
+            raise ValueError(f"scaling: {key} must be a finite number{' > 0' if positive else ''}, got {value!r}")
     if name == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ValueError(f"scaling: high_freq_factor ({scaling['high_freq_factor']}) must exceed low_freq_factor "
                          f"({scaling['low_freq_factor']})")
