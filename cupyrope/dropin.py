@@ -1,0 +1,298 @@
+"""Drop-in replacements for the RoPE call sites of transformers, Liger, vLLM and FlashInfer, with their
+signatures and semantics, on cupyrope's kernels; and ``patch_transformers(model)``, which swaps them
+into a loaded Hugging Face model after checking that they compute what the model's own code does.
+
+Their cos/sin arrive as tensors (transformers) or as a vLLM-layout table (vLLM, FlashInfer); the
+kernels read a vLLM-layout table indexed by position. For transformers' per-token cos/sin that table is
+built per call: one small copy of the distinct half of cos and of sin (B·S·rotary_dim/2 elements each,
+1/heads of the q/k traffic), then the table's row of each token is its position.
+"""
+
+import copy
+import functools
+import sys
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import torch as ct
+from .rope import rope_ as _rope_inplace
+
+__all__ = ["apply_rotary_pos_emb", "patch_transformers", "rotary_embedding"]
+
+COS_LAYOUTS = ("halves", "interleaved")
+
+
+def _cos_sin_table(cos: Tensor, sin: Tensor, cos_layout: str, like: Tensor) -> Tensor:
+    """(rows, rotary_dim) vLLM-layout table of per-token cos/sin (..., rotary_dim): the distinct
+    frequencies of cos, then those of sin, in fp32 or the dtype of ``like``."""
+    if cos_layout == "halves":  # transformers' cat((freqs, freqs)): cos(f) at f and at f + rotary_dim/2
+        half = cos.shape[-1] // 2
+        parts = (cos[..., :half], sin[..., :half])
+    else:  # repeat_interleave(freqs, 2) (GPT-J, Cohere): cos(f) at 2f and 2f + 1
+        parts = (cos[..., 0::2], sin[..., 0::2])
+    table = torch.cat(parts, dim=-1).reshape(-1, cos.shape[-1])
+    return table if table.dtype in (torch.float32, like.dtype) else table.float()
+
+
+def _check_cos_sin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, cos_layout: str) -> None:
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if sin.shape != cos.shape or sin.dtype != cos.dtype or sin.device != cos.device:
+        raise ValueError(f"sin: expected the shape, dtype and device of cos, {tuple(cos.shape)} {cos.dtype} on "
+                         f"{cos.device}; got {tuple(sin.shape)} {sin.dtype} on {sin.device}")
+    if cos_layout not in COS_LAYOUTS:
+        raise ValueError(f"cos_layout: expected one of {COS_LAYOUTS}, got {cos_layout!r}")
+    rotary_dim = cos.shape[-1] if cos.dim() else 0
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > q.shape[-1]:
+        raise ValueError(f"cos: expected a last dimension (the rotary dimension) that is even, >= 2 and at most "
+                         f"q's head_dim {q.shape[-1]}; got shape {tuple(cos.shape)}")
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise ValueError("cos: gradients with respect to cos and sin are not computed; pass cos.detach() and "
+                         "sin.detach(), or build them under torch.no_grad() as transformers does")
+
+
+def _token_positions(q: Tensor, k: Tensor, cos: Tensor, position_ids: Optional[Tensor], unsqueeze_dim: int) -> Tensor:
+    """The table row of every token, shaped to broadcast over q's and k's leading dimensions the way
+    ``cos.unsqueeze(unsqueeze_dim)`` does in transformers (aligned from the right)."""
+    if position_ids is not None and cos.dim() == 2:  # transformers < 4.38: cos (max_position, dim)[position_ids]
+        rows = position_ids
+    else:
+        rows = torch.arange(cos[..., 0].numel(), device=cos.device, dtype=torch.int32).view(cos.shape[:-1])
+    ndim = rows.dim() + 1  # that of the gathered cos
+    if not -ndim - 1 <= unsqueeze_dim < ndim:
+        raise ValueError(f"unsqueeze_dim: expected a dimension of cos before its last one (cos has {ndim} "
+                         f"dimensions), got {unsqueeze_dim}")
+    rows = rows.unsqueeze(unsqueeze_dim % (ndim + 1))
+    lead = q.dim() - 1
+    if rows.dim() > lead:
+        raise ValueError(f"cos: shape {tuple(cos.shape)} with unsqueeze_dim={unsqueeze_dim} has more leading "
+                         f"dimensions than q {tuple(q.shape)}")
+    rows = rows.view((1,) * (lead - rows.dim()) + tuple(rows.shape))
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != q.dim() or any(r not in (1, n) for r, n in zip(rows.shape, t.shape[:-1])):
+            raise ValueError(f"cos: shape {tuple(cos.shape)} with unsqueeze_dim={unsqueeze_dim} does not broadcast "
+                             f"to {name}'s leading dimensions {tuple(t.shape[:-1])}")
+    return rows if rows.device == q.device else rows.to(q.device)
+
+
+def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor] = None,
+                         unsqueeze_dim: int = 1, *, style: str = "neox", cos_layout: str = "halves"):
+    """transformers' ``apply_rotary_pos_emb`` (and Liger's ``liger_rotary_pos_emb``): returns
+    ``(q_embed, k_embed)``, out of place and differentiable in q and k.
+
+    ``cos``/``sin`` are the model's rotary embedding output, (batch or 1, seq, rotary_dim) in
+    ``cos_layout="halves"`` (transformers' ``cat((freqs, freqs))``; Cohere and GPT-J build
+    ``"interleaved"`` ones); ``unsqueeze_dim`` as in transformers (1 for q (B, H, S, D), 2 for
+    (B, S, H, D)). ``position_ids`` is used only with transformers < 4.38's (max_position, dim) cos.
+    ``style="neox"`` is transformers' rotate_half; ``"gptj"`` pairs features 2i and 2i+1 (Cohere, GLM).
+    A rotary_dim below head_dim rotates the first rotary_dim features and passes the rest through.
+    Like the kernels in Liger and vLLM it reads one cos and one sin per frequency: the two copies in
+    transformers' layout must be equal, which they are in every rotary embedding that builds them."""
+    _check_cos_sin(q, k, cos, sin, cos_layout)
+    positions = _token_positions(q, k, cos, position_ids, unsqueeze_dim)
+    table = _cos_sin_table(cos, sin, cos_layout, q)
+    if table.device != q.device:
+        table = table.to(q.device)
+    return ct.rope_qk(q, k, positions, style=style, rotary_dim=cos.shape[-1], cos_sin_cache=table)
+
+
+def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,
+                     cos_sin_cache: Tensor, is_neox: bool = True) -> None:
+    """vLLM's ``ops.rotary_embedding`` and FlashInfer's ``apply_rope_with_cos_sin_cache_inplace``: rotates
+    ``query`` and ``key`` in place. ``positions`` (num_tokens,) or (batch, seq); query/key (...,
+    heads * head_size) or (..., heads, head_size) over those leading dimensions; ``key`` may be None;
+    ``cos_sin_cache`` (max_position, rotary_dim), cos half then sin half."""
+    style = "neox" if is_neox else "gptj"
+    options = dict(style=style, rotary_dim=cos_sin_cache.shape[-1], cos_sin_cache=cos_sin_cache)
+    q = _heads_view(query, "query", positions, head_size)
+    if key is not None:
+        ct.rope_qk_(q, _heads_view(key, "key", positions, head_size), positions, **options)
+    elif ct._compiling() or q.device.type != "cuda":
+        q.copy_(ct.rope(q, positions, **options))
+    else:
+        _rope_inplace(q, positions, **options)
+
+
+def _heads_view(t: Tensor, name: str, positions: Tensor, head_size: int) -> Tensor:
+    """(*positions.shape, heads, head_size) view of t, with no copy."""
+    lead = tuple(positions.shape)
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    features = t.shape[len(lead):].numel() if t.dim() > len(lead) else 0
+    if tuple(t.shape[: len(lead)]) != lead or head_size <= 0 or features == 0 or features % head_size:
+        raise ValueError(f"{name}: expected shape {lead} + (heads * head_size,) or {lead} + (heads, head_size) "
+                         f"with head_size={head_size} (the leading dimensions are positions'), got {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected a contiguous last dimension (it is rotated in place), got strides {t.stride()}")
+    try:
+        return t.view(lead + (features // head_size, head_size))
+    except RuntimeError:
+        raise ValueError(f"{name}: its strides {t.stride()} do not split into heads of {head_size} without a copy; "
+                         "the heads of one token must be evenly spaced and each head contiguous") from None
+
+
+# ------------------------------------------------------------------------------------ patch_transformers
+
+
+class _Skip(Exception):
+    """Why one module or function of a model is left as it is."""
+
+
+def patch_transformers(model: torch.nn.Module, *, rope: bool = True, rms_norm: bool = True) -> dict:
+    """Swap cupyrope into a loaded Hugging Face model, in place: each ``*RMSNorm`` submodule becomes a
+    ``cupyrope.torch.RMSNorm`` sharing its weight, and the ``apply_rotary_pos_emb`` of each modeling
+    module the model uses becomes ``apply_rotary_pos_emb`` above (for every model of that type in the
+    process, as Liger's patches do).
+
+    Nothing is swapped on trust: each candidate is first run on small random CPU inputs next to its
+    replacement (RMSNorm: which of ``weight`` or ``1 + weight`` it scales by, with its own eps; RoPE: the
+    model's own rotary embedding gives cos/sin, whose layout and rotation style must be matched), and
+    left alone when they disagree. Returns ``{"rms_norm": [module names], "rope": [modeling modules],
+    "skipped": [(name, reason)]}``."""
+    report = {"rms_norm": [], "rope": [], "skipped": []}
+    if rms_norm:
+        _swap_rms_norms(model, report)
+    if rope:
+        _patch_rope_functions(model, report)
+    return report
+
+
+def _swap_rms_norms(model, report) -> None:
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if not type(child).__name__.endswith("RMSNorm") or isinstance(child, ct.RMSNorm):
+                continue
+            full_name = f"{parent_name}.{name}" if parent_name else name
+            try:
+                eps, offset = _rms_norm_behaviour(child)
+            except _Skip as why:
+                report["skipped"].append((full_name, str(why)))
+                continue
+            new = ct.RMSNorm(child.weight.shape[0], eps=eps, offset=offset, device="meta")
+            new.weight = child.weight  # the same Parameter: tied weights and optimizer state stay as they are
+            new.train(child.training)
+            setattr(parent, name, new)
+            report["rms_norm"].append(full_name)
+
+
+def _rms_norm_behaviour(module) -> tuple[float, float]:
+    """(eps, offset) with which cupyrope's RMSNorm computes what ``module`` does, or _Skip."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
+        raise _Skip("no 1-D weight parameter")
+    if not isinstance(eps, (int, float)) or not eps > 0:
+        raise _Skip("no positive variance_epsilon or eps attribute")
+    if module._forward_hooks or module._forward_pre_hooks:
+        raise _Skip("has forward hooks (e.g. accelerate's offloading), which a new module would lose")
+    try:
+        probe = copy.deepcopy(module).to(device="cpu", dtype=torch.float32)
+    except Exception as error:  # e.g. weights on the meta device
+        raise _Skip(f"cannot be copied to the CPU to check it ({type(error).__name__})") from None
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        probe.weight.copy_(torch.randn(probe.weight.shape, generator=g))
+        xs = [torch.randn(3, weight.shape[0], generator=g) * scale for scale in (1.0, 1e-3)]  # 1e-3: eps matters
+        try:
+            expected = [probe(x).float() for x in xs]
+        except Exception as error:
+            raise _Skip(f"its forward fails on a (3, hidden) input ({type(error).__name__})") from None
+        offsets = [offset for offset in (0.0, 1.0)
+                   if all(_close(ct.rms_norm(x, probe.weight, float(eps), offset), e) for x, e in zip(xs, expected))]
+    if len(offsets) != 1:
+        raise _Skip("computes neither x / rms(x) * weight nor x / rms(x) * (1 + weight) with its eps")
+    return float(eps), offsets[0]
+
+
+def _close(got: Tensor, expected: Tensor) -> bool:
+    return got.shape == expected.shape and torch.allclose(got.float(), expected.float(), rtol=1e-5, atol=1e-5)
+
+
+def _patch_rope_functions(model, report) -> None:
+    modeling_modules = {}
+    for module in model.modules():
+        source = sys.modules.get(type(module).__module__)
+        if callable(getattr(source, "apply_rotary_pos_emb", None)):
+            modeling_modules[source.__name__] = source
+    for name, source in modeling_modules.items():
+        original = source.apply_rotary_pos_emb
+        if getattr(original, "func", None) is apply_rotary_pos_emb:
+            continue  # patched already
+        try:
+            pairs = _model_cos_sin(model, source)
+            layouts = [_cos_layout(cos) for cos, _ in pairs]
+            styles = {_matching_style(original, cos, sin, layout) for (cos, sin), layout in zip(pairs, layouts)}
+            if len(set(layouts)) != 1 or len(styles) != 1:
+                raise _Skip("its rotary embeddings (one per layer type) differ in cos layout or rotation style")
+        except _Skip as why:
+            report["skipped"].append((f"{name}.apply_rotary_pos_emb", str(why)))
+            continue
+        source.apply_rotary_pos_emb = functools.partial(apply_rotary_pos_emb, style=styles.pop(), cos_layout=layouts[0])
+        report["rope"].append(name)
+
+
+def _model_cos_sin(model, source) -> list[tuple[Tensor, Tensor]]:
+    """(cos, sin) pairs, (1, 16, rotary_dim) at positions 1-16, from each rotary embedding module of the
+    model defined in ``source`` (each layer type of each), in fp32 on the CPU; _Skip unless they are."""
+    pairs = []
+    for module in model.modules():
+        if type(module).__module__ != source.__name__ or not type(module).__name__.endswith("RotaryEmbedding"):
+            continue
+        tensor = next(iter(module.buffers()), None)
+        device = tensor.device if tensor is not None else torch.device("cpu")
+        x = torch.zeros(1, device=device)
+        positions = torch.arange(1, 17, device=device)[None]
+        layer_types = getattr(module, "layer_types", None) or [None]
+        try:
+            with torch.no_grad():
+                for layer_type in layer_types:
+                    args = (x, positions) if layer_type is None else (x, positions, layer_type)
+                    pairs.append(tuple(t.float().cpu() for t in module(*args)))
+        except Exception as error:
+            raise _Skip(f"its {type(module).__name__} fails on (x, position_ids) ({type(error).__name__})") from None
+    if not pairs:
+        raise _Skip("no *RotaryEmbedding module of this modeling module in the model to read cos/sin from")
+    shapes = {tuple(c.shape) for c, _ in pairs}
+    if any(len(shape) != 3 or shape[:2] != (1, 16) for shape in shapes):
+        raise _Skip(f"its rotary embeddings give cos of shapes {sorted(shapes)}, expected (1, 16, rotary_dim)")
+    return pairs
+
+
+def _cos_layout(cos: Tensor) -> str:
+    half = cos.shape[-1] // 2
+    if torch.equal(cos[..., :half], cos[..., half:]):
+        return "halves"
+    if torch.equal(cos[..., 0::2], cos[..., 1::2]):
+        return "interleaved"
+    raise _Skip("its cos holds neither two equal halves nor equal neighbours (one value per frequency)")
+
+
+def _matching_style(original, cos, sin, layout) -> str:
+    """The rotation style ("neox" or "gptj") whose result equals ``original``'s on random q and k, in
+    both of transformers' call forms (q (B, H, S, D), and (B, S, H, D) with unsqueeze_dim=2) and with a
+    head_dim above rotary_dim where ``original`` takes one; _Skip unless exactly one matches."""
+    g = torch.Generator().manual_seed(0)
+    rotary_dim = cos.shape[-1]
+    full = (torch.randn(1, 4, 16, rotary_dim, generator=g), torch.randn(1, 2, 16, rotary_dim, generator=g))
+    wide = (torch.randn(1, 4, 16, rotary_dim + 16, generator=g), torch.randn(1, 2, 16, rotary_dim + 16, generator=g))
+    cases = [(full, {}), ((full[0].transpose(1, 2), full[1].transpose(1, 2)), {"unsqueeze_dim": 2}), (wide, {})]
+    styles = []
+    for style in ("neox", "gptj"):
+        for index, ((q, k), options) in enumerate(cases):
+            try:
+                expected = original(q, k, cos, sin, **options)
+            except Exception as error:
+                if index == 0:
+                    raise _Skip(f"it fails on (q, k, cos, sin) ({type(error).__name__})") from None
+                continue  # the model never calls it that way
+            got = apply_rotary_pos_emb(q, k, cos, sin, style=style, cos_layout=layout, **options)
+            if not (isinstance(expected, tuple) and len(expected) == 2 and all(map(_close, got, expected))):
+                break
+        else:
+            styles.append(style)
+    if len(styles) != 1:
+        raise _Skip(f"its results match {'both' if styles else 'neither'} of cupyrope's rotation styles")
+    return styles[0]

@@ -1,0 +1,443 @@
+"""cupyrope.dropin: transformers' / Liger's apply_rotary_pos_emb, vLLM's / FlashInfer's in-place
+rotary_embedding, and patch_transformers. The CPU tests (CI) run the same glue as the GPU (the cos/sin
+table and the positions it builds), through cupyrope.torch's CPU formulas; the GPU tests run the kernels."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dropin = pytest.importorskip("cupyrope.dropin")
+
+from cupyrope import reference  # noqa: E402
+from helpers import requires_torch_cuda  # noqa: E402
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}  # one output rounding of values below ~2
+
+
+def rotate_half(x):  # transformers (Llama)
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_every_two(x):  # transformers (Cohere, GLM)
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def hf_apply(q, k, cos, sin, unsqueeze_dim=1, style="neox", cos_layout="halves"):
+    """transformers' apply_rotary_pos_emb in float64: Llama's (neox, halves), Cohere's (gptj,
+    interleaved) and GLM's (gptj, halves: the first half repeated pairwise); the features past cos's
+    last dimension pass through (Phi-3, GLM)."""
+    cos, sin = cos.double().unsqueeze(unsqueeze_dim), sin.double().unsqueeze(unsqueeze_dim)
+    if style == "gptj" and cos_layout == "halves":
+        half = cos.shape[-1] // 2
+        cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+    rotate = rotate_half if style == "neox" else rotate_every_two
+    r = cos.shape[-1]
+    out = []
+    for x in (q.double(), k.double()):
+        out.append(torch.cat((x[..., :r] * cos + rotate(x[..., :r]) * sin, x[..., r:]), -1))
+    return out
+
+
+def random_cos_sin(lead, rotary_dim, cos_layout, g, dtype=torch.float32):
+    """HF-style cos/sin of random angles (any per-token angles, not only theta's), each frequency twice."""
+    angles = torch.rand(*lead, rotary_dim // 2, generator=g, dtype=torch.float64) * 2000 - 1000
+    if cos_layout == "halves":
+        emb = torch.cat((angles, angles), -1)
+    else:
+        emb = angles.repeat_interleave(2, -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def assert_close(got, expected, dtype):
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.double().cpu(), expected.double().cpu(), rtol=tol, atol=tol)
+
+
+@pytest.fixture
+def gen(rng):
+    return torch.Generator().manual_seed(int(rng.integers(2**31)))
+
+
+# ------------------------------------------------------------------------------------- CPU (runs in CI)
+
+LAYOUT_CASES = [
+    # (q shape, k heads, cos leading shape, unsqueeze_dim, rotary_dim)
+    ((2, 4, 5, 32), 2, (2, 5), 1, 32),  # transformers: q (B, H, S, D), cos (B, S, D)
+    ((2, 5, 4, 32), 2, (2, 5), 2, 32),  # q (B, S, H, D)
+    ((3, 4, 7, 64), 1, (1, 7), 1, 64),  # cos shared by the batch
+    ((2, 4, 5, 48), 2, (2, 5), 1, 16),  # partial rotary (Phi-3, GLM)
+    ((1, 2, 1, 16), 2, (1, 1), 1, 16),  # decode
+    ((2, 4, 5, 32), 2, (2, 5), -3, 32),  # negative unsqueeze_dim, as torch.unsqueeze takes it
+]
+
+
+@pytest.mark.parametrize("style,cos_layout", [("neox", "halves"), ("gptj", "interleaved"), ("gptj", "halves")])
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-u{c[3]}-r{c[4]}")
+def test_apply_rotary_pos_emb_matches_transformers_formula(case, style, cos_layout, gen):
+    q_shape, k_heads, lead, unsqueeze_dim, rotary_dim = case
+    head_axis = 1 if unsqueeze_dim % 4 == 1 else 2
+    k_shape = list(q_shape)
+    k_shape[head_axis] = k_heads
+    q, k = torch.randn(q_shape, generator=gen), torch.randn(k_shape, generator=gen)
+    cos, sin = random_cos_sin(lead, rotary_dim, cos_layout, gen)
+    got = dropin.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, style=style, cos_layout=cos_layout)
+    expected = hf_apply(q, k, cos, sin, unsqueeze_dim, style, cos_layout)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and g.dtype == q.dtype
+        assert_close(g, e, "float32")
+
+
+def test_apply_rotary_pos_emb_old_transformers_position_ids(gen):
+    """transformers < 4.38: cos (max_position, dim) gathered by position_ids inside the function."""
+    q, k = torch.randn(2, 4, 6, 32, generator=gen), torch.randn(2, 2, 6, 32, generator=gen)
+    cos, sin = random_cos_sin((50,), 32, "halves", gen)
+    position_ids = torch.randint(0, 50, (2, 6), generator=gen)
+    got = dropin.apply_rotary_pos_emb(q, k, cos, sin, position_ids)
+    expected = hf_apply(q, k, cos[position_ids], sin[position_ids])
+    for g, e in zip(got, expected):
+        assert_close(g, e, "float32")
+
+
+def test_apply_rotary_pos_emb_gradient_is_transformers_gradient(gen):
+    q, k = torch.randn(2, 4, 5, 32, generator=gen), torch.randn(2, 2, 5, 32, generator=gen)
+    cos, sin = random_cos_sin((2, 5), 32, "halves", gen)
+    weights = [torch.randn(t.shape, generator=gen) for t in (q, k)]
+    grads = []
+    for fn in (dropin.apply_rotary_pos_emb, hf_apply):
+        qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+        sum((w * out).sum() for w, out in zip(weights, fn(qq, kk, cos, sin))).backward()
+        grads.append((qq.grad, kk.grad))
+    for g, e in zip(*grads):
+        assert_close(g, e, "float32")
+
+
+def test_rotary_embedding_is_vllm_in_place(gen):
+    """vLLM's ops.rotary_embedding: query (tokens, heads * head_size), key (tokens, kv_heads * head_size),
+    here column slices of one fused qkv tensor, rotated in place; the cache in vLLM's layout."""
+    tokens, heads, kv_heads, head_size, rotary_dim = 9, 4, 2, 64, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, generator=gen)
+    query, key = qkv[:, : heads * head_size], qkv[:, heads * head_size: (heads + kv_heads) * head_size]
+    before = qkv.clone()
+    cache = torch.from_numpy(reference.rope_cache(100, rotary_dim, 10000.0)).float()
+    positions = torch.randint(0, 100, (tokens,), generator=gen)
+    for is_neox in (True, False):
+        qkv.copy_(before)
+        assert dropin.rotary_embedding(positions, query, key, head_size, cache, is_neox) is None
+        style = "neox" if is_neox else "gptj"
+        for got, x in ((query, before[:, : heads * head_size]), (key, before[:, heads * head_size: (heads + kv_heads) * head_size])):
+            x = x.reshape(tokens, -1, head_size).double().numpy()
+            expected = reference.rope(x, positions.numpy(), style=style, rotary_dim=rotary_dim, cos_sin_cache=cache.double().numpy())
+            assert_close(got.reshape(tokens, -1, head_size), torch.from_numpy(expected), "float32")
+        assert torch.equal(qkv[:, (heads + kv_heads) * head_size:], before[:, (heads + kv_heads) * head_size:])  # v untouched
+
+
+def test_rotary_embedding_batched_positions_and_no_key(gen):
+    """(batch, seq) positions with query (batch, seq, heads * head_size); key=None rotates query alone."""
+    query = torch.randn(2, 3, 4 * 32, generator=gen)
+    x = query.clone()
+    cache = torch.from_numpy(reference.rope_cache(10, 32, 500000.0)).float()
+    positions = torch.randint(0, 10, (2, 3), generator=gen)
+    dropin.rotary_embedding(positions, query, None, 32, cache)
+    expected = reference.rope(x.reshape(2, 3, 4, 32).double().numpy(), positions.numpy(), cos_sin_cache=cache.double().numpy())
+    assert_close(query.reshape(2, 3, 4, 32), torch.from_numpy(expected), "float32")
+
+
+def _qkcs(gen, d=32, r=32):
+    q, k = torch.randn(2, 4, 5, d, generator=gen), torch.randn(2, 2, 5, d, generator=gen)
+    return (q, k, *random_cos_sin((2, 5), r, "halves", gen))
+
+
+BAD_APPLY = [
+    (lambda q, k, c, s: (q, k, c, s[..., :16]), {}, ValueError, "sin: expected the shape"),
+    (lambda q, k, c, s: (q, k, c, s.double()), {}, ValueError, "sin: expected the shape, dtype"),
+    (lambda q, k, c, s: (q, k, c[..., :15], s[..., :15]), {}, ValueError, "cos: expected a last dimension"),
+    (lambda q, k, c, s: (q[..., :16], k[..., :16], c, s), {}, ValueError, "at most q's head_dim 16"),
+    (lambda q, k, c, s: (q, k, c.numpy(), s), {}, TypeError, "cos: expected a torch.Tensor"),
+    (lambda q, k, c, s: (q, k, c, s), {"unsqueeze_dim": 3}, ValueError, "unsqueeze_dim: expected a dimension of cos"),
+    (lambda q, k, c, s: (q, k, c, s), {"unsqueeze_dim": 2}, ValueError, "does not broadcast to q's"),
+    (lambda q, k, c, s: (q, k[:, :, :4], c, s), {}, ValueError, "does not broadcast to k's"),
+    (lambda q, k, c, s: (q[0], k[0], c, s), {}, ValueError, "more leading dimensions than q"),
+    (lambda q, k, c, s: (q, k, c, s), {"cos_layout": "pairs"}, ValueError, "cos_layout: expected one of"),
+    (lambda q, k, c, s: (q, k, c.requires_grad_(), s), {}, ValueError, "gradients with respect to cos"),
+]
+
+
+@pytest.mark.parametrize("make,options,error,message", BAD_APPLY, ids=[b[3][:30] for b in BAD_APPLY])
+def test_apply_rotary_pos_emb_rejects_bad_input(make, options, error, message, gen):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        dropin.apply_rotary_pos_emb(*make(*_qkcs(gen)), **options)
+
+
+def test_rotary_embedding_rejects_bad_input(gen):
+    cache = torch.from_numpy(reference.rope_cache(10, 32, 10000.0)).float()
+    positions = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="query: expected shape"):
+        dropin.rotary_embedding(positions, torch.randn(3, 100), None, 32, cache)
+    with pytest.raises(ValueError, match="key: expected shape"):
+        dropin.rotary_embedding(positions, torch.randn(3, 64), torch.randn(4, 64), 32, cache)
+    with pytest.raises(ValueError, match="query: expected a contiguous last dimension"):
+        dropin.rotary_embedding(positions, torch.randn(64, 3).t(), None, 32, cache)
+    with pytest.raises(ValueError, match="query: its strides"):  # heads of 32 cannot be read as heads of 64
+        dropin.rotary_embedding(positions, torch.randn(3, 4, 64)[:, :, :32], None, 64, cache)
+    with pytest.raises(TypeError, match="key: expected a torch.Tensor"):
+        dropin.rotary_embedding(positions, torch.randn(3, 64), np.zeros((3, 64)), 32, cache)
+
+
+# patch_transformers on a stand-in for a transformers modeling module (no transformers needed).
+
+def _fake_modeling(apply_fn=None):
+    """A module shaped like transformers.models.llama.modeling_llama: RMSNorm classes, a rotary
+    embedding module and an apply_rotary_pos_emb global that the attention looks up at call time."""
+    module = types.ModuleType("fake_modeling_for_cupyrope_tests")
+    sys.modules[module.__name__] = module
+    nn = torch.nn
+
+    class FakeRMSNorm(nn.Module):  # Llama's
+        def __init__(self, hidden, eps=1e-5):
+            super().__init__()
+            self.weight, self.variance_epsilon = nn.Parameter(torch.ones(hidden)), eps
+
+        def forward(self, x):
+            h = x.float()
+            return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+
+    class FakeGemmaRMSNorm(nn.Module):  # Gemma's (1 + weight)
+        def __init__(self, hidden, eps=1e-6):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.zeros(hidden)), eps
+
+        def forward(self, x):
+            h = x.float()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+    class FakeLayerRMSNorm(FakeRMSNorm):  # a name that fits, a computation that does not (mean-centred)
+        def forward(self, x):
+            return super().forward(x - x.mean(-1, keepdim=True))
+
+    class FakeRotaryEmbedding(nn.Module):
+        def __init__(self, dim, theta=10000.0):
+            super().__init__()
+            self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, dim, 2).float() / dim), persistent=False)
+
+        @torch.no_grad()
+        def forward(self, x, position_ids):
+            freqs = position_ids[..., None].float() * self.inv_freq
+            emb = torch.cat((freqs, freqs), -1)
+            return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # transformers' Llama code
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    class FakeAttentionModel(nn.Module):
+        def __init__(self, hidden=64, heads=4, kv_heads=2, head_dim=16):
+            super().__init__()
+            self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+            self.norm, self.gemma_norm, self.odd_norm = FakeRMSNorm(hidden), FakeGemmaRMSNorm(hidden), FakeLayerRMSNorm(hidden)
+            self.q_norm = FakeRMSNorm(head_dim, eps=1e-6)
+            self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim)
+            self.rotary_emb = FakeRotaryEmbedding(head_dim)
+
+        def forward(self, x, position_ids):
+            b, s, _ = x.shape
+            h = self.gemma_norm(self.odd_norm(self.norm(x)))
+            q, k, _ = self.qkv(h).split([self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2, -1)
+            q = self.q_norm(q.view(b, s, -1, self.head_dim)).transpose(1, 2)
+            k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+            cos, sin = self.rotary_emb(x, position_ids)
+            q, k = sys.modules[module.__name__].apply_rotary_pos_emb(q, k, cos, sin)
+            return torch.cat((q.flatten(1), k.flatten(1)), -1)
+
+    for cls in (FakeRMSNorm, FakeGemmaRMSNorm, FakeLayerRMSNorm, FakeRotaryEmbedding, FakeAttentionModel):
+        cls.__module__ = module.__name__
+        setattr(module, cls.__name__, cls)
+    module.apply_rotary_pos_emb = apply_fn or apply_rotary_pos_emb
+    return module
+
+
+@pytest.fixture
+def fake_model(gen):
+    created = []
+
+    def make(apply_fn=None):
+        module = _fake_modeling(apply_fn)
+        created.append(module.__name__)
+        model = module.FakeAttentionModel()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+        return module, model
+
+    yield make
+    for name in created:
+        sys.modules.pop(name, None)
+
+
+def test_patch_transformers_swaps_what_it_has_checked(fake_model, gen):
+    module, model = fake_model()
+    x, position_ids = torch.randn(2, 7, 64, generator=gen), torch.arange(3, 10)[None].expand(2, -1)
+    norm_weight = model.norm.weight
+    with torch.no_grad():
+        before = model(x, position_ids)
+        report = dropin.patch_transformers(model)
+        after = model(x, position_ids)
+    assert sorted(report["rms_norm"]) == ["gemma_norm", "norm", "q_norm"]
+    assert report["rope"] == [module.__name__]
+    assert [name for name, _ in report["skipped"]] == ["odd_norm"]
+    assert "neither" in report["skipped"][0][1]
+    assert model.norm.weight is norm_weight  # shared, not copied
+    assert (model.norm.eps, model.norm.offset) == (1e-5, 0.0) and model.gemma_norm.offset == 1.0
+    assert module.apply_rotary_pos_emb.keywords == {"style": "neox", "cos_layout": "halves"}
+    assert_close(after, before, "float32")
+    again = dropin.patch_transformers(model)  # idempotent
+    assert again["rms_norm"] == [] and again["rope"] == []
+
+
+def test_patch_transformers_leaves_a_rope_it_cannot_match(fake_model):
+    def negated_sin(q, k, cos, sin, unsqueeze_dim=1):  # rotates the other way: no style of ours matches
+        cos, sin = cos.unsqueeze(unsqueeze_dim), -sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    module, model = fake_model(negated_sin)
+    report = dropin.patch_transformers(model, rms_norm=False)
+    assert report["rope"] == [] and report["rms_norm"] == []
+    assert module.apply_rotary_pos_emb is negated_sin
+    assert report["skipped"] == [(f"{module.__name__}.apply_rotary_pos_emb", "its results match neither of cupyrope's rotation styles")]
+
+
+def test_patch_transformers_leaves_hooked_modules(fake_model):
+    _, model = fake_model()
+    model.norm.register_forward_pre_hook(lambda module, args: None)
+    report = dropin.patch_transformers(model, rope=False)
+    assert "norm" not in report["rms_norm"]
+    assert ("norm", "has forward hooks (e.g. accelerate's offloading), which a new module would lose") in report["skipped"]
+
+
+# Real transformers models, where transformers is installed (CPU; the GPU test below repeats it in bf16).
+
+TINY_MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama-3.1-scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"partial_rotary_factor": 0.5}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5}),
+}
+
+
+def tiny_model(name, dtype=torch.float32, device="cpu"):
+    transformers = pytest.importorskip("transformers")
+    config_name, model_name, options = TINY_MODELS[name]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    config = getattr(transformers, config_name)(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, **options)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():  # norms start at their identity: make them count
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor):
+                module.weight.normal_()
+    return model.to(device=device, dtype=dtype)
+
+
+def _patched_logits(model, ids):
+    source = sys.modules[type(model).__module__]
+    original = source.apply_rotary_pos_emb
+    try:
+        with torch.no_grad():
+            before = model(ids).logits
+            report = dropin.patch_transformers(model)
+            after = model(ids).logits
+    finally:
+        source.apply_rotary_pos_emb = original  # other tests build this model type too
+    return before, after, report
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_patch_transformers_on_real_models(name):
+    model = tiny_model(name)
+    before, after, report = _patched_logits(model, torch.randint(1, 64, (2, 40), generator=torch.Generator().manual_seed(1)))
+    assert report["rope"] == [type(model).__module__] and report["skipped"] == []
+    assert len(report["rms_norm"]) >= (0 if name == "cohere" else 5)  # Cohere's norm is a LayerNorm
+    assert_close(after, before, "float32")
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+def gpu(test):
+    return pytest.mark.gpu(requires_torch_cuda(test))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("style,cos_layout", [("neox", "halves"), ("gptj", "interleaved")])
+@pytest.mark.parametrize("case", LAYOUT_CASES[:4], ids=lambda c: "x".join(map(str, c[0])) + f"-u{c[3]}-r{c[4]}")
+def test_apply_rotary_pos_emb_on_gpu(case, style, cos_layout, dtype, gen):
+    q_shape, k_heads, lead, unsqueeze_dim, rotary_dim = case
+    td = TORCH_DTYPES[dtype]
+    head_axis = 1 if unsqueeze_dim % 4 == 1 else 2
+    k_shape = list(q_shape)
+    k_shape[head_axis] = k_heads
+    q = torch.randn(q_shape, generator=gen).to("cuda", td)
+    k = torch.randn(k_shape, generator=gen).to("cuda", td)
+    cos, sin = (t.to("cuda", td) for t in random_cos_sin(lead, rotary_dim, cos_layout, gen))
+    got = dropin.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, style=style, cos_layout=cos_layout)
+    expected = hf_apply(q, k, cos, sin, unsqueeze_dim, style, cos_layout)
+    for g, e in zip(got, expected):
+        assert g.dtype == td and g.device == q.device
+        assert_close(g, e, dtype)
+
+
+@gpu
+def test_rotary_embedding_on_gpu(gen):
+    tokens, head_size = 33, 128
+    query, key = torch.randn(tokens, 8 * head_size, generator=gen), torch.randn(tokens, 2 * head_size, generator=gen)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    cache = torch.from_numpy(reference.rope_cache(4096, 128, 10000.0)).float()
+    q_gpu, k_gpu = query.cuda().bfloat16(), key.cuda().bfloat16()
+    dropin.rotary_embedding(positions.cuda(), q_gpu, k_gpu, head_size, cache.cuda())
+    for got, x in ((q_gpu, query), (k_gpu, key)):
+        x = x.bfloat16().double().reshape(tokens, -1, head_size).numpy()
+        expected = reference.rope(x, positions.numpy(), cos_sin_cache=cache.double().numpy())
+        assert_close(got.reshape(tokens, -1, head_size), torch.from_numpy(expected), "bfloat16")
+
+
+@gpu
+@pytest.mark.parametrize("name", ["llama", "gemma3", "cohere"])
+def test_patch_transformers_on_gpu(name):
+    model = tiny_model(name, dtype=torch.float32, device="cuda")
+    before, after, report = _patched_logits(model, torch.randint(1, 64, (2, 40)).cuda())
+    assert report["rope"] == [type(model).__module__]
+    assert_close(after, before, "float32")
+
+
+@gpu
+def test_apply_rotary_pos_emb_under_compile_and_graphs(gen):
+    q = torch.randn(2, 4, 8, 64, generator=gen).cuda()
+    k = torch.randn(2, 2, 8, 64, generator=gen).cuda()
+    cos, sin = (t.cuda() for t in random_cos_sin((2, 8), 64, "halves", gen))
+    expected = hf_apply(q, k, cos, sin)
+    compiled = torch.compile(dropin.apply_rotary_pos_emb, fullgraph=True)
+    for g, e in zip(compiled(q, k, cos, sin), expected):
+        assert_close(g, e, "float32")
+    dropin.apply_rotary_pos_emb(q, k, cos, sin)  # compile the kernel before capturing
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = dropin.apply_rotary_pos_emb(q, k, cos, sin)
+    cos2, sin2 = (t.cuda() for t in random_cos_sin((2, 8), 64, "halves", gen))
+    cos.copy_(cos2)
+    sin.copy_(sin2)
+    graph.replay()
+    for g, e in zip(outs, hf_apply(q, k, cos, sin)):
+        assert_close(g, e, "float32")
