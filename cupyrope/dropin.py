@@ -37,9 +37,11 @@ def _cos_sin_table(cos: Tensor, sin: Tensor, cos_layout: str, like: Tensor) -> T
 
 
 def _check_cos_sin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, cos_layout: str) -> None:
-    for name, t in (("cos", cos), ("sin", sin)):
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if cos.device != q.device:
+        raise ValueError(f"cos: expected a tensor on q's device {q.device}, got one on {cos.device}")
     if sin.shape != cos.shape or sin.dtype != cos.dtype or sin.device != cos.device:
         raise ValueError(f"sin: expected the shape, dtype and device of cos, {tuple(cos.shape)} {cos.dtype} on "
                          f"{cos.device}; got {tuple(sin.shape)} {sin.dtype} on {sin.device}")
@@ -75,7 +77,7 @@ def _token_positions(q: Tensor, k: Tensor, cos: Tensor, position_ids: Optional[T
         if t.dim() != q.dim() or any(r not in (1, n) for r, n in zip(rows.shape, t.shape[:-1])):
             raise ValueError(f"cos: shape {tuple(cos.shape)} with unsqueeze_dim={unsqueeze_dim} does not broadcast "
                              f"to {name}'s leading dimensions {tuple(t.shape[:-1])}")
-    return rows if rows.device == q.device else rows.to(q.device)
+    return rows
 
 
 def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor] = None,
@@ -94,8 +96,6 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positio
     _check_cos_sin(q, k, cos, sin, cos_layout)
     positions = _token_positions(q, k, cos, position_ids, unsqueeze_dim)
     table = _cos_sin_table(cos, sin, cos_layout, q)
-    if table.device != q.device:
-        table = table.to(q.device)
     return ct.rope_qk(q, k, positions, style=style, rotary_dim=cos.shape[-1], cos_sin_cache=table)
 
 
@@ -105,6 +105,8 @@ def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], he
     ``query`` and ``key`` in place. ``positions`` (num_tokens,) or (batch, seq); query/key (...,
     heads * head_size) or (..., heads, head_size) over those leading dimensions; ``key`` may be None;
     ``cos_sin_cache`` (max_position, rotary_dim), cos half then sin half."""
+    if not isinstance(positions, Tensor):
+        raise TypeError(f"positions: expected a torch.Tensor, got {type(positions).__name__}")
     style = "neox" if is_neox else "gptj"
     options = dict(style=style, rotary_dim=cos_sin_cache.shape[-1], cos_sin_cache=cos_sin_cache)
     q = _heads_view(query, "query", positions, head_size)

@@ -158,6 +158,7 @@ BAD_APPLY = [
     (lambda q, k, c, s: (q, k, c[..., :15], s[..., :15]), {}, ValueError, "cos: expected a last dimension"),
     (lambda q, k, c, s: (q[..., :16], k[..., :16], c, s), {}, ValueError, "at most q's head_dim 16"),
     (lambda q, k, c, s: (q, k, c.numpy(), s), {}, TypeError, "cos: expected a torch.Tensor"),
+    (lambda q, k, c, s: (q, k, c.to("meta"), s.to("meta")), {}, ValueError, "cos: expected a tensor on q's device"),
     (lambda q, k, c, s: (q, k, c, s), {"unsqueeze_dim": 3}, ValueError, "unsqueeze_dim: expected a dimension of cos"),
     (lambda q, k, c, s: (q, k, c, s), {"unsqueeze_dim": 2}, ValueError, "does not broadcast to q's"),
     (lambda q, k, c, s: (q, k[:, :, :4], c, s), {}, ValueError, "does not broadcast to k's"),
@@ -184,6 +185,8 @@ def test_rotary_embedding_rejects_bad_input(gen):
         dropin.rotary_embedding(positions, torch.randn(64, 3).t(), None, 32, cache)
     with pytest.raises(ValueError, match="query: its strides"):  # heads of 32 cannot be read as heads of 64
         dropin.rotary_embedding(positions, torch.randn(3, 4, 64)[:, :, :32], None, 64, cache)
+    with pytest.raises(TypeError, match="positions: expected a torch.Tensor"):
+        dropin.rotary_embedding([0, 0, 0], torch.randn(3, 64), None, 32, cache)
     with pytest.raises(TypeError, match="key: expected a torch.Tensor"):
         dropin.rotary_embedding(positions, torch.randn(3, 64), np.zeros((3, 64)), 32, cache)
 
