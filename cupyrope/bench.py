@@ -213,18 +213,30 @@ def rope_providers(torch):
         return run
 
     providers["cupyrope rope_qk"] = qk
+
+    def transformers_layout(d):
+        # transformers' call: q and k laid out (B, H, S, D), cos/sin (1, S, D) per token, both halves
+        # (prepared outside the timing); a one-head k.
+        q = d["x"].unsqueeze(0).transpose(1, 2).contiguous()
+        k = torch.zeros(1, 1, q.shape[2], q.shape[3], device="cuda", dtype=q.dtype)
+        cos = torch.cat([d["cos"], d["cos"]], -1)[d["pos"]].unsqueeze(0)
+        sin = torch.cat([d["sin"], d["sin"]], -1)[d["pos"]].unsqueeze(0)
+        return q, k, cos, sin
+
+    def dropin(d):
+        from cupyrope.dropin import apply_rotary_pos_emb
+
+        q, k, cos, sin = transformers_layout(d)
+        return lambda: apply_rotary_pos_emb(q, k, cos, sin)[0].transpose(1, 2)[0]
+
+    providers["cupyrope dropin (transformers cos/sin)"] = dropin
     try:
         from liger_kernel.ops.rope import LigerRopeFunction
     except ImportError:
         pass
     else:
-        def liger(d):
-            # Liger rotates q and k laid out (B, H, S, D), in place, with cos/sin (1, S, D) per token:
-            # give it that layout (prepared outside the timing) and a one-head k.
-            q = d["x"].unsqueeze(0).transpose(1, 2).contiguous()
-            k = torch.zeros(1, 1, q.shape[2], q.shape[3], device="cuda", dtype=q.dtype)
-            cos = torch.cat([d["cos"], d["cos"]], -1)[d["pos"]].unsqueeze(0)
-            sin = torch.cat([d["sin"], d["sin"]], -1)[d["pos"]].unsqueeze(0)
+        def liger(d):  # in place, like Liger's HF patch
+            q, k, cos, sin = transformers_layout(d)
             return lambda: LigerRopeFunction.apply(q, k, cos, sin)[0].transpose(1, 2)[0]
 
         providers["liger"] = liger

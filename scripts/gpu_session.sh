@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU must confirm, in one device call (logs under $OUT):
 #   full GPU test suite, reliability suite (fuzz, huge, threads, cache), compute-sanitizer, benchmarks.
-# Usage on the device machine, from the checkout, with the Liger wheel carried in .whl/:
+# Usage on the device machine, from the checkout, with the wheels of scripts/fetch_wheels.sh carried in .whl/:
 #   bash scripts/gpu_session.sh            (STEPS="tests reliability sanitize bench pytest-bench" to pick)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

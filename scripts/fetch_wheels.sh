@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Wheels the GPU machine cannot download (it has no network), into .whl/ (git-ignored), for `carry`:
+# Liger-Kernel (a benchmark peer) and transformers with its dependencies (tests/test_dropin.py's
+# real-model tests). The device image runs Python 3.12 and has numpy and torch already.
+# scripts/gpu_session.sh installs everything in .whl/ with --no-deps into /tmp/site.
+set -eu
+mkdir -p .whl
+pip download -q --no-deps --only-binary=:all: liger-kernel==0.8.5 -d .whl
+pip download -q --python-version 3.12 --only-binary=:all: \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+  transformers==5.23.0 -d .whl
+rm -f .whl/numpy-*.whl  # the device's own numpy stays
+du -sh .whl
