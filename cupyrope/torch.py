@@ -134,10 +134,18 @@ def rope_qk(q: Tensor, k: Tensor, positions: Tensor, **options) -> tuple[Tensor,
     return rope(q, positions, **options), rope(k, positions, **options)
 
 
-@torch.library.custom_op("cupyrope::rope_qk_", mutates_args=("q", "k"), device_types="cuda")
+@torch.library.custom_op("cupyrope::rope_qk_", mutates_args=("q", "k"), device_types=("cuda", "cpu"))
 def _rope_qk_inplace_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Optional[Tensor], theta: float,
                         style: str, rotary_dim: Optional[int]) -> None:
-    _rope_qk(q, k, positions, theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache)
+    _rope_qk_inplace_any(q, k, positions, theta, style, rotary_dim, cos_sin_cache)
+
+
+def _rope_qk_inplace_any(q, k, positions, theta, style, rotary_dim, cos_sin_cache):
+    if q.device.type != "cuda":
+        q.copy_(_rope_cpu(q, positions, theta, style, rotary_dim, cos_sin_cache, False))
+        k.copy_(_rope_cpu(k, positions, theta, style, rotary_dim, cos_sin_cache, False))
+    else:
+        _rope_qk(q, k, positions, theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache)
 
 
 @_rope_qk_inplace_op.register_fake
@@ -150,11 +158,8 @@ def rope_qk_(q: Tensor, k: Tensor, positions: Tensor, *, theta: float = 10000.0,
     """In-place RoPE of q and k in one launch (inference/serving; not differentiable)."""
     if _compiling():
         _rope_qk_inplace_op(q, k, positions, cos_sin_cache, theta, style, rotary_dim)
-    elif q.device.type != "cuda":
-        q.copy_(_rope_cpu(q, positions, theta, style, rotary_dim, cos_sin_cache, False))
-        k.copy_(_rope_cpu(k, positions, theta, style, rotary_dim, cos_sin_cache, False))
     else:
-        _rope_qk(q, k, positions, theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache)
+        _rope_qk_inplace_any(q, k, positions, theta, style, rotary_dim, cos_sin_cache)
     return q, k
 
 
@@ -259,9 +264,17 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, offs
     return _rms_norm_any(x, weight, eps, offset)[0] if x.device.type != "cuda" else _rms_norm(_contiguous_last(x), weight, eps, offset=offset)
 
 
-@torch.library.custom_op("cupyrope::fused_add_rms_norm_", mutates_args=("x", "residual"), device_types="cuda")
+@torch.library.custom_op("cupyrope::fused_add_rms_norm_", mutates_args=("x", "residual"), device_types=("cuda", "cpu"))
 def _fused_add_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, offset: float) -> None:
-    _fused_add_rms_norm(x, residual, weight, eps, offset=offset)
+    _fused_add_any(x, residual, weight, eps, offset)
+
+
+def _fused_add_any(x, residual, weight, eps, offset):
+    if x.device.type != "cuda":
+        residual.add_(x)
+        x.copy_(_rms_norm_cpu(residual, weight, eps, offset)[0])
+    else:
+        _fused_add_rms_norm(x, residual, weight, eps, offset=offset)
 
 
 @_fused_add_op.register_fake
@@ -274,11 +287,8 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor], ep
     """vLLM's in-place residual add + RMSNorm (inference; not differentiable). Returns (x, residual)."""
     if _compiling():
         _fused_add_op(x, residual, weight, eps, offset)
-    elif x.device.type != "cuda":
-        residual.add_(x)
-        x.copy_(_rms_norm_cpu(residual, weight, eps, offset)[0])
     else:
-        _fused_add_rms_norm(x, residual, weight, eps, offset=offset)
+        _fused_add_any(x, residual, weight, eps, offset)
     return x, residual
 
 

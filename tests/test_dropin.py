@@ -191,6 +191,26 @@ def test_rotary_embedding_rejects_bad_input(gen):
         dropin.rotary_embedding(positions, torch.randn(3, 64), np.zeros((3, 64)), 32, cache)
 
 
+def test_drop_ins_trace_without_graph_breaks(gen):
+    q, k = torch.randn(2, 4, 5, 32, generator=gen), torch.randn(2, 2, 5, 32, generator=gen)
+    cos, sin = random_cos_sin((2, 5), 32, "halves", gen)
+    compiled = torch.compile(dropin.apply_rotary_pos_emb, fullgraph=True, backend="aot_eager")
+    for got, expected in zip(compiled(q, k, cos, sin), dropin.apply_rotary_pos_emb(q, k, cos, sin)):
+        torch.testing.assert_close(got, expected)
+    cache = torch.from_numpy(reference.rope_cache(10, 32, 10000.0)).float()
+    query, key, positions = torch.randn(3, 128, generator=gen), torch.randn(3, 64, generator=gen), torch.tensor([1, 2, 9])
+    inplace = torch.compile(dropin.rotary_embedding, fullgraph=True, backend="aot_eager")
+    for k_or_none in (key, None):
+        a, b = query.clone(), query.clone()
+        ka, kb = (None, None) if k_or_none is None else (key.clone(), key.clone())
+        inplace(positions, a, ka, 32, cache)
+        dropin.rotary_embedding(positions, b, kb, 32, cache)
+        torch.testing.assert_close(a, b)
+        assert not torch.equal(a, query)
+        if ka is not None:
+            torch.testing.assert_close(ka, kb)
+
+
 # patch_transformers on a stand-in for a transformers modeling module (no transformers needed).
 
 def _fake_modeling(apply_fn=None):
