@@ -12,10 +12,9 @@ torch = pytest.importorskip("torch")
 dropin = pytest.importorskip("cupyrope.dropin")
 
 from cupyrope import reference  # noqa: E402
-from helpers import requires_torch_cuda  # noqa: E402
+from helpers import assert_matches, requires_torch_cuda, to_host  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}  # one output rounding of values below ~2
 
 
 def rotate_half(x):  # transformers (Llama)
@@ -54,8 +53,9 @@ def random_cos_sin(lead, rotary_dim, cos_layout, g, dtype=torch.float32):
 
 
 def assert_close(got, expected, dtype):
-    tol = TOL[dtype]
-    torch.testing.assert_close(got.double().cpu(), expected.double().cpu(), rtol=tol, atol=tol)
+    """helpers.assert_matches: fp32 1e-5 relative, fp16/bf16 one rounding of the output."""
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    assert_matches(to_host(got), to_host(expected), dtype, scale=float(expected.abs().max()))
 
 
 @pytest.fixture
@@ -442,7 +442,9 @@ def test_patch_transformers_on_gpu(name):
     model = tiny_model(name, dtype=torch.float32, device="cuda")
     before, after, report = _patched_logits(model, torch.randint(1, 64, (2, 40)).cuda())
     assert report["rope"] == [type(model).__module__]
-    assert_close(after, before, "float32")
+    # Two layers of fp32 ops whose summation orders differ (the kernels' reductions against torch's):
+    # the kernels' own accuracy is tested op by op; here the model must agree to a few fp32 roundings.
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4 * float(before.abs().max()))
 
 
 @gpu
