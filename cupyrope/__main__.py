@@ -17,8 +17,13 @@ def _info(_args) -> int:
         from ._cupy import import_cupy
 
         cupy = import_cupy()
+        from ._compile import cuda_include_dir
+
+        headers = cuda_include_dir()
+        if headers and not os.path.isfile(os.path.join(headers, "cuda_bf16.h")):
+            headers = f"{headers} (no cuda_bf16.h there: fp16/bf16 kernels will not compile)"
         print(f"CuPy {cupy.__version__}; NVRTC {'.'.join(map(str, cupy.cuda.nvrtc.getVersion()))}; "
-              f"CUDA path {cupy.cuda.get_cuda_path()}")
+              f"CUDA headers {headers or 'not found: pip install the cuda12 or cuda13 extra'}")
         print(f"CuPy cache: {os.environ.get('CUPY_CACHE_DIR', '~/.cupy/kernel_cache')}")
         try:
             n = cupy.cuda.runtime.getDeviceCount()

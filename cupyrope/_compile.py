@@ -7,6 +7,7 @@ drives NVRTC directly, so it needs no GPU and no driver.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -22,16 +23,26 @@ class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel; the message names the .cu/.cuh file and line."""
 
 
-def _cuda_include_dir() -> str | None:
-    cupy = import_cupy()
+@functools.cache
+def cuda_include_dir() -> str | None:
+    """Where cuda_fp16.h and cuda_bf16.h are: the CUDA headers of the pip wheels that the install extras
+    bring, found by cuda-pathfinder (as CuPy 14 finds NVRTC itself), else CuPy's CUDA path (a system
+    toolkit). CuPy's path alone misses the CUDA 12 wheels' layout (nvidia/cuda_runtime/include)."""
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
 
-    root = cupy.cuda.get_cuda_path()
+        found = find_nvidia_header_directory("cudart")
+    except Exception:  # cuda-pathfinder missing, too old, or finding nothing
+        found = None
+    if found and os.path.isfile(os.path.join(found, "cuda_fp16.h")):
+        return found
+    root = import_cupy().cuda.get_cuda_path()
     return f"{root}/include" if root else None
 
 
 def compile_options() -> tuple[str, ...]:
     options = [CXX_STANDARD, f"-I{kernels_dir()}", f"-DCUPYROPE_SOURCES_HASH=0x{sources_hash()}"]
-    include = _cuda_include_dir()
+    include = cuda_include_dir()
     if include:
         options.append(f"-I{include}")
     # Developer knob for tuning sweeps (e.g. -DROPE_ITEM_UNROLL=4); see docs/perf-notes.md.
@@ -52,7 +63,12 @@ def _compile_error(what: str, log: str) -> KernelCompileError:
     """The error, naming the first file:line NVRTC complains about (else ``what``)."""
     match = _ERROR_LINE.search(log)
     where = f"{match.group(1)}:{match.group(2)}" if match else what
-    return KernelCompileError(f"NVRTC failed to compile {where}\n{log.strip()}")
+    hint = ""
+    if re.search(r'cannot open source file "cuda_(fp16|bf16)\.h"', log):
+        hint = ("\nThe CUDA headers were not found (looked in "
+                f"{cuda_include_dir() or 'no CUDA path'}): install them with pip install \"cupyrope[cuda12]\" "
+                "(or [cuda13], matching your driver), or point CUDA_PATH at a CUDA toolkit.")
+    return KernelCompileError(f"NVRTC failed to compile {where}\n{log.strip()}{hint}")
 
 
 _lock = threading.Lock()

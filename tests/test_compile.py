@@ -32,6 +32,20 @@ def test_variant_list_covers_both_ops_and_is_unique():
 
 
 
+def test_cuda_headers_are_found():
+    """The fp16/bf16 headers NVRTC needs come with the install extra (CUDA 12 wheels keep them in
+    nvidia/cuda_runtime/include, CUDA 13 ones in nvidia/cu13/include)."""
+    include = _compile.cuda_include_dir()
+    assert include and all(os.path.isfile(os.path.join(include, h)) for h in ("cuda_fp16.h", "cuda_bf16.h")), include
+
+
+def test_missing_cuda_headers_say_how_to_install_them(monkeypatch):
+    monkeypatch.setattr(_compile, "cuda_include_dir", lambda: None)
+    bf16 = next(v for v in all_variants() if "__nv_bfloat16" in v[1])
+    with pytest.raises(_compile.KernelCompileError, match=r"(?s)cuda_(fp|bf)16\.h.*pip install \"cupyrope\[cuda12\]\""):
+        _compile.compile_all("sm_90", [bf16])
+
+
 def test_bad_arch_is_a_clear_error():
     with pytest.raises(ValueError, match="arch"):
         _compile.compile_all("hopper", [])
