@@ -23,7 +23,8 @@ def test_wheel_contains_package_and_kernel_sources(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for source in (ROOT / "kernels_src").glob("*.cu*"):
         assert f"cupyrope/kernels_src/{source.name}" in names
-    assert "cupyrope/__init__.py" in names and "cupyrope/torch.py" in names
+    for module in ("__init__.py", "torch.py", "dropin.py", "py.typed"):  # py.typed: type checkers read the hints
+        assert f"cupyrope/{module}" in names
 
 
 def test_installed_wheel_finds_its_sources(wheel, tmp_path):
