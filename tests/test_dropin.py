@@ -10,6 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 dropin = pytest.importorskip("cupyrope.dropin")
+hypothesis = pytest.importorskip("hypothesis")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from cupyrope import reference  # noqa: E402
 from helpers import assert_matches, requires_torch_cuda, to_host  # noqa: E402
@@ -89,6 +93,32 @@ def test_apply_rotary_pos_emb_matches_transformers_formula(case, style, cos_layo
     expected = hf_apply(q, k, cos, sin, unsqueeze_dim, style, cos_layout)
     for g, e in zip(got, expected):
         assert g.shape == e.shape and g.dtype == q.dtype
+        assert_close(g, e, "float32")
+
+
+def _random_call(data):
+    """A random transformers-style call: shapes, GQA, broadcast batch, partial rotary, both call forms,
+    rotation style and cos layout; fp32 CPU tensors from a seed hypothesis draws."""
+    batch, seq, heads, kv_heads = (data.draw(st.integers(1, n)) for n in (3, 9, 6, 3))
+    rotary_dim = 2 * data.draw(st.integers(1, 24))
+    head_dim = rotary_dim + 2 * data.draw(st.integers(0, 8))
+    unsqueeze_dim = data.draw(st.sampled_from([1, 2, -3, -2]))
+    cos_batch = data.draw(st.sampled_from([1, batch]))
+    style, cos_layout = data.draw(st.sampled_from([("neox", "halves"), ("gptj", "interleaved"), ("gptj", "halves")]))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    shape = (lambda h: (batch, h, seq, head_dim)) if unsqueeze_dim % 4 == 1 else (lambda h: (batch, seq, h, head_dim))
+    q, k = torch.randn(shape(heads), generator=g), torch.randn(shape(kv_heads), generator=g)
+    cos, sin = random_cos_sin((cos_batch, seq), rotary_dim, cos_layout, g)
+    return q, k, cos, sin, dict(unsqueeze_dim=unsqueeze_dim), dict(style=style, cos_layout=cos_layout)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_apply_rotary_pos_emb_fuzzed_against_transformers_formula(data):
+    q, k, cos, sin, call, ours = _random_call(data)
+    got = dropin.apply_rotary_pos_emb(q, k, cos, sin, **call, **ours)
+    expected = hf_apply(q, k, cos, sin, call["unsqueeze_dim"], ours["style"], ours["cos_layout"])
+    for g, e in zip(got, expected):
         assert_close(g, e, "float32")
 
 
@@ -420,6 +450,23 @@ def test_apply_rotary_pos_emb_on_gpu(case, style, cos_layout, dtype, gen):
     for g, e in zip(got, expected):
         assert g.dtype == td and g.device == q.device
         assert_close(g, e, dtype)
+
+
+@gpu
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_apply_rotary_pos_emb_fuzzed_on_gpu(data):
+    q, k, cos, sin, call, ours = _random_call(data)
+    td = TORCH_DTYPES[data.draw(st.sampled_from(list(TORCH_DTYPES)))]
+    q, k, cos, sin = (t.to("cuda", td) for t in (q, k, cos, sin))
+    if data.draw(st.booleans()):  # strided heads: q and k as views of one wider tensor
+        axis = 1 if call["unsqueeze_dim"] % 4 == 1 else 2
+        q, k = torch.cat((q, k), axis).split([q.shape[axis], k.shape[axis]], axis)
+    got = dropin.apply_rotary_pos_emb(q, k, cos, sin, **call, **ours)
+    expected = hf_apply(q, k, cos, sin, call["unsqueeze_dim"], ours["style"], ours["cos_layout"])
+    for g, e in zip(got, expected):
+        assert g.dtype == td
+        assert_close(g, e, str(td).removeprefix("torch."))
 
 
 @gpu
