@@ -9,5 +9,6 @@ pip download -q --no-deps --only-binary=:all: liger-kernel==0.8.5 -d .whl
 pip download -q --python-version 3.12 --only-binary=:all: \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   transformers==5.23.0 -d .whl
-rm -f .whl/numpy-*.whl  # the device's own numpy stays
+# the device image has these (torch and pytest need them): keep its versions
+rm -f .whl/numpy-*.whl .whl/filelock-*.whl .whl/fsspec-*.whl .whl/typing_extensions-*.whl .whl/packaging-*.whl
 du -sh .whl
