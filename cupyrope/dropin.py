@@ -176,6 +176,8 @@ def _swap_rms_norms(model, report) -> None:
             new = ct.RMSNorm(child.weight.shape[0], eps=eps, offset=offset, device="meta")
             new.weight = child.weight  # the same Parameter: tied weights and optimizer state stay as they are
             new.train(child.training)
+            if hasattr(child, "variance_epsilon"):  # transformers' name, which other code may read
+                new.variance_epsilon = eps
             setattr(parent, name, new)
             report["rms_norm"].append(full_name)
 

@@ -344,7 +344,8 @@ def test_patch_transformers_swaps_what_it_has_checked(fake_model, gen):
     assert [name for name, _ in report["skipped"]] == ["odd_norm"]
     assert "neither" in report["skipped"][0][1]
     assert model.norm.weight is norm_weight  # shared, not copied
-    assert (model.norm.eps, model.norm.offset) == (1e-5, 0.0) and model.gemma_norm.offset == 1.0
+    assert (model.norm.eps, model.norm.offset, model.norm.variance_epsilon) == (1e-5, 0.0, 1e-5)
+    assert model.gemma_norm.offset == 1.0 and model.gemma_norm.eps == 1e-6
     assert module.apply_rotary_pos_emb.keywords == {"style": "neox", "cos_layout": "halves"}
     assert_close(after, before, "float32")
     again = dropin.patch_transformers(model)  # idempotent
