@@ -10,6 +10,7 @@ built per call: one small copy of the distinct half of cos and of sin (B·S·rot
 
 import copy
 import functools
+import math
 import sys
 from typing import Optional
 
@@ -62,7 +63,7 @@ def _token_positions(q: Tensor, k: Tensor, cos: Tensor, position_ids: Optional[T
     if position_ids is not None and cos.dim() == 2:  # transformers < 4.38: cos (max_position, dim)[position_ids]
         rows = position_ids
     else:
-        rows = torch.arange(cos[..., 0].numel(), device=cos.device, dtype=torch.int32).view(cos.shape[:-1])
+        rows = torch.arange(math.prod(cos.shape[:-1]), device=cos.device, dtype=torch.int32).view(cos.shape[:-1])
     ndim = rows.dim() + 1  # that of the gathered cos
     if not -ndim - 1 <= unsqueeze_dim < ndim:
         raise ValueError(f"unsqueeze_dim: expected a dimension of cos before its last one (cos has {ndim} "

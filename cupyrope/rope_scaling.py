@@ -29,8 +29,14 @@ COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
 
 def inv_freq(rotary_dim: int, theta: float = 10000.0) -> np.ndarray:
-    """theta^(-2i/rotary_dim) for i < rotary_dim/2, in float64 (the kernels use the same formula)."""
+    """theta^(-2i/rotary_dim) for i < rotary_dim/2, in float64 (the kernels compute the same values in
+    double, as exp(i * -2 ln(theta) / rotary_dim))."""
     return np.power(float(theta), -2.0 * np.arange(rotary_dim // 2, dtype=np.float64) / rotary_dim)
+
+
+def _yarn_betas(scaling) -> tuple[float, float]:
+    """(beta_fast, beta_slow) with transformers' defaults, 32 and 1."""
+    return scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
 
 def scaling_type(scaling) -> str:
@@ -79,7 +85,8 @@ def check_scaling(scaling, theta: float) -> str:
     if name == "yarn":
         if theta <= 1:
             raise ValueError(f"scaling: yarn needs theta > 1, got theta={theta}")
-        if (scaling.get("beta_fast") or 32) < (scaling.get("beta_slow") or 1):
+        beta_fast, beta_slow = _yarn_betas(scaling)
+        if beta_fast < beta_slow:
             raise ValueError("scaling: beta_fast must be >= beta_slow")
         if not isinstance(scaling.get("truncate", True), (bool, np.bool_)):
             raise ValueError(f"scaling: truncate must be a bool, got {scaling['truncate']!r}")
@@ -118,7 +125,7 @@ def _yarn(base, rotary_dim, theta, factor, scaling):
     context are interpolated (divided by factor), those turning more than beta_fast times kept, a
     linear ramp over the dimensions between; cos and sin are multiplied by the attention factor."""
     original = float(scaling["original_max_position_embeddings"])
-    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    beta_fast, beta_slow = _yarn_betas(scaling)
 
     def correction_dim(rotations):  # the dimension whose frequency turns `rotations` times over `original`
         return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))

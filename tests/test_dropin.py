@@ -62,6 +62,14 @@ def assert_close(got, expected, dtype):
     assert_matches(to_host(got), to_host(expected), dtype, scale=float(expected.abs().max()))
 
 
+def assert_like_transformers(q, k, cos, sin, unsqueeze_dim, style, cos_layout):
+    """apply_rotary_pos_emb's (q, k) against hf_apply's, in q's dtype and on q's device."""
+    got = dropin.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, style=style, cos_layout=cos_layout)
+    for g, e in zip(got, hf_apply(q, k, cos, sin, unsqueeze_dim, style, cos_layout)):
+        assert g.dtype == q.dtype and g.device == q.device
+        assert_close(g, e, str(q.dtype).removeprefix("torch."))
+
+
 @pytest.fixture
 def gen(rng):
     return torch.Generator().manual_seed(int(rng.integers(2**31)))
@@ -80,20 +88,23 @@ LAYOUT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("style,cos_layout", [("neox", "halves"), ("gptj", "interleaved"), ("gptj", "halves")])
-@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-u{c[3]}-r{c[4]}")
-def test_apply_rotary_pos_emb_matches_transformers_formula(case, style, cos_layout, gen):
+def case_id(case):
+    return "x".join(map(str, case[0])) + f"-u{case[3]}-r{case[4]}"
+
+
+def case_tensors(case, cos_layout, gen, device="cpu", dtype=torch.float32):
+    """q, k, cos, sin of a LAYOUT_CASES entry (k with its own head count on q's head axis)."""
     q_shape, k_heads, lead, unsqueeze_dim, rotary_dim = case
-    head_axis = 1 if unsqueeze_dim % 4 == 1 else 2
     k_shape = list(q_shape)
-    k_shape[head_axis] = k_heads
+    k_shape[1 if unsqueeze_dim % 4 == 1 else 2] = k_heads
     q, k = torch.randn(q_shape, generator=gen), torch.randn(k_shape, generator=gen)
-    cos, sin = random_cos_sin(lead, rotary_dim, cos_layout, gen)
-    got = dropin.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, style=style, cos_layout=cos_layout)
-    expected = hf_apply(q, k, cos, sin, unsqueeze_dim, style, cos_layout)
-    for g, e in zip(got, expected):
-        assert g.shape == e.shape and g.dtype == q.dtype
-        assert_close(g, e, "float32")
+    return tuple(t.to(device, dtype) for t in (q, k, *random_cos_sin(lead, rotary_dim, cos_layout, gen)))
+
+
+@pytest.mark.parametrize("style,cos_layout", [("neox", "halves"), ("gptj", "interleaved"), ("gptj", "halves")])
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=case_id)
+def test_apply_rotary_pos_emb_matches_transformers_formula(case, style, cos_layout, gen):
+    assert_like_transformers(*case_tensors(case, cos_layout, gen), case[3], style, cos_layout)
 
 
 def _random_call(data):
@@ -116,10 +127,7 @@ def _random_call(data):
 @given(data=st.data())
 def test_apply_rotary_pos_emb_fuzzed_against_transformers_formula(data):
     q, k, cos, sin, call, ours = _random_call(data)
-    got = dropin.apply_rotary_pos_emb(q, k, cos, sin, **call, **ours)
-    expected = hf_apply(q, k, cos, sin, call["unsqueeze_dim"], ours["style"], ours["cos_layout"])
-    for g, e in zip(got, expected):
-        assert_close(g, e, "float32")
+    assert_like_transformers(q, k, cos, sin, call["unsqueeze_dim"], ours["style"], ours["cos_layout"])
 
 
 def test_apply_rotary_pos_emb_old_transformers_position_ids(gen):
@@ -436,21 +444,10 @@ def gpu(test):
 @gpu
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
 @pytest.mark.parametrize("style,cos_layout", [("neox", "halves"), ("gptj", "interleaved")])
-@pytest.mark.parametrize("case", LAYOUT_CASES[:4], ids=lambda c: "x".join(map(str, c[0])) + f"-u{c[3]}-r{c[4]}")
+@pytest.mark.parametrize("case", LAYOUT_CASES[:4], ids=case_id)
 def test_apply_rotary_pos_emb_on_gpu(case, style, cos_layout, dtype, gen):
-    q_shape, k_heads, lead, unsqueeze_dim, rotary_dim = case
-    td = TORCH_DTYPES[dtype]
-    head_axis = 1 if unsqueeze_dim % 4 == 1 else 2
-    k_shape = list(q_shape)
-    k_shape[head_axis] = k_heads
-    q = torch.randn(q_shape, generator=gen).to("cuda", td)
-    k = torch.randn(k_shape, generator=gen).to("cuda", td)
-    cos, sin = (t.to("cuda", td) for t in random_cos_sin(lead, rotary_dim, cos_layout, gen))
-    got = dropin.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, style=style, cos_layout=cos_layout)
-    expected = hf_apply(q, k, cos, sin, unsqueeze_dim, style, cos_layout)
-    for g, e in zip(got, expected):
-        assert g.dtype == td and g.device == q.device
-        assert_close(g, e, dtype)
+    tensors = case_tensors(case, cos_layout, gen, "cuda", TORCH_DTYPES[dtype])
+    assert_like_transformers(*tensors, case[3], style, cos_layout)
 
 
 @gpu
@@ -463,11 +460,7 @@ def test_apply_rotary_pos_emb_fuzzed_on_gpu(data):
     if data.draw(st.booleans()):  # strided heads: q and k as views of one wider tensor
         axis = 1 if call["unsqueeze_dim"] % 4 == 1 else 2
         q, k = torch.cat((q, k), axis).split([q.shape[axis], k.shape[axis]], axis)
-    got = dropin.apply_rotary_pos_emb(q, k, cos, sin, **call, **ours)
-    expected = hf_apply(q, k, cos, sin, call["unsqueeze_dim"], ours["style"], ours["cos_layout"])
-    for g, e in zip(got, expected):
-        assert g.dtype == td
-        assert_close(g, e, str(td).removeprefix("torch."))
+    assert_like_transformers(q, k, cos, sin, call["unsqueeze_dim"], ours["style"], ours["cos_layout"])
 
 
 @gpu
