@@ -57,13 +57,21 @@ def compile_variants(arch: str, jobs: int):
 
 
 def _compile(args) -> int:
-    start = time.perf_counter()
-    results = compile_variants(args.arch, args.jobs)
-    elapsed = time.perf_counter() - start
-    if args.verbose:
-        for source, name, size in results:
-            print(f"{source}: {name}: {size} bytes")
-    print(f"compiled {len(results)} kernel variants for {args.arch} in {elapsed:.1f} s")
+    from ._compile import KernelCompileError, checked_arch
+
+    try:
+        archs = [checked_arch(a) for a in args.arch.split(",")]  # all checked before the first compile
+        for arch in archs:
+            start = time.perf_counter()
+            results = compile_variants(arch, args.jobs)
+            if args.verbose:
+                for source, name, size in results:
+                    print(f"{source}: {name}: {size} bytes")
+            print(f"compiled {len(results)} kernel variants for {arch} in {time.perf_counter() - start:.1f} s",
+                  flush=True)
+    except (KernelCompileError, ValueError) as error:
+        print(f"cupyrope compile: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -84,7 +92,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, CUDA devices, cache location").set_defaults(func=_info)
     p = sub.add_parser("compile", help="compile every kernel variant with NVRTC alone (no GPU needed)")
-    p.add_argument("--arch", default="sm_90", help="target architecture, e.g. sm_80 or sm_90")
+    p.add_argument("--arch", default="sm_90", help="target architecture(s), e.g. sm_90 or sm_80,sm_90,sm_100")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--verbose", action="store_true")
     p.set_defaults(func=_compile)

@@ -59,8 +59,9 @@ def program_text(source_file: str, name_expression: str) -> str:
 _ERROR_LINE = re.compile(r"([^\s:]+\.cuh?)\((\d+)\): (?:catastrophic )?error[^\n]*")
 
 
-def _compile_error(what: str, log: str) -> KernelCompileError:
-    """The error, naming the first file:line NVRTC complains about (else ``what``)."""
+def _compile_error(what: str, log: str, arch: str = "") -> KernelCompileError:
+    """The error, naming the first file:line NVRTC complains about (else ``what``), with a hint for the
+    failures an install causes (missing headers, an architecture this NVRTC no longer targets)."""
     match = _ERROR_LINE.search(log)
     where = f"{match.group(1)}:{match.group(2)}" if match else what
     hint = ""
@@ -68,6 +69,10 @@ def _compile_error(what: str, log: str) -> KernelCompileError:
         hint = ("\nThe CUDA headers were not found (looked in "
                 f"{cuda_include_dir() or 'no CUDA path'}): install them with pip install \"cupyrope[cuda12]\" "
                 "(or [cuda13], matching your driver), or point CUDA_PATH at a CUDA toolkit.")
+    elif "invalid value for --gpu-architecture" in log:
+        version = ".".join(map(str, import_cupy().cuda.nvrtc.getVersion()))
+        hint = (f"\nNVRTC {version} cannot compile for {arch or 'this GPU'}: CUDA 13 dropped sm_70 and older "
+                "(Volta, Pascal); for those GPUs use pip install \"cupyrope[cuda12]\".")
     return KernelCompileError(f"NVRTC failed to compile {where}\n{log.strip()}{hint}")
 
 
@@ -127,7 +132,7 @@ def _load(source_file: str, name_expression: str, device: int):
         try:
             raw = _compile_with_cupy(text, name_expression)
         except CompileException as error:
-            raise _compile_error(source_file, str(error)) from None
+            raise _compile_error(source_file, str(error), _device_arch(device)) from None
         except OSError as error:  # CuPy's disk cache is unreadable or unwritable
             warnings.warn(
                 f"cupyrope: CuPy's kernel cache failed ({error}); compiling {name_expression} "
@@ -137,6 +142,10 @@ def _load(source_file: str, name_expression: str, device: int):
             )
             raw = _compile_in_memory(text, name_expression, device)
         return Kernel(raw.kernel.ptr, raw, name_expression)
+
+
+def _device_arch(device: int) -> str:
+    return "sm_" + "".join(map(str, import_cupy().cuda.Device(device).compute_capability))
 
 
 def _compile_with_cupy(text: str, name_expression: str):
@@ -151,8 +160,7 @@ def _compile_with_cupy(text: str, name_expression: str):
 def _compile_in_memory(text: str, name_expression: str, device: int):
     cupy = import_cupy()
 
-    arch = "".join(map(str, cupy.cuda.Device(device).compute_capability))
-    binary, mapping = _nvrtc_compile(text, name_expression, f"-arch=sm_{arch}")
+    binary, mapping = _nvrtc_compile(text, name_expression, f"-arch={_device_arch(device)}")
     module = cupy.cuda.function.Module()
     module.load(binary)
     _keepalive.append(module)
@@ -178,22 +186,29 @@ def _nvrtc_compile(text: str, name_expression: str, arch_option: str):
         try:
             nvrtc.compileProgram(program, (*compile_options(), arch_option))
         except nvrtc.NVRTCError:
-            raise _compile_error(name_expression, nvrtc.getProgramLog(program)) from None
+            log = nvrtc.getProgramLog(program)
+            raise _compile_error(name_expression, log, arch_option.removeprefix("-arch=")) from None
         mapping = {name_expression: nvrtc.getLoweredName(program, name_expression)}
         return nvrtc.getCUBIN(program), mapping
     finally:
         nvrtc.destroyProgram(program)
 
 
+def checked_arch(arch: str) -> str:
+    """``arch`` as NVRTC's "sm_NN" (also accepts "compute_NN" and "NN"), or a ValueError."""
+    number = arch.strip().removeprefix("sm_").removeprefix("compute_")
+    if not number.isdigit():
+        raise ValueError(f"arch: expected something like 'sm_90', got {arch!r}")
+    return f"sm_{number}"
+
+
 def compile_all(arch: str, variants: list[tuple[str, str]]) -> list[tuple[str, str, int]]:
     """Compile every (source file, name expression) for ``arch`` (e.g. "sm_90") with NVRTC alone:
     no GPU, no driver. Returns (file, variant, cubin size). Raises KernelCompileError on failure."""
-    arch_number = arch.removeprefix("sm_").removeprefix("compute_")
-    if not arch_number.isdigit():
-        raise ValueError(f"arch: expected something like 'sm_90', got {arch!r}")
+    arch = checked_arch(arch)
     results = []
     for source_file, name_expression in variants:
         text = program_text(source_file, name_expression)
-        binary, _ = _nvrtc_compile(text, name_expression, f"-arch=sm_{arch_number}")
+        binary, _ = _nvrtc_compile(text, name_expression, f"-arch={arch}")
         results.append((source_file, name_expression, len(binary)))
     return results

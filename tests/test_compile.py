@@ -85,10 +85,27 @@ def test_compile_options_carry_the_source_hash():
     assert any(o.startswith("-DCUPYROPE_SOURCES_HASH=0x") for o in options)
     assert f"-I{_sources.kernels_dir()}" in options
 
+def test_architecture_this_nvrtc_dropped_says_which_extra_targets_it():
+    import cupy
+
+    if cupy.cuda.nvrtc.getVersion() < (13, 0):
+        pytest.skip("NVRTC 12 still compiles for sm_70 (CI's CUDA 12 step does)")
+    with pytest.raises(_compile.KernelCompileError, match=r"(?s)sm_70.*pip install \"cupyrope\[cuda12\]\""):
+        _compile.compile_all("sm_70", all_variants()[:1])
+
+
 def test_cli_compile(capsys, monkeypatch):
     monkeypatch.setattr("cupyrope._variants.all_variants", lambda: all_variants()[:2])
     assert main(["compile", "--arch", "sm_90", "--jobs", "1"]) == 0
     assert "compiled 2 kernel variants for sm_90" in capsys.readouterr().out
+    assert main(["compile", "--arch", "sm_80, sm_120", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 kernel variants for sm_80" in out and "2 kernel variants for sm_120" in out
+
+
+def test_cli_compile_reports_errors_without_a_traceback(capsys):
+    assert main(["compile", "--arch", "sm_90,hopper", "--jobs", "1"]) == 1
+    assert "cupyrope compile: arch: expected something like 'sm_90', got 'hopper'" in capsys.readouterr().err
 
 
 def test_unusable_kernel_cache_dir_degrades_with_a_warning(tmp_path):
