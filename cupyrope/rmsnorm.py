@@ -263,10 +263,11 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
         return plan
     # dweight sums of each rows slot, added in order at the end: in shared memory, except with one
     # slot and the sums in registers (written straight to the partial row), or rows too long for it
-    # (one slot, the sums kept in the partial row).
+    # (one slot, the sums kept in the partial row), or more than this GPU lets a block have (GPUs other
+    # than A100/H100 allow 64-99 KiB).
     rows_slots = plan.block[1]
     plan.shared_mem = rows_slots * hidden * 4 if weight is not None else 0
-    if plan.shared_mem > SHARED_ACC_LIMIT or (plan.slots and rows_slots == 1):
+    if plan.shared_mem > min(SHARED_ACC_LIMIT, shared_limit) or (plan.slots and rows_slots == 1):
         plan.shared_mem = 0
     plan.shared_acc = plan.shared_mem > 0
     assert plan.shared_mem or rows_slots == 1 or weight is None, "rows slots would share one partial row"

@@ -270,6 +270,18 @@ def test_rms_norm_backward_plans():
     assert h.slots == 0 and h.block[1] == 1 and h.shared_mem == 0  # sums go to the partial row instead
 
 
+@pytest.mark.parametrize("optin_kib", [64, 99, 163, 227])  # T4; A10/L4/RTX 4090/V100-class; A100; H100
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_backward_plans_fit_the_gpus_shared_memory(optin_kib, dtype):
+    limit = optin_kib * 1024 - 1024  # what the launcher passes: the opt-in less the kernels' static arrays
+    for hidden in (61, 1027, 4096, 8191, 16383, 16384, 20000, 32767, 49152, 65536):
+        for rows in (1, 8192):
+            x = arr((rows, hidden), dtype)
+            p = plan_backward(x, x, x, arr((hidden,), "float32"), (hidden,) * 3, rows, hidden, n_sm=40,
+                              shared_limit=limit)
+            assert p.shared_mem <= limit, (hidden, rows, p.name, p.shared_mem)
+
+
 def test_output_allocates_or_checks_the_callers_out():
     torch = pytest.importorskip("torch")
     from cupyrope import _arrays
