@@ -392,6 +392,13 @@ TINY_MODELS = {
     "cohere": ("CohereConfig", "CohereForCausalLM", {}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"partial_rotary_factor": 0.5}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5}),
+    # Multimodal RoPE (text towers of vision-language models): the rotary embedding picks each frequency's
+    # position from one of three rows (time, height, width), in sections or interleaved; the rotation
+    # itself is transformers' apply_rotary_pos_emb.
+    "qwen2-vl-mrope": ("Qwen2VLTextConfig", "Qwen2VLTextModel", {"rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}),
+    "qwen3-vl-interleaved-mrope": ("Qwen3VLTextConfig", "Qwen3VLTextModel", {"head_dim": 16, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}}),
 }
 
 
@@ -412,14 +419,26 @@ def tiny_model(name, dtype=torch.float32, device="cpu"):
     return model.to(device=device, dtype=dtype)
 
 
-def _patched_logits(model, ids):
+def model_inputs(name, device="cpu"):
+    """Token ids, and for multimodal RoPE three distinct position rows (as an image's grid gives)."""
+    gen = torch.Generator().manual_seed(1)
+    inputs = {"input_ids": torch.randint(1, 64, (2, 40), generator=gen)}
+    if "mrope" in name:
+        t = torch.arange(40).expand(2, 40)
+        inputs["position_ids"] = torch.stack([t, t // 5, t % 7])
+    return {key: value.to(device) for key, value in inputs.items()}
+
+
+def _patched_outputs(model, inputs):
+    """The model's first output (logits, or the last hidden state of a text tower) before and after
+    patch_transformers, and its report."""
     source = sys.modules[type(model).__module__]
     original = source.apply_rotary_pos_emb
     try:
         with torch.no_grad():
-            before = model(ids).logits
+            before = model(**inputs)[0]
             report = dropin.patch_transformers(model)
-            after = model(ids).logits
+            after = model(**inputs)[0]
     finally:
         source.apply_rotary_pos_emb = original  # other tests build this model type too
     return before, after, report
@@ -428,7 +447,7 @@ def _patched_logits(model, ids):
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_patch_transformers_on_real_models(name):
     model = tiny_model(name)
-    before, after, report = _patched_logits(model, torch.randint(1, 64, (2, 40), generator=torch.Generator().manual_seed(1)))
+    before, after, report = _patched_outputs(model, model_inputs(name))
     assert report["rope"] == [type(model).__module__] and report["skipped"] == []
     assert len(report["rms_norm"]) >= (0 if name == "cohere" else 5)  # Cohere's norm is a LayerNorm
     assert_close(after, before, "float32")
@@ -478,10 +497,10 @@ def test_rotary_embedding_on_gpu(gen):
 
 
 @gpu
-@pytest.mark.parametrize("name", ["llama", "gemma3", "cohere"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "cohere", "qwen3-vl-interleaved-mrope"])
 def test_patch_transformers_on_gpu(name):
     model = tiny_model(name, dtype=torch.float32, device="cuda")
-    before, after, report = _patched_logits(model, torch.randint(1, 64, (2, 40)).cuda())
+    before, after, report = _patched_outputs(model, model_inputs(name, "cuda"))
     assert report["rope"] == [type(model).__module__]
     # Two layers of fp32 ops whose summation orders differ (the kernels' reductions against torch's):
     # the kernels' own accuracy is tested op by op; here the model must agree to a few fp32 roundings.
