@@ -1,0 +1,91 @@
+"""The Python side of a planned call, with no GPU: where a decode-size call's host time goes.
+
+CPU torch tensors stand in for CUDA ones and the three driver calls (current device, current stream,
+cuLaunchKernel) are no-ops, so what is timed is exactly cupyrope's own per-call code: fingerprints,
+plan-cache lookup, overlap checks, parameter packing, output allocation. Run it on the build machine
+to try host-path changes between GPU sessions; scripts/overhead.py measures the real thing on a GPU.
+Host speed varies between machines and runs: compare rows of one run. Usage:
+PYTHONPATH=. python scripts/host_path_cpu.py
+"""
+
+import statistics
+import sys
+import timeit
+import types
+
+import torch
+
+import cupyrope
+from cupyrope import _arrays, _launch
+from cupyrope._arrays import fingerprint
+
+rope_module, norm_module = sys.modules["cupyrope.rope"], sys.modules["cupyrope.rmsnorm"]
+
+
+def _describe_cpu(obj, name):
+    """describe() that takes a CPU tensor as if it were on cuda:0 (planning only)."""
+    if isinstance(obj, torch.Tensor):
+        return _arrays.Array(obj, "torch", obj.data_ptr(), _arrays._torch_dtype_name(obj.dtype), obj.shape,
+                             obj.stride(), 0)
+    return _arrays.describe(obj, name)
+
+
+def stand_in_for_the_gpu():
+    _arrays._TORCH_TYPES.add(torch.Tensor)  # fingerprint() takes CPU tensors (device index -1)
+    no_kernel = types.SimpleNamespace(ptr=0, raw=types.SimpleNamespace(shared_size_bytes=0))
+    for module in (rope_module, norm_module):
+        module.describe = _describe_cpu
+        module.describe_optional = lambda obj, name: None if obj is None else _describe_cpu(obj, name)
+        module.get_kernel = lambda *args: no_kernel
+        module.sm_count = lambda device: 132  # an H100's
+    norm_module.shared_optin = lambda device: 227 * 1024
+    norm_module.allow_shared_memory = lambda *args: None
+    norm_module._blocks_per_wave = lambda *args: 132 * 4
+    norm_module._waves = lambda *args: 1
+    _launch._bind = lambda: None
+    _launch._runtime = types.SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None)
+    _launch._driver = types.SimpleNamespace(launchKernel=lambda *args: None, CUDADriverError=RuntimeError)
+    _launch._torch_stream = _launch._cupy_stream = lambda device: 0
+
+
+def rows():
+    q = torch.randn(1, 32, 128, dtype=torch.bfloat16)
+    k = torch.randn(1, 8, 128, dtype=torch.bfloat16)
+    pos = torch.zeros(1, dtype=torch.int64)
+    x = torch.randn(1, 4096, dtype=torch.bfloat16)
+    w, y, residual = torch.randn(4096, dtype=torch.bfloat16), torch.empty_like(x), torch.randn_like(x)
+    cache = torch.randn(4096, 128)
+    launcher = _launch.Launch(types.SimpleNamespace(ptr=0), 1, (32, 1), 1, b"", 0, "torch")
+    key = ("rope_qk", fingerprint(q, "q")[0], fingerprint(k, "k")[0], fingerprint(pos, "positions")[0])
+    return {
+        "rope_qk, in place": lambda: cupyrope.rope_qk(q, k, pos),
+        "rope_qk, in place, cache": lambda: cupyrope.rope_qk(q, k, pos, cos_sin_cache=cache),
+        "rope, out=x": lambda: cupyrope.rope(q, pos, out=q),
+        "rope, new output": lambda: cupyrope.rope(q, pos),
+        "rms_norm, out=": lambda: cupyrope.rms_norm(x, w, out=y),
+        "rms_norm, new output": lambda: cupyrope.rms_norm(x, w),
+        "fused_add_rms_norm": lambda: cupyrope.fused_add_rms_norm(x, residual, w),
+        "  piece: launcher, 1 pointer (driver calls no-ops)": lambda: launcher(x.data_ptr()),
+        "  piece: fingerprint of a tensor": lambda: fingerprint(q, "q"),
+        "  piece: hash of a rope_qk key": lambda: hash(key),
+        "  piece: torch.empty_like": lambda: torch.empty_like(q),
+    }
+
+
+def main() -> int:
+    stand_in_for_the_gpu()
+    calls = rows()
+    for fn in calls.values():
+        fn()  # plans them
+    samples = {name: [] for name in calls}
+    for _ in range(5):  # interleaved rounds
+        for name, fn in calls.items():
+            samples[name].append(timeit.timeit(fn, number=20000) / 20000 * 1e6)
+    print(f"Python {sys.version.split()[0]}, torch {torch.__version__}; host µs per call, median of 5 rounds")
+    for name, values in samples.items():
+        print(f"{name:52s} {statistics.median(values):6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
