@@ -349,6 +349,11 @@ class RotaryEmbedding(nn.Module):
         if any(isinstance(value, dict) for value in params.values()):
             raise ValueError("config: per-layer rope_parameters (one dict per layer type) are not supported; "
                              "build one RotaryEmbedding per layer type")
+        if "mrope_section" in params or params.get("rope_type", params.get("type")) == "mrope":
+            raise ValueError("config: multimodal RoPE (mrope_section) takes each frequency's position from one of "
+                             "three rows (time, height, width); RotaryEmbedding takes one position per token. For "
+                             "a loaded model use cupyrope.dropin.patch_transformers, which keeps the model's own "
+                             "cos/sin")
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)

@@ -252,3 +252,7 @@ def test_rotary_embedding_refuses_what_it_cannot_do():
                                 rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6}})
     with pytest.raises(ValueError, match="config: per-layer rope_parameters"):
         ct.RotaryEmbedding.from_hf_config(per_layer)
+    # Qwen2-VL as transformers 4 (rope_scaling type "mrope") and 5 (mrope_section in rope_parameters) spell it.
+    for config in (hf_config(4, type="mrope", mrope_section=[16, 24, 24]), hf_config(5, mrope_section=[16, 24, 24])):
+        with pytest.raises(ValueError, match=r"config: multimodal RoPE \(mrope_section\).*patch_transformers"):
+            ct.RotaryEmbedding.from_hf_config(config)
