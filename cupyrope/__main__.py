@@ -17,7 +17,7 @@ def _info(_args) -> int:
         from ._cupy import import_cupy
 
         cupy = import_cupy()
-        from ._compile import cuda_include_dir
+        from ._compile import arch_unsupported, cuda_include_dir
 
         headers = cuda_include_dir()
         if headers and not os.path.isfile(os.path.join(headers, "cuda_bf16.h")):
@@ -32,8 +32,11 @@ def _info(_args) -> int:
             n = 0
         for d in range(n):
             props = cupy.cuda.runtime.getDeviceProperties(d)
-            print(f"cuda:{d} {props['name'].decode()} sm_{props['major']}{props['minor']} "
+            arch = f"sm_{props['major']}{props['minor']}"
+            print(f"cuda:{d} {props['name'].decode()} {arch} "
                   f"{props['multiProcessorCount']} SMs {props['totalGlobalMem'] / 2**30:.0f} GiB")
+            if arch_unsupported(arch):
+                print(f"  {arch_unsupported(arch)}")
     except ImportError as error:
         print(f"CuPy is not installed ({error}); pip install 'cupyrope[cuda12]' or 'cupyrope[cuda13]'")
     try:

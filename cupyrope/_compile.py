@@ -56,6 +56,24 @@ def program_text(source_file: str, name_expression: str) -> str:
     return f"// cupyrope variant: {name_expression}\n#include \"{source_file}\"\n"
 
 
+@functools.cache
+def nvrtc_archs() -> tuple[int, ...]:
+    """The compute capabilities this NVRTC compiles for, e.g. (75, 80, ..., 121)."""
+    return tuple(import_cupy().cuda.nvrtc.getSupportedArchs())
+
+
+def arch_unsupported(arch: str) -> str | None:
+    """Why this NVRTC cannot compile for ``arch`` ("sm_70"), with what to install instead; None when it can.
+    GPUs newer than NVRTC's newest target are left to CuPy, which compiles for that target."""
+    number = int(arch.removeprefix("sm_"))
+    if number >= min(nvrtc_archs()):
+        return None
+    version = ".".join(map(str, import_cupy().cuda.nvrtc.getVersion()))
+    advice = ("CUDA 13 dropped Volta: for it use pip install \"cupyrope[cuda12]\"" if number >= 70 else
+              "cupyrope supports compute capability 7.0 (Volta) and newer")
+    return f"NVRTC {version} cannot compile for {arch} (it targets sm_{min(nvrtc_archs())} and newer); {advice}."
+
+
 _ERROR_LINE = re.compile(r"([^\s:]+\.cuh?)\((\d+)\): (?:catastrophic )?error[^\n]*")
 
 
@@ -70,9 +88,7 @@ def _compile_error(what: str, log: str, arch: str = "") -> KernelCompileError:
                 f"{cuda_include_dir() or 'no CUDA path'}): install them with pip install \"cupyrope[cuda12]\" "
                 "(or [cuda13], matching your driver), or point CUDA_PATH at a CUDA toolkit.")
     elif "invalid value for --gpu-architecture" in log:
-        version = ".".join(map(str, import_cupy().cuda.nvrtc.getVersion()))
-        hint = (f"\nNVRTC {version} cannot compile for {arch or 'this GPU'}: CUDA 13 dropped sm_70 and older "
-                "(Volta, Pascal); for those GPUs use pip install \"cupyrope[cuda12]\".")
+        hint = "\n" + (arch_unsupported(arch) or f"NVRTC cannot compile for {arch or 'this GPU'}.")
     return KernelCompileError(f"NVRTC failed to compile {where}\n{log.strip()}{hint}")
 
 
@@ -128,6 +144,9 @@ def _load(source_file: str, name_expression: str, device: int):
     CompileException = cupy.cuda.compiler.CompileException
 
     text = program_text(source_file, name_expression)
+    unsupported = arch_unsupported(_device_arch(device))
+    if unsupported:
+        raise KernelCompileError(f"cuda:{device}: {unsupported}")
     with cupy.cuda.Device(device):
         try:
             raw = _compile_with_cupy(text, name_expression)
@@ -160,7 +179,9 @@ def _compile_with_cupy(text: str, name_expression: str):
 def _compile_in_memory(text: str, name_expression: str, device: int):
     cupy = import_cupy()
 
-    binary, mapping = _nvrtc_compile(text, name_expression, f"-arch={_device_arch(device)}")
+    # As CuPy does: a GPU newer than NVRTC's newest target gets code for that target.
+    number = min(int(_device_arch(device).removeprefix("sm_")), max(nvrtc_archs()))
+    binary, mapping = _nvrtc_compile(text, name_expression, f"-arch=sm_{number}")
     module = cupy.cuda.function.Module()
     module.load(binary)
     _keepalive.append(module)

@@ -94,6 +94,20 @@ def test_architecture_this_nvrtc_dropped_says_which_extra_targets_it():
         _compile.compile_all("sm_70", all_variants()[:1])
 
 
+def test_gpus_this_nvrtc_cannot_target_are_named_before_compiling(monkeypatch):
+    monkeypatch.setattr(_compile, "nvrtc_archs", lambda: (75, 80, 90, 120))  # NVRTC 13's range, shortened
+    assert _compile.arch_unsupported("sm_90") is None
+    assert _compile.arch_unsupported("sm_130") is None  # newer GPUs: CuPy compiles for NVRTC's newest target
+    assert 'pip install "cupyrope[cuda12]"' in _compile.arch_unsupported("sm_70")
+    monkeypatch.setattr(_compile, "nvrtc_archs", lambda: (50, 60, 70, 90))  # NVRTC 12's
+    assert "compute capability 7.0 (Volta) and newer" in _compile.arch_unsupported("sm_35")
+    # A V100 with the CUDA 13 extra: the first kernel load says so, before NVRTC or the GPU is asked.
+    monkeypatch.setattr(_compile, "nvrtc_archs", lambda: (75, 80, 90, 120))
+    monkeypatch.setattr(_compile, "_device_arch", lambda device: "sm_70")
+    with pytest.raises(_compile.KernelCompileError, match=r"cuda:0: NVRTC .* cannot compile for sm_70.*cuda12"):
+        _compile._load("rope.cu", all_variants()[0][1], 0)
+
+
 def test_cli_compile(capsys, monkeypatch):
     monkeypatch.setattr("cupyrope._variants.all_variants", lambda: all_variants()[:2])
     assert main(["compile", "--arch", "sm_90", "--jobs", "1"]) == 0
