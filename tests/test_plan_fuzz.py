@@ -1,0 +1,172 @@
+"""The checks and planners on random layouts, with no GPU: every call either gets a plan the kernels can
+run (a compiled variant, launch limits, alignment for 16-byte accesses, shared memory within the GPU's)
+or a TypeError/ValueError that names the argument. What the plans compute is the GPU tests' job."""
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cupyrope._arrays import FLOAT_DTYPES, ITEMSIZE, Array  # noqa: E402
+from cupyrope._variants import all_variants  # noqa: E402
+
+rope_module, norm_module = sys.modules["cupyrope.rope"], sys.modules["cupyrope.rmsnorm"]
+BASE = 0x7F0000000000
+VARIANTS = {name for _, name in all_variants()}
+SHARED_OPTIN = 99 * 1024  # an L4's or RTX 4090's: below the H100's, so the limit shows
+DEFAULT_SHARED = 48 * 1024  # what a kernel gets without opting in (the RoPE kernels do not)
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ARGUMENTS = ("x:", "q:", "k:", "positions:", "cos_sin_cache:", "out:", "out[0]:", "out[1]:", "rotary_dim:",
+             "impl:", "weight:", "residual:", "dy:", "rstd:", "eps:")
+
+
+@pytest.fixture(autouse=True)
+def no_gpu(monkeypatch):
+    """The device queries the planners make, answered as an H100-like GPU with an L4's shared memory."""
+    kernel = SimpleNamespace(ptr=1, raw=SimpleNamespace(shared_size_bytes=0))
+    for module in (rope_module, norm_module):
+        monkeypatch.setattr(module, "sm_count", lambda device: 132)
+        monkeypatch.setattr(module, "get_kernel", lambda *args: kernel)
+    monkeypatch.setattr(norm_module, "shared_optin", lambda device: SHARED_OPTIN)
+    monkeypatch.setattr(norm_module, "allow_shared_memory", lambda *args: None)
+    monkeypatch.setattr(norm_module, "_blocks_per_wave", lambda kernel, plan, device: 132 * 2)
+    monkeypatch.setattr("cupyrope._launch._bind", lambda: None)
+
+
+def mostly(usual, anything):
+    """`usual` four times in five, else `anything` (one_of would take each half the time)."""
+    return st.integers(0, 4).flatmap(lambda i: anything if i == 0 else usual)
+
+
+@st.composite
+def arrays(draw, shape, dtype, ptr, padded=True):
+    """An Array of `shape`: contiguous, or with each dimension's stride padded (last one contiguous),
+    possibly offset from a 16-byte boundary by a few elements."""
+    padded = padded and draw(st.sampled_from([False, False, True]))
+    strides, step = [], 1
+    for i, n in enumerate(reversed(shape)):
+        strides.insert(0, step)
+        pad = draw(st.sampled_from([0, 1, 8, 64])) if padded and i < len(shape) - 1 else 0
+        step = step * max(n, 1) + pad
+    offset = draw(st.sampled_from([0] * 5 + [1, 2, 4])) * ITEMSIZE[dtype]
+    return Array(None, "cupy", ptr + offset, dtype, tuple(shape), tuple(strides), 0)
+
+
+def aligned_16(a):
+    """16-byte accesses are possible: the pointer and the stride of every dimension that has one are
+    multiples of 16 bytes."""
+    return a.ptr % 16 == 0 and all(s * ITEMSIZE[a.dtype] % 16 == 0 for n, s in zip(a.shape[:-1], a.strides[:-1]) if n > 1)
+
+
+def assert_clear_error(error):
+    assert str(error).startswith(ARGUMENTS), f"error does not name an argument: {error}"
+    event(f"refused: {str(error).split(':')[0]}")
+
+
+def assert_runnable_rope(plan, arrays_):
+    event(f"planned: {plan.name.split('<')[0].removeprefix('cupyrope::')}, vectorized {plan.vectorized}")
+    assert plan.name in VARIANTS, plan.name
+    assert 1 <= plan.grid < 2**31 and 1 <= plan.block[0] <= 1024
+    assert plan.shared_mem <= DEFAULT_SHARED
+    if "rope_direct_kernel" in plan.name:
+        assert plan.grid * plan.block[0] < 2**31  # the kernel's unsigned thread index
+    if plan.vectorized:
+        assert all(aligned_16(a) for a in arrays_)
+    assert len(plan.tail) == rope_module._TAIL.size
+
+
+@st.composite
+def rope_calls(draw, qk=False):
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    head_dim = draw(mostly(st.sampled_from([2, 8, 16, 64, 80, 96, 128, 256]), st.integers(1, 130)))
+    lead = draw(st.lists(st.sampled_from([1, 2, 3, 7, 40, 100]), min_size=1, max_size=3))
+    heads = draw(st.integers(1, 9))
+    rotary_dim = draw(mostly(st.sampled_from([None, head_dim, max(2, 2 * (head_dim // 4))]), st.integers(0, 140)))
+    x = draw(arrays((*lead, heads, head_dim), dtype, BASE))
+    # positions: x's leading dimensions from the left (some of them 1, broadcast), the heads too at times
+    pos_shape = [n if draw(st.booleans()) else 1 for n in lead] + ([1] if draw(st.booleans()) else [])
+    positions = draw(arrays(pos_shape, draw(st.sampled_from(["int32", "int64"])), BASE + 2**32, padded=False))
+    cache = None
+    if draw(st.booleans()):
+        width = draw(mostly(st.just(rotary_dim or head_dim), st.sampled_from([head_dim, 2 * head_dim, 7])))
+        cache_dtype = draw(st.sampled_from(["float32", dtype]))
+        cache = draw(arrays((draw(st.integers(1, 5000)), width), cache_dtype, BASE + 2**33))
+    options = dict(theta=draw(st.sampled_from([10000.0, 500000.0])), style=draw(st.sampled_from(["neox", "gptj"])),
+                   rotary_dim=rotary_dim, inverse=draw(st.booleans()),
+                   impl=draw(st.sampled_from(["auto", "auto", "scalar", "vector"])))
+    if qk:
+        k = draw(arrays((*lead, draw(st.integers(1, 4)), head_dim), dtype, BASE + 2**31))
+        return x, k, positions, cache, options
+    out = draw(st.sampled_from(["none", "x", "other"]))
+    out = {"none": None, "x": x}.get(out) or draw(arrays(x.shape, dtype, BASE + 2**30))
+    return x, positions, cache, out, options
+
+
+@SETTINGS
+@given(rope_calls())
+def test_rope_plans_are_runnable_or_refused_clearly(call):
+    x, positions, cache, out, options = call
+    try:
+        plan = rope_module._plan_rope_call(x, positions, cache, out, **options)
+    except (TypeError, ValueError) as error:
+        assert_clear_error(error)
+        return
+    assert_runnable_rope(plan, [x, out or x])
+
+
+@SETTINGS
+@given(rope_calls(qk=True))
+def test_rope_qk_plans_are_runnable_or_refused_clearly(call):
+    q, k, positions, cache, options = call
+    try:
+        plan = rope_module._plan_rope_qk_call(q, k, positions, cache, q, k, **options)
+    except (TypeError, ValueError) as error:
+        assert_clear_error(error)
+        return
+    assert_runnable_rope(plan, [q, k])
+
+
+def assert_runnable_norm(plan, arrays_):
+    if plan.grid:
+        event(f"planned: {plan.name.split('<')[0].removeprefix('cupyrope::')}, vectorized {plan.vectorized}, "
+              f"shifted {plan.shifted}")
+    assert plan.name in VARIANTS, plan.name
+    assert 1 <= plan.grid < 2**31 and 1 <= plan.block[0] * plan.block[1] <= 1024
+    assert plan.shared_mem <= SHARED_OPTIN - norm_module.STATIC_SHARED_BYTES
+    if plan.vectorized and not plan.shifted:
+        assert all(aligned_16(a) for a in arrays_ if a is not None)
+
+
+@st.composite
+def norm_calls(draw):
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    hidden = draw(mostly(st.sampled_from([1, 61, 64, 130, 1027, 2048, 4096, 8191, 16384, 24577, 32767, 65536]),
+                         st.integers(1, 3000)))
+    lead = draw(st.lists(st.sampled_from([1, 7, 64, 300, 8192]), min_size=1, max_size=2))
+    x = draw(arrays((*lead, hidden), dtype, BASE))
+    weight_dtype = draw(st.sampled_from([None, "float32", dtype, dtype, "float16"]))
+    weight = None if weight_dtype is None else draw(arrays((hidden,), weight_dtype, BASE + 2**33, padded=False))
+    other = draw(arrays(x.shape, dtype, BASE + 2**31))
+    eps = draw(st.sampled_from([1e-6, 1e-5, 1e-6, 1e-5, 1e-6, 0.0]))
+    return x, weight, other, eps, draw(st.sampled_from([0.0, 1.0])), draw(st.sampled_from(["auto", "scalar", "vector"]))
+
+
+@SETTINGS
+@given(norm_calls(), st.sampled_from(["forward", "fused add", "backward"]))
+def test_rms_norm_plans_are_runnable_or_refused_clearly(call, op):
+    x, weight, other, eps, offset, impl = call
+    try:
+        if op == "forward":
+            plan = norm_module._plan_forward_call(x, weight, other, eps, offset, True, impl)
+        elif op == "fused add":
+            plan = norm_module._plan_fused_add_call(x, other, weight, eps, offset, impl)
+        else:
+            plan = norm_module._plan_backward_call(other, x, weight, None, eps, offset, impl)
+    except (TypeError, ValueError) as error:
+        assert_clear_error(error)
+        return
+    assert_runnable_norm(plan, [x, other, weight])
