@@ -21,6 +21,23 @@ def round_to(values, dtype: str) -> np.ndarray:
     return values.astype(dtype).astype(np.float64)
 
 
+def ulp(values, dtype: str) -> np.ndarray:
+    """Spacing of ``dtype`` at |values| (one rounding step of an output)."""
+    mantissa = {"float32": 23, "float16": 10, "bfloat16": 7}[dtype]
+    smallest = {"float32": 2.0**-149, "float16": 2.0**-24, "bfloat16": 2.0**-133}[dtype]
+    magnitude = np.abs(values)
+    exponent = np.floor(np.log2(np.where(magnitude > 0, magnitude, 1.0)))
+    return np.maximum(2.0 ** (exponent - mantissa), smallest)
+
+
+def tolerance(ref, dtype: str, scale: float = 1.0) -> np.ndarray:
+    """How far a kernel's output may be from the float64 reference: fp32 1e-5 relative, fp16/bf16 one
+    rounding of the output (one ulp); both plus 1e-6 * scale absolute, for values that come out of
+    cancellation (scale: the magnitude of the terms that cancelled)."""
+    relative = 1e-5 * np.abs(ref) if dtype == "float32" else ulp(ref, dtype)
+    return relative + 1e-6 * scale
+
+
 def rope_cache(max_position: int, rotary_dim: int, theta: float = 10000.0, scaling=None) -> np.ndarray:
     """[max_position, rotary_dim] float64: cos of every angle, then sin (vLLM's layout). ``scaling``: a
     Hugging Face rope_scaling dict (cupyrope.rope_scaling), whose attention factor multiplies both."""

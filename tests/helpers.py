@@ -5,7 +5,7 @@ import functools
 import numpy as np
 import pytest
 
-from cupyrope.reference import round_to
+from cupyrope.reference import round_to, tolerance
 
 
 @functools.cache
@@ -88,15 +88,6 @@ def poison(array):
     return array
 
 
-def ulp(values: np.ndarray, dtype: str) -> np.ndarray:
-    """Spacing of ``dtype`` at |values| (one rounding step of the output)."""
-    mantissa = {"float32": 23, "float16": 10, "bfloat16": 7}[dtype]
-    smallest = {"float32": 2.0**-149, "float16": 2.0**-24, "bfloat16": 2.0**-133}[dtype]
-    magnitude = np.abs(values)
-    exponent = np.floor(np.log2(np.where(magnitude > 0, magnitude, 1.0)))
-    return np.maximum(2.0 ** (exponent - mantissa), smallest)
-
-
 def assert_matches(out: np.ndarray, ref: np.ndarray, dtype: str, scale: float = 1.0, what: str = ""):
     """fp32: 1e-5 relative (plus 1e-6 * scale absolute for values from cancellation); fp16/bf16: one
     rounding of the output (one ulp, plus the same small absolute term). NaN never passes unless the
@@ -105,10 +96,7 @@ def assert_matches(out: np.ndarray, ref: np.ndarray, dtype: str, scale: float = 
     ref_nan = np.isnan(ref)
     assert np.array_equal(np.isnan(out), ref_nan), f"{what}: NaN pattern differs (unwritten outputs?)"
     out, ref = out[~ref_nan], ref[~ref_nan]
-    if dtype == "float32":
-        tol = 1e-5 * np.abs(ref) + 1e-6 * scale
-    else:
-        tol = ulp(ref, dtype) + 1e-6 * scale
+    tol = tolerance(ref, dtype, scale)
     err = np.abs(out - ref)
     worst = np.argmax(err - tol) if err.size else 0
     assert np.all(err <= tol), (

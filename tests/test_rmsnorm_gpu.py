@@ -5,7 +5,8 @@ import pytest
 
 import cupyrope
 from cupyrope import _arrays, reference, rmsnorm
-from helpers import (DTYPES, KINDS, assert_matches, poison, ulp, random_host, requires_gpu, requires_torch_cuda,
+from cupyrope.reference import ulp
+from helpers import (DTYPES, KINDS, assert_matches, poison, random_host, requires_gpu, requires_torch_cuda,
                      to_device, to_host)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]

@@ -1,0 +1,103 @@
+"""`python -m cupyrope check`'s cases and verdicts, on the CPU: NumPy arrays stand in for CuPy ones and
+reference-backed functions (exact, then rounded once to the output dtype, as a correct kernel is)
+stand in for the ops. Correct stand-ins pass every check; wrong ones fail it."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cupyrope import reference, selfcheck
+
+pytest.importorskip("ml_dtypes")
+
+
+def numpy_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+HOST = SimpleNamespace(asarray=lambda host, dtype: host.astype(numpy_dtype(dtype)),
+                       nan=lambda shape, dtype: np.full(shape, np.nan, dtype=numpy_dtype(dtype)),
+                       host=lambda array: np.asarray(array, dtype=np.float64))
+
+
+def f64(array):
+    return None if array is None else np.asarray(array, dtype=np.float64)
+
+
+def reference_ops(rope_style=None, skip_rows=0):
+    """The ops, computed by the references. rope_style forces one style (a wrong kernel); skip_rows
+    leaves that many rows of rms_norm's output unwritten."""
+
+    def rotate(x, positions, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False):
+        return reference.rope(f64(x), np.asarray(positions), style=rope_style or style, rotary_dim=rotary_dim,
+                              cos_sin_cache=f64(cos_sin_cache), inverse=inverse).astype(x.dtype)
+
+    def rope(x, positions, *, out, impl="auto", **options):
+        out[...] = rotate(x, positions, **options)
+        return out
+
+    def rope_qk(q, k, positions, impl="auto", **options):
+        q[...], k[...] = rotate(q, positions, **options), rotate(k, positions, **options)
+        return q, k
+
+    def rms_norm(x, w, eps, *, offset=0.0, out):
+        out[skip_rows:] = reference.rms_norm(f64(x), f64(w), eps, offset=offset)[skip_rows:].astype(x.dtype)
+        return out
+
+    def fused_add_rms_norm(x, residual, w, eps):
+        dtype = "bfloat16" if x.dtype == numpy_dtype("bfloat16") else x.dtype.name
+        y, summed = reference.fused_add_rms_norm(f64(x), f64(residual), f64(w), eps, dtype=dtype)
+        x[...], residual[...] = y.astype(x.dtype), summed.astype(x.dtype)
+        return x, residual
+
+    def rms_norm_backward(dy, x, w):
+        dx, dw = reference.rms_norm_backward(f64(dy), f64(x), f64(w))
+        return dx.astype(x.dtype), dw.astype(w.dtype)
+
+    return SimpleNamespace(rope=rope, rope_qk=rope_qk, rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm,
+                           rms_norm_backward=rms_norm_backward)
+
+
+def test_correct_ops_pass_every_check(capsys):
+    assert selfcheck.run_selfcheck(HOST, reference_ops()) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and out.strip().endswith("all checks passed")
+    lines = out.splitlines()
+    for what in ("rope float16 300 tokens gptj cache scalar", "rope bfloat16 decode 16-byte items",
+                 "rope_qk float32 partial inverse (k)", "rms_norm_backward bfloat16 [300, 1027] (dweight)",
+                 "fused_add_rms_norm float16 [64, 16384] (residual)"):
+        assert any(line.startswith(f"ok   {what}:") for line in lines), what
+    assert len(lines) > 100
+
+
+def test_a_wrong_rotation_fails_its_checks(capsys):
+    assert selfcheck.run_selfcheck(HOST, reference_ops(rope_style="neox")) == 1
+    out = capsys.readouterr().out
+    failed = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert failed and all(" gptj " in line for line in failed)
+    assert out.strip().endswith(f"{len(failed)} checks FAILED")
+
+
+def test_unwritten_outputs_fail(capsys):
+    assert selfcheck.run_selfcheck(HOST, reference_ops(skip_rows=1)) == 1
+    assert "FAIL rms_norm float32 [300, 61]" in capsys.readouterr().out
+
+
+def test_without_a_gpu_it_says_why(capsys, monkeypatch):
+    def no_gpu(*args, **kwargs):
+        raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+
+    monkeypatch.setattr(selfcheck, "_cupy_module", no_gpu)
+    assert selfcheck.run_selfcheck() == 1
+    assert "FAIL: RuntimeError: cudaErrorNoDevice" in capsys.readouterr().out
+
+
+def test_tolerance_is_one_rounding_for_half_types_and_1e5_for_fp32():
+    assert reference.ulp(1.0, "bfloat16") == 2.0**-7 and reference.ulp(3.0, "float16") == 2.0**-9
+    assert reference.tolerance(np.array([2.0]), "float32")[0] == pytest.approx(2e-5 + 1e-6)
+    assert reference.tolerance(np.array([2.0]), "bfloat16", scale=0.0)[0] == 2.0**-6
