@@ -24,8 +24,10 @@ def _cupy_module():
 
     from ._arrays import _cupy_dtype
 
-    return SimpleNamespace(asarray=lambda host, dtype: cupy.asarray(host.astype(_cupy_dtype(dtype))),
-                           nan=lambda shape, dtype: cupy.full(shape, np.nan, dtype=_cupy_dtype(dtype)),
+    def asarray(host, dtype):
+        return cupy.asarray(host.astype(_cupy_dtype(dtype)))
+
+    return SimpleNamespace(asarray=asarray, nan=lambda shape, dtype: asarray(np.full(shape, np.nan), dtype),
                            host=lambda array: cupy.asnumpy(array).astype(np.float64))
 
 
