@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU must confirm, in one device call (logs under $OUT):
-#   full GPU test suite, reliability suite (fuzz, huge, threads, cache), compute-sanitizer, benchmarks.
+#   the self-check, full GPU test suite, reliability suite (fuzz, huge, threads, cache), compute-sanitizer,
+#   benchmarks.
 # Usage on the device machine, from the checkout, with the wheels of scripts/fetch_wheels.sh carried in .whl/:
-#   bash scripts/gpu_session.sh            (STEPS="tests reliability sanitize bench pytest-bench" to pick)
+#   bash scripts/gpu_session.sh            (STEPS="check tests reliability sanitize bench pytest-bench" to pick)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -12,11 +13,12 @@ else
   export PYTHONPATH=.
 fi
 export PYTHONUNBUFFERED=1
-STEPS=${STEPS:-"tests reliability sanitize bench pytest-bench"}
+STEPS=${STEPS:-"check tests reliability sanitize bench pytest-bench"}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 for step in $STEPS; do
   echo "== $step"
   case $step in
+    check) timeout 120 python3 -m cupyrope check 2>&1 | tee "$OUT/check.log" | grep -E "FAIL|passed" ;;
     tests) timeout 480 python3 -m pytest -q tests/ -m "gpu and not huge" --ignore=tests/test_reliability_gpu.py \
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5 ;;
     reliability) timeout 200 python3 -m pytest -q tests/test_reliability_gpu.py -p no:cacheprovider 2>&1 \
