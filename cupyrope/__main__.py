@@ -35,8 +35,9 @@ def _info(_args) -> int:
             arch = f"sm_{props['major']}{props['minor']}"
             print(f"cuda:{d} {props['name'].decode()} {arch} "
                   f"{props['multiProcessorCount']} SMs {props['totalGlobalMem'] / 2**30:.0f} GiB")
-            if arch_unsupported(arch):
-                print(f"  {arch_unsupported(arch)}")
+            unsupported = arch_unsupported(arch)
+            if unsupported:
+                print(f"  {unsupported}")
     except ImportError as error:
         print(f"CuPy is not installed ({error}); pip install 'cupyrope[cuda12]' or 'cupyrope[cuda13]'")
     try:
