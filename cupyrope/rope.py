@@ -313,8 +313,10 @@ def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, co
         _plans.put(key, plan)
     if plan.grid:
         extents = plan.extents
-        _arrays.check_disjoint(q_ptr, extents[0], k_ptr, extents[1], "q", "k", "pass separate memory")
-        if out is not None:
+        if out is None:  # in place: q and k are both written
+            _arrays.check_disjoint(q_ptr, extents[0], k_ptr, extents[1], "q", "k", "pass separate memory")
+        else:  # inputs are only read (they may share memory); outputs must not overlap anything
+            _arrays.check_disjoint(qo_ptr, extents[2], ko_ptr, extents[3], "out[0]", "out[1]", "pass separate memory")
             for o_ptr, o_extent, o_name in ((qo_ptr, extents[2], "out[0]"), (ko_ptr, extents[3], "out[1]")):
                 for i_ptr, i_extent, i_name in ((q_ptr, extents[0], "q"), (k_ptr, extents[1], "k")):
                     _arrays.check_disjoint(i_ptr, i_extent, o_ptr, o_extent, i_name, o_name, "pass separate memory")
@@ -352,7 +354,10 @@ def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, theta, style, rotary_dim, inverse
         raise ValueError(f"k: expected head_dim {qa.shape[-1]} (like q), got {ka.shape[-1]}")
     if len(ka.shape) != len(qa.shape):
         raise ValueError(f"k: expected {len(qa.shape)} dimensions (like q {tuple(qa.shape)}), got shape {tuple(ka.shape)}")
-    check_not_overlapping(qa, ka, "q", "k")
+    if qo is qa:  # in place
+        check_not_overlapping(qa, ka, "q", "k")
+    else:
+        check_not_overlapping(qo, ko, "out[0]", "out[1]")
     rotary_dim = _check_rotary_dim(rotary_dim, qa.shape[-1])
     _check_positions(pa, qa, "q")
     cache = _check_cache(ca, qa, "q", rotary_dim)

@@ -185,16 +185,29 @@ def _rms_norm_backward_cpu(dy, x, weight, rstd, eps, offset):
     return dx.to(x.dtype), dw
 
 
+def _rows_in_one_run(t: Tensor) -> Tensor:
+    """t, or a contiguous copy where its rows are not one evenly strided run (the kernels take one row
+    stride): e.g. q after transformers' view(...).transpose(1, 2), which Gemma 3's q_norm receives."""
+    if t.is_contiguous() or t.numel() == 0:
+        return t
+    t = _contiguous_last(t)
+    try:
+        t.view(-1, t.shape[-1])  # possible exactly when the leading dimensions merge into one stride
+        return t
+    except RuntimeError:
+        return t.contiguous()
+
+
 def _rms_norm_any(x, weight, eps, offset):
     if x.device.type != "cuda":
         return _rms_norm_cpu(x, weight, eps, offset)
-    return _rms_norm(_contiguous_last(x), weight, eps, offset=offset, return_rstd=True)
+    return _rms_norm(_rows_in_one_run(x), weight, eps, offset=offset, return_rstd=True)
 
 
 def _rms_norm_backward_any(dy, x, weight, rstd, eps, offset):
     if x.device.type != "cuda":
         return _rms_norm_backward_cpu(dy, x, weight, rstd, eps, offset)
-    return _rms_norm_backward(_contiguous_last(dy), x, weight, rstd, eps, offset)
+    return _rms_norm_backward(_rows_in_one_run(dy), _rows_in_one_run(x), weight, rstd, eps, offset)
 
 
 @torch.library.custom_op("cupyrope::rms_norm", mutates_args=(), device_types=("cuda", "cpu"))

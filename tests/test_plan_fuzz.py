@@ -170,3 +170,18 @@ def test_rms_norm_plans_are_runnable_or_refused_clearly(call, op):
         assert_clear_error(error)
         return
     assert_runnable_norm(plan, [x, other, weight])
+
+
+def test_rope_qk_out_of_place_reads_overlapping_inputs_but_never_writes_overlapping_outputs():
+    """Out of place, q and k are only read: views of one tensor that no stride rule can tell apart (here
+    the same array) are fine. The outputs are written: they must not overlap each other."""
+    q, pos = Array(None, "cupy", BASE, "float32", (3, 2, 64), (128, 64, 1), 0), Array(
+        None, "cupy", BASE + 2**32, "int64", (3,), (1,), 0)
+    out = Array(None, "cupy", BASE + 2**30, "float32", (3, 2, 64), (128, 64, 1), 0)
+    other = Array(None, "cupy", BASE + 2**31, "float32", (3, 2, 64), (128, 64, 1), 0)
+    options = dict(theta=1e4, style="neox", rotary_dim=None, inverse=False, impl="auto")
+    assert rope_module._plan_rope_qk_call(q, q, pos, None, out, other, **options).grid
+    with pytest.raises(ValueError, match="out\\[1\\]: overlaps out\\[0\\]"):
+        rope_module._plan_rope_qk_call(q, q, pos, None, out, out, **options)
+    with pytest.raises(ValueError, match="k: overlaps q"):  # in place
+        rope_module._plan_rope_qk_call(q, q, pos, None, q, q, **options)

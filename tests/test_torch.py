@@ -205,6 +205,26 @@ class Block(torch.nn.Module):
 
 
 @gpu
+def test_rms_norm_of_transposed_heads_forward_and_backward():
+    """Gemma 3 / Qwen3 q_norm: the heads of view(B, S, H, D).transpose(1, 2), whose rows are not one
+    evenly strided run (the module copies them; the gradient flows back through the transpose)."""
+    torch.manual_seed(0)
+    norm = ct.RMSNorm(16, 1e-6, offset=1.0).cuda()
+    torch.nn.init.normal_(norm.weight)
+    base = torch.randn(2, 40, 4 * 16, device="cuda")
+    xa, xb = base.clone().requires_grad_(), base.clone().requires_grad_()
+    heads_a, heads_b = (x.view(2, 40, 4, 16).transpose(1, 2) for x in (xa, xb))
+    assert not heads_a.is_contiguous()
+    ya = norm(heads_a)
+    yb = ct._rms_norm_cpu(heads_b, norm.weight.detach(), 1e-6, 1.0)[0]  # the formula, in torch ops
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-4)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_llama_block_matches_hf_formulas_forward_and_backward(dtype):
     torch.manual_seed(0)
