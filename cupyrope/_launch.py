@@ -74,8 +74,9 @@ class Launch:
         stream = self.current_stream(self.device)
         try:
             buffer, params = _local.block
-        except AttributeError:
+        except AttributeError:  # this thread's first launch (e.g. in torch's autograd thread)
             buffer, params = _param_block()
+            _runtime.setDevice(_runtime.getDevice())  # binds the current device's context: no failed launch first
         self.packer.pack_into(buffer, 0, *pointers, self.tail)
         previous = _runtime.getDevice()
         if previous != self.device:
@@ -90,8 +91,8 @@ class Launch:
                 _runtime.setDevice(previous)
 
     def _retry(self, error, stream: int, params: int) -> None:
-        """The first CUDA call on a new host thread finds no context bound: bind the device's and launch
-        again. Any other failure is raised."""
+        """A thread with no context bound (the first launch binds one; this is the fallback): bind the
+        device's and launch again. Any other failure is raised."""
         if error.status != CUDA_ERROR_INVALID_CONTEXT:
             raise RuntimeError(f"cupyrope: kernel launch failed (grid={self.grid}, block={self.block}): {error}") from None
         _runtime.setDevice(self.device)

@@ -274,7 +274,9 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, offs
         return _rms_norm_op(x, weight, eps, offset)[0]
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return _RMSNormFunction.apply(x, weight, eps, offset)
-    return _rms_norm_any(x, weight, eps, offset)[0] if x.device.type != "cuda" else _rms_norm(_contiguous_last(x), weight, eps, offset=offset)
+    if x.device.type != "cuda":
+        return _rms_norm_cpu(x, weight, eps, offset)[0]
+    return _rms_norm(_rows_in_one_run(x), weight, eps, offset=offset)  # no rstd: one output fewer
 
 
 @torch.library.custom_op("cupyrope::fused_add_rms_norm_", mutates_args=("x", "residual"), device_types=("cuda", "cpu"))
