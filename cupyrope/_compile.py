@@ -77,7 +77,7 @@ def arch_unsupported(arch: str) -> str | None:
 _ERROR_LINE = re.compile(r"([^\s:]+\.cuh?)\((\d+)\): (?:catastrophic )?error[^\n]*")
 
 
-def _compile_error(what: str, log: str, arch: str = "") -> KernelCompileError:
+def _compile_error(what: str, log: str, arch: str) -> KernelCompileError:
     """The error, naming the first file:line NVRTC complains about (else ``what``), with a hint for the
     failures an install causes (missing headers, an architecture this NVRTC no longer targets)."""
     match = _ERROR_LINE.search(log)
@@ -88,7 +88,7 @@ def _compile_error(what: str, log: str, arch: str = "") -> KernelCompileError:
                 f"{cuda_include_dir() or 'no CUDA path'}): install them with pip install \"cupyrope[cuda12]\" "
                 "(or [cuda13], matching your driver), or point CUDA_PATH at a CUDA toolkit.")
     elif "invalid value for --gpu-architecture" in log:
-        hint = "\n" + (arch_unsupported(arch) or f"NVRTC cannot compile for {arch or 'this GPU'}.")
+        hint = "\n" + (arch_unsupported(arch) or f"NVRTC cannot compile for {arch}.")
     return KernelCompileError(f"NVRTC failed to compile {where}\n{log.strip()}{hint}")
 
 
@@ -144,14 +144,15 @@ def _load(source_file: str, name_expression: str, device: int):
     CompileException = cupy.cuda.compiler.CompileException
 
     text = program_text(source_file, name_expression)
-    unsupported = arch_unsupported(_device_arch(device))
+    arch = _device_arch(device)
+    unsupported = arch_unsupported(arch)
     if unsupported:
         raise KernelCompileError(f"cuda:{device}: {unsupported}")
     with cupy.cuda.Device(device):
         try:
             raw = _compile_with_cupy(text, name_expression)
         except CompileException as error:
-            raise _compile_error(source_file, str(error), _device_arch(device)) from None
+            raise _compile_error(source_file, str(error), arch) from None
         except OSError as error:  # CuPy's disk cache is unreadable or unwritable
             warnings.warn(
                 f"cupyrope: CuPy's kernel cache failed ({error}); compiling {name_expression} "

@@ -284,20 +284,23 @@ def _matching_style(original, cos, sin, layout) -> str:
     full = (torch.randn(1, 4, 16, rotary_dim, generator=g), torch.randn(1, 2, 16, rotary_dim, generator=g))
     wide = (torch.randn(1, 4, 16, rotary_dim + 16, generator=g), torch.randn(1, 2, 16, rotary_dim + 16, generator=g))
     cases = [(full, {}), ((full[0].transpose(1, 2), full[1].transpose(1, 2)), {"unsqueeze_dim": 2}), (wide, {})]
-    styles = []
-    for style in ("neox", "gptj"):
-        for index, ((q, k), options) in enumerate(cases):
-            try:
-                expected = original(q, k, cos, sin, **options)
-            except Exception as error:
-                if index == 0:
-                    raise _Skip(f"it fails on (q, k, cos, sin) ({type(error).__name__})") from None
-                continue  # the model never calls it that way
+    checked = []  # (q, k, options, original's result) of each call form the original takes
+    for index, ((q, k), options) in enumerate(cases):
+        try:
+            checked.append((q, k, options, original(q, k, cos, sin, **options)))
+        except Exception as error:
+            if index == 0:
+                raise _Skip(f"it fails on (q, k, cos, sin) ({type(error).__name__})") from None
+            # else the model never calls it that way
+
+    def matches(style):
+        for q, k, options, expected in checked:
             got = apply_rotary_pos_emb(q, k, cos, sin, style=style, cos_layout=layout, **options)
             if not (isinstance(expected, tuple) and len(expected) == 2 and all(map(_close, got, expected))):
-                break
-        else:
-            styles.append(style)
+                return False
+        return True
+
+    styles = [style for style in ("neox", "gptj") if matches(style)]
     if len(styles) != 1:
         raise _Skip(f"its results match {'both' if styles else 'neither'} of cupyrope's rotation styles")
     return styles[0]

@@ -354,16 +354,15 @@ def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, theta, style, rotary_dim, inverse
         raise ValueError(f"k: expected head_dim {qa.shape[-1]} (like q), got {ka.shape[-1]}")
     if len(ka.shape) != len(qa.shape):
         raise ValueError(f"k: expected {len(qa.shape)} dimensions (like q {tuple(qa.shape)}), got shape {tuple(ka.shape)}")
-    if qo is qa:  # in place
-        check_not_overlapping(qa, ka, "q", "k")
-    else:
-        check_not_overlapping(qo, ko, "out[0]", "out[1]")
     rotary_dim = _check_rotary_dim(rotary_dim, qa.shape[-1])
     _check_positions(pa, qa, "q")
     cache = _check_cache(ca, qa, "q", rotary_dim)
-    if qo is not qa:
+    if qo is qa:  # in place: q and k are both written
+        check_not_overlapping(qa, ka, "q", "k")
+    else:  # q and k are only read; the outputs are written
         _check_out(qo, qa, "q")
         _check_out(ko, ka, "k")
+        check_not_overlapping(qo, ko, "out[0]", "out[1]")
     if not (qa.size or ka.size):
         return EmptyPlan()
     plan = plan_rope([(qa, qo), (ka, ko)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta,
