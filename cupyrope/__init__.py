@@ -5,7 +5,7 @@ from . import reference, rope_scaling
 from ._cupy import vet_cache_dir
 from ._compile import KernelCompileError
 from .rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_backward
-from .rope import rope, rope_, rope_cache, rope_qk
+from .rope import rope, rope_, rope_cache, rope_qk, rope_qk_cos_sin
 
 __version__ = "0.1.0"
 
@@ -21,5 +21,6 @@ __all__ = [
     "rope_",
     "rope_cache",
     "rope_qk",
+    "rope_qk_cos_sin",
     "rope_scaling",
 ]

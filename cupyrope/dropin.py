@@ -2,15 +2,13 @@
 signatures and semantics, on cupyrope's kernels; and ``patch_transformers(model)``, which swaps them
 into a loaded Hugging Face model after checking that they compute what the model's own code does.
 
-Their cos/sin arrive as tensors (transformers) or as a vLLM-layout table (vLLM, FlashInfer); the
-kernels read a vLLM-layout table indexed by position. For transformers' per-token cos/sin that table is
-built per call: one small copy of the distinct half of cos and of sin (B·S·rotary_dim/2 elements each,
-1/heads of the q/k traffic), then the table's row of each token is its position.
+Their cos/sin arrive as tensors (transformers) or as a vLLM-layout table (vLLM, FlashInfer). The
+kernels read transformers' per-token cos and sin where they lie (``rope_qk_cos_sin``: one launch, no
+table, no positions) and vLLM's table by position.
 """
 
 import copy
 import functools
-import math
 import sys
 from typing import Optional
 
@@ -23,18 +21,6 @@ from .rope import rope_ as _rope_inplace
 __all__ = ["apply_rotary_pos_emb", "patch_transformers", "rotary_embedding"]
 
 COS_LAYOUTS = ("halves", "interleaved")
-
-
-def _cos_sin_table(cos: Tensor, sin: Tensor, cos_layout: str, like: Tensor) -> Tensor:
-    """(rows, rotary_dim) vLLM-layout table of per-token cos/sin (..., rotary_dim): the distinct
-    frequencies of cos, then those of sin, in fp32 or the dtype of ``like``."""
-    if cos_layout == "halves":  # transformers' cat((freqs, freqs)): cos(f) at f and at f + rotary_dim/2
-        half = cos.shape[-1] // 2
-        parts = (cos[..., :half], sin[..., :half])
-    else:  # repeat_interleave(freqs, 2) (GPT-J, Cohere): cos(f) at 2f and 2f + 1
-        parts = (cos[..., 0::2], sin[..., 0::2])
-    table = torch.cat(parts, dim=-1).reshape(-1, cos.shape[-1])
-    return table if table.dtype in (torch.float32, like.dtype) else table.float()
 
 
 def _check_cos_sin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, cos_layout: str) -> None:
@@ -57,28 +43,23 @@ def _check_cos_sin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, cos_layout: s
                          "sin.detach(), or build them under torch.no_grad() as transformers does")
 
 
-def _token_positions(q: Tensor, k: Tensor, cos: Tensor, position_ids: Optional[Tensor], unsqueeze_dim: int) -> Tensor:
-    """The table row of every token, shaped to broadcast over q's and k's leading dimensions the way
-    ``cos.unsqueeze(unsqueeze_dim)`` does in transformers (aligned from the right)."""
-    if position_ids is not None and cos.dim() == 2:  # transformers < 4.38: cos (max_position, dim)[position_ids]
-        rows = position_ids
-    else:
-        rows = torch.arange(math.prod(cos.shape[:-1]), device=cos.device, dtype=torch.int32).view(cos.shape[:-1])
-    ndim = rows.dim() + 1  # that of the gathered cos
-    if not -ndim - 1 <= unsqueeze_dim < ndim:
+def _per_token(t: Tensor, q: Tensor, k: Tensor, unsqueeze_dim: int) -> Tensor:
+    """cos or sin broadcast the way transformers' ``cos.unsqueeze(unsqueeze_dim)`` is against q and k
+    (aligned from the right), as a view with q's number of dimensions (aligned from the left)."""
+    shape, ndim, lead = tuple(t.shape), t.dim(), q.dim() - 1
+    if not -ndim - 1 <= unsqueeze_dim < ndim or unsqueeze_dim == -1:  # not after cos's last dimension
         raise ValueError(f"unsqueeze_dim: expected a dimension of cos before its last one (cos has {ndim} "
                          f"dimensions), got {unsqueeze_dim}")
-    rows = rows.unsqueeze(unsqueeze_dim % (ndim + 1))
-    lead = q.dim() - 1
-    if rows.dim() > lead:
-        raise ValueError(f"cos: shape {tuple(cos.shape)} with unsqueeze_dim={unsqueeze_dim} has more leading "
-                         f"dimensions than q {tuple(q.shape)}")
-    rows = rows.view((1,) * (lead - rows.dim()) + tuple(rows.shape))
-    for name, t in (("q", q), ("k", k)):
-        if t.dim() != q.dim() or any(r not in (1, n) for r, n in zip(rows.shape, t.shape[:-1])):
-            raise ValueError(f"cos: shape {tuple(cos.shape)} with unsqueeze_dim={unsqueeze_dim} does not broadcast "
-                             f"to {name}'s leading dimensions {tuple(t.shape[:-1])}")
-    return rows
+    t = t.unsqueeze(unsqueeze_dim % (ndim + 1))
+    if t.dim() - 1 > lead:
+        raise ValueError(f"cos: shape {shape} with unsqueeze_dim={unsqueeze_dim} has more leading dimensions "
+                         f"than q {tuple(q.shape)}")
+    t = t.view((1,) * (lead + 1 - t.dim()) + tuple(t.shape))
+    for name, x in (("q", q), ("k", k)):
+        if x.dim() != q.dim() or any(r not in (1, n) for r, n in zip(t.shape[:-1], x.shape[:-1])):
+            raise ValueError(f"cos: shape {shape} with unsqueeze_dim={unsqueeze_dim} does not broadcast to "
+                             f"{name}'s leading dimensions {tuple(x.shape[:-1])}")
+    return t
 
 
 def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor] = None,
@@ -95,9 +76,16 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positio
     Like the kernels in Liger and vLLM it reads one cos and one sin per frequency: the two copies in
     transformers' layout must be equal, which they are in every rotary embedding that builds them."""
     _check_cos_sin(q, k, cos, sin, cos_layout)
-    positions = _token_positions(q, k, cos, position_ids, unsqueeze_dim)
-    table = _cos_sin_table(cos, sin, cos_layout, q)
-    return ct.rope_qk(q, k, positions, style=style, rotary_dim=cos.shape[-1], cos_sin_cache=table)
+    rotary_dim = cos.shape[-1]
+    if position_ids is not None and cos.dim() == 2:  # transformers < 4.38: cos (max_position, dim)[position_ids]
+        cos, sin = cos[position_ids], sin[position_ids]
+    if cos.dtype not in (torch.float32, q.dtype):
+        cos, sin = cos.float(), sin.float()
+    cos, sin = _per_token(cos, q, k, unsqueeze_dim), _per_token(sin, q, k, unsqueeze_dim)
+    if cos.stride() != sin.stride():  # the kernel reads both with one set of strides
+        cos, sin = cos.contiguous(), sin.contiguous()
+    freq_step = 1 if cos_layout == "halves" else 2
+    return ct.rope_qk_cos_sin(q, k, cos, sin, rotary_dim=rotary_dim, freq_step=freq_step, style=style)
 
 
 def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,

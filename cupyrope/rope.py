@@ -37,7 +37,7 @@ _TAIL = struct.Struct("<3q16q3q2q3q3qdq4q")
 
 class RopePlan:
     __slots__ = ("name", "grid", "block", "shared_mem", "tail", "vectorized", "tokens_per_block", "lanes", "extents",
-                 "launch", "out_layouts", "new_output")
+                 "slot_names", "disjoint", "launch", "out_layouts", "new_output")
 
     def __init__(self, name, grid, block, shared_mem, tail, vectorized, tokens_per_block, lanes):
         self.name = name
@@ -53,25 +53,31 @@ class RopePlan:
         return f"RopePlan({self.name}, grid={self.grid}, tokens_per_block={self.tokens_per_block})"
 
 
+TOKEN_ROWS = "token rows"  # the "position dtype" of calls with per-token cos and sin tensors
+_POSITION_CTYPE = {**CTYPE, TOKEN_ROWS: "cupyrope::TokenRows"}
+
+
 def kernel_name(dtype, cache_dtype, pos_dtype, style, vectorized, use_cache, direct=False) -> str:
     cache_ctype = CTYPE[cache_dtype] if use_cache else "float"
     return (
         f"cupyrope::{'rope_direct_kernel' if direct else 'rope_kernel'}<{CTYPE[dtype]}, {cache_ctype}, "
-        f"{CTYPE[pos_dtype]}, {STYLES[style]}, {'true' if vectorized else 'false'}, {'true' if use_cache else 'false'}>"
+        f"{_POSITION_CTYPE[pos_dtype]}, {STYLES[style]}, {'true' if vectorized else 'false'}, "
+        f"{'true' if use_cache else 'false'}>"
     )
 
 
 def all_variants():
     """Every (source, kernel) the launcher can ask for: the compile-only path builds them all."""
     for dtype in FLOAT_DTYPES:
-        caches = [None] + sorted({"float32", dtype})
-        for cache in caches:
-            for pos in INDEX_DTYPES:
-                for style in STYLES:
-                    for vectorized in (False, True):
-                        for direct in (False, True):
-                            yield SOURCE, kernel_name(dtype, cache or "float32", pos, style, vectorized,
-                                                      cache is not None, direct)
+        tables = sorted({"float32", dtype})
+        sources = [(None, pos) for pos in INDEX_DTYPES] + [(table, pos) for table in tables for pos in INDEX_DTYPES]
+        sources += [(table, TOKEN_ROWS) for table in tables]  # rope_qk_cos_sin
+        for table, pos in sources:
+            for style in STYLES:
+                for vectorized in (False, True):
+                    for direct in (False, True):
+                        yield SOURCE, kernel_name(dtype, table or "float32", pos, style, vectorized,
+                                                  table is not None, direct)
 
 
 def fast_divisor(d: int) -> int:
@@ -101,8 +107,11 @@ def _vector_blockers(tensors, dtype, style, rotary_dim, head_dim, copies) -> lis
     return reasons
 
 
-def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, impl, n_sm) -> RopePlan:
-    """groups: [(input, output), ...] Arrays: q's pair, then k's (optional). All checked already."""
+def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, impl, n_sm, freq_stride=0) -> RopePlan:
+    """groups: [(input, output), ...] Arrays: q's pair, then k's (optional). All checked already.
+    positions of dtype TOKEN_ROWS: the leading dimensions of per-token cos/sin tensors (their strides
+    locate a token's row), cache then stands for cos (its dtype) and freq_stride is the element
+    stride between frequencies in cos and sin."""
     dtype = groups[0][0].dtype
     head_dim = groups[0][0].shape[-1]
     layout = canonical_layout(
@@ -150,11 +159,15 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         strides.extend(layout.token_strides[src])
         strides.append(layout.head_strides[src])
     use_cache = cache is not None
+    if positions.dtype == TOKEN_ROWS:
+        cache_fields = (freq_stride, 0)
+    else:
+        cache_fields = (cache.strides[0], cache.shape[0]) if use_cache else (0, 0)
     tail = (
         n_tokens, layout.token_sizes[1], layout.token_sizes[2],
         *strides,
         *layout.pos_strides,
-        cache.strides[0] if use_cache else 0, cache.shape[0] if use_cache else 0,
+        *cache_fields,
         n_q_heads, n_heads, tokens,
         rotary_dim, rot_lanes, copy_lanes,
         -2.0 * math.log(theta) / rotary_dim, int(bool(inverse)),
@@ -295,13 +308,7 @@ def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, co
     k_key, k_ptr = fingerprint(k, "k")
     p_key, p_ptr = fingerprint(positions, "positions")
     c_key, c_ptr = fingerprint_optional(cos_sin_cache, "cos_sin_cache")
-    if out is None:
-        q_out, k_out, qo_key, ko_key, qo_ptr, ko_ptr = q, k, None, None, q_ptr, k_ptr
-    else:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise TypeError("out: expected a pair (q_out, k_out)")
-        q_out, k_out = out
-        (qo_key, qo_ptr), (ko_key, ko_ptr) = fingerprint(q_out, "out[0]"), fingerprint(k_out, "out[1]")
+    q_out, k_out, qo_key, ko_key, qo_ptr, ko_ptr = _qk_outputs(q, k, q_ptr, k_ptr, out)
     key = ("rope_qk", q_key, k_key, p_key, c_key, qo_key, ko_key, theta, style, rotary_dim, inverse, impl)
     plan = _plans.get(key)
     if plan is None:
@@ -312,16 +319,57 @@ def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, co
                                   inverse, impl)
         _plans.put(key, plan)
     if plan.grid:
-        extents = plan.extents
-        if out is None:  # in place: q and k are both written
-            _arrays.check_disjoint(q_ptr, extents[0], k_ptr, extents[1], "q", "k", "pass separate memory")
-        else:  # inputs are only read (they may share memory); outputs must not overlap anything
-            _arrays.check_disjoint(qo_ptr, extents[2], ko_ptr, extents[3], "out[0]", "out[1]", "pass separate memory")
-            for o_ptr, o_extent, o_name in ((qo_ptr, extents[2], "out[0]"), (ko_ptr, extents[3], "out[1]")):
-                for i_ptr, i_extent, i_name in ((q_ptr, extents[0], "q"), (k_ptr, extents[1], "k")):
-                    _arrays.check_disjoint(i_ptr, i_extent, o_ptr, o_extent, i_name, o_name, "pass separate memory")
-        plan.launch(q_ptr, qo_ptr, k_ptr, ko_ptr, p_ptr, c_ptr)
+        _check_disjoint_and_launch(plan, (q_ptr, qo_ptr, k_ptr, ko_ptr, p_ptr, c_ptr))
     return (q, k) if out is None else tuple(out)
+
+
+def rope_qk_cos_sin(q, k, cos, sin, *, rotary_dim=None, freq_step=1, style="neox", inverse=False, impl="auto",
+                    out=None):
+    """Rotate q and k (as in rope_qk) by per-token cos and sin tensors instead of positions: what
+    transformers' ``apply_rotary_pos_emb`` gets (cupyrope.dropin builds on it). cos and sin have one
+    shape, dtype (fp32 or q's) and strides: (..., columns), their leading dimensions matching q's and
+    k's aligned from the left (size-1 dimensions broadcast, as positions do), frequency f's value at
+    column f * freq_step (1: transformers' halves layout, whose second half repeats the first, or a
+    (..., rotary_dim / 2) table; 2: the interleaved layout). rotary_dim defaults to head_dim. In place
+    by default; out=(q_out, k_out) writes elsewhere. Returns (q, k), or out."""
+    q_key, q_ptr = fingerprint(q, "q")
+    k_key, k_ptr = fingerprint(k, "k")
+    cos_key, cos_ptr = fingerprint(cos, "cos")
+    sin_key, sin_ptr = fingerprint(sin, "sin")
+    q_out, k_out, qo_key, ko_key, qo_ptr, ko_ptr = _qk_outputs(q, k, q_ptr, k_ptr, out)
+    key = ("rope_qk_cos_sin", q_key, k_key, cos_key, sin_key, qo_key, ko_key, rotary_dim, freq_step, style,
+           inverse, impl)
+    plan = _plans.get(key)
+    if plan is None:
+        qa, ka = describe(q, "q"), describe(k, "k")
+        qo, ko = (qa, ka) if out is None else (describe(q_out, "out[0]"), describe(k_out, "out[1]"))
+        plan = _plan_rope_qk_cos_sin_call(qa, ka, describe(cos, "cos"), describe(sin, "sin"), qo, ko, rotary_dim,
+                                          freq_step, style, inverse, impl)
+        _plans.put(key, plan)
+    if plan.grid:
+        _check_disjoint_and_launch(plan, (q_ptr, qo_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr))
+    return (q, k) if out is None else tuple(out)
+
+
+def _qk_outputs(q, k, q_ptr, k_ptr, out):
+    """(q_out, k_out, their plan keys and pointers): q and k themselves (keys None) when out is None."""
+    if out is None:
+        return q, k, None, None, q_ptr, k_ptr
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError("out: expected a pair (q_out, k_out)")
+    q_out, k_out = out
+    (qo_key, qo_ptr), (ko_key, ko_ptr) = fingerprint(q_out, "out[0]"), fingerprint(k_out, "out[1]")
+    return q_out, k_out, qo_key, ko_key, qo_ptr, ko_ptr
+
+
+def _check_disjoint_and_launch(plan, ptrs) -> None:
+    """Launch with this call's pointers (q, q_out, k, k_out, then the cos/sin source's two) after checking
+    the pairs of them that must not share memory (plan.disjoint: (slot, written slot), with their
+    layouts in plan.extents): pointers change between calls of one plan."""
+    extents, names = plan.extents, plan.slot_names
+    for a, b in plan.disjoint:
+        _arrays.check_disjoint(ptrs[a], extents[a], ptrs[b], extents[b], names[a], names[b], "pass separate memory")
+    plan.launch(*ptrs)
 
 
 def _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl):
@@ -345,6 +393,36 @@ def _plan_rope_call(xa, pa, ca, oa, theta, style, rotary_dim, inverse, impl):
 
 def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, theta, style, rotary_dim, inverse, impl):
     _check_options(style, impl, theta, inverse)
+    _check_qk(qa, ka)
+    rotary_dim = _check_rotary_dim(rotary_dim, qa.shape[-1])
+    _check_positions(pa, qa, "q")
+    cache = _check_cache(ca, qa, "q", rotary_dim)
+    _check_qk_outputs(qa, ka, qo, ko)
+    if not (qa.size or ka.size):
+        return EmptyPlan()
+    plan = plan_rope([(qa, qo), (ka, ko)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta,
+                     inverse=inverse, impl=impl, n_sm=sm_count(qa.device))
+    _set_disjoint(plan, qa, ka, qo, ko, (pa, ca), ("positions", "cos_sin_cache"), check_reads=False)
+    _prepare_launch(plan, qa)
+    return plan
+
+
+def _plan_rope_qk_cos_sin_call(qa, ka, cos, sin, qo, ko, rotary_dim, freq_step, style, inverse, impl):
+    _check_options(style, impl, 10000.0, inverse)
+    _check_qk(qa, ka)
+    rotary_dim = _check_rotary_dim(rotary_dim, qa.shape[-1])
+    rows = _check_cos_sin(cos, sin, qa, rotary_dim, freq_step)
+    _check_qk_outputs(qa, ka, qo, ko)
+    if not (qa.size or ka.size):
+        return EmptyPlan()
+    plan = plan_rope([(qa, qo), (ka, ko)], rows, cos, style=style, rotary_dim=rotary_dim, theta=10000.0,
+                     inverse=inverse, impl=impl, n_sm=sm_count(qa.device), freq_stride=freq_step * cos.strides[-1])
+    _set_disjoint(plan, qa, ka, qo, ko, (cos, sin), ("cos", "sin"), check_reads=True)
+    _prepare_launch(plan, qa)
+    return plan
+
+
+def _check_qk(qa, ka):
     _arrays.check_float_input(qa, "q", "head_dim")
     _arrays.check_float_input(ka, "k", "head_dim")
     _arrays.check_same_device(qa, ka, "q", "k")
@@ -354,22 +432,55 @@ def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, theta, style, rotary_dim, inverse
         raise ValueError(f"k: expected head_dim {qa.shape[-1]} (like q), got {ka.shape[-1]}")
     if len(ka.shape) != len(qa.shape):
         raise ValueError(f"k: expected {len(qa.shape)} dimensions (like q {tuple(qa.shape)}), got shape {tuple(ka.shape)}")
-    rotary_dim = _check_rotary_dim(rotary_dim, qa.shape[-1])
-    _check_positions(pa, qa, "q")
-    cache = _check_cache(ca, qa, "q", rotary_dim)
+
+
+def _check_qk_outputs(qa, ka, qo, ko):
     if qo is qa:  # in place: q and k are both written
         check_not_overlapping(qa, ka, "q", "k")
     else:  # q and k are only read; the outputs are written
         _check_out(qo, qa, "q")
         _check_out(ko, ka, "k")
         check_not_overlapping(qo, ko, "out[0]", "out[1]")
-    if not (qa.size or ka.size):
-        return EmptyPlan()
-    plan = plan_rope([(qa, qo), (ka, ko)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta,
-                     inverse=inverse, impl=impl, n_sm=sm_count(qa.device))
-    plan.extents = tuple(_arrays.layout_key(a) for a in (qa, ka, qo, ko))
-    _prepare_launch(plan, qa)
-    return plan
+
+
+def _check_cos_sin(cos, sin, qa, rotary_dim, freq_step):
+    """The Array standing for cos/sin's leading dimensions as positions (dtype TOKEN_ROWS)."""
+    if isinstance(freq_step, bool) or freq_step not in (1, 2):
+        raise ValueError(f"freq_step: expected 1 (frequency f at column f) or 2 (at column 2f), got {freq_step!r}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        _arrays.check_same_device(qa, t, "q", name)
+        allowed = sorted({"float32", qa.dtype})
+        if t.dtype not in allowed:
+            raise TypeError(f"{name}: expected dtype {' or '.join(allowed)} (like q), got {t.dtype}")
+        if not t.shape:
+            raise ValueError(f"{name}: expected shape (..., columns), got a 0-d array")
+    if (sin.dtype, tuple(sin.shape), tuple(sin.strides)) != (cos.dtype, tuple(cos.shape), tuple(cos.strides)):
+        raise ValueError(f"sin: expected the dtype, shape and strides of cos ({cos.dtype}, {tuple(cos.shape)}, "
+                         f"{tuple(cos.strides)}), got {sin.dtype}, {tuple(sin.shape)}, {tuple(sin.strides)}")
+    columns = (rotary_dim // 2 - 1) * freq_step + 1
+    if cos.shape[-1] < columns:
+        raise ValueError(f"cos: expected at least {columns} columns (rotary_dim {rotary_dim} with freq_step "
+                         f"{freq_step}), got shape {tuple(cos.shape)}")
+    rows = _arrays.Array(None, cos.kind, cos.ptr, TOKEN_ROWS, tuple(cos.shape[:-1]), tuple(cos.strides[:-1]),
+                         cos.device)
+    lead = tuple(qa.shape[:-1])
+    if len(rows.shape) > len(lead) or any(c != 1 and c != n for c, n in zip(rows.shape, lead)):
+        raise ValueError(f"cos: leading dimensions {rows.shape} do not match q's {lead} (aligned from the left; "
+                         "size-1 dimensions broadcast)")
+    return rows
+
+
+def _set_disjoint(plan, qa, ka, qo, ko, sources, source_names, check_reads) -> None:
+    """What _check_disjoint_and_launch checks per call: in place, q against k; out of place, the outputs
+    against each other and against q and k. check_reads: the cos/sin source against what is written
+    too (positions and a cache are arrays of their own in practice; cos/sin may be views of anything)."""
+    plan.slot_names = ("q", "out[0]", "k", "out[1]", *source_names)
+    plan.extents = tuple(None if a is None else _arrays.layout_key(a) for a in (qa, qo, ka, ko, *sources))
+    read = [4, 5] if check_reads else []
+    if qo is qa:
+        plan.disjoint = [(0, 2)] + [(r, w) for w in (0, 2) for r in read]
+    else:
+        plan.disjoint = [(1, 3)] + [(r, w) for w in (1, 3) for r in [0, 2, *read]]
 
 
 def _prepare_launch(plan: RopePlan, like) -> None:

@@ -19,10 +19,11 @@ from .rmsnorm import rms_norm_backward as _rms_norm_backward
 from .rope import rope as _rope
 from .rope import rope_cache as _rope_cache
 from .rope import rope_qk as _rope_qk
+from .rope import rope_qk_cos_sin as _rope_qk_cos_sin
 from . import reference as _reference
 from . import rope_scaling as _rope_scaling
 
-__all__ = ["RMSNorm", "RotaryEmbedding", "fused_add_rms_norm", "rms_norm", "rope", "rope_qk", "rope_qk_"]
+__all__ = ["RMSNorm", "RotaryEmbedding", "fused_add_rms_norm", "rms_norm", "rope", "rope_qk", "rope_qk_", "rope_qk_cos_sin"]
 
 
 def _compiling() -> bool:
@@ -50,6 +51,12 @@ def _rope_cpu(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse):
         bad = ((pos < 0) | (pos >= cos_sin_cache.shape[0])).unsqueeze(-1)
         rows = rows.masked_fill(bad, float("nan"))
         cos, sin = rows[..., :half], rows[..., half:rotary_dim]
+    return _rotate_cpu(x, cos, sin, style, rotary_dim, inverse)
+
+
+def _rotate_cpu(x, cos, sin, style, rotary_dim, inverse):
+    """x rotated by cos/sin (..., rotary_dim / 2), which broadcast over x's leading dimensions."""
+    half = rotary_dim // 2
     if inverse:
         sin = -sin
     xf = x.float()
@@ -161,6 +168,70 @@ def rope_qk_(q: Tensor, k: Tensor, positions: Tensor, *, theta: float = 10000.0,
     else:
         _rope_qk_inplace_any(q, k, positions, theta, style, rotary_dim, cos_sin_cache)
     return q, k
+
+
+def _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
+    rotary_dim = rotary_dim or q.shape[-1]
+    if q.device.type != "cuda":
+        lead = q.dim() - cos.dim()  # cos's leading dimensions align with q's from the left
+        rows = [t[..., 0 : freq_step * (rotary_dim // 2) : freq_step].float() for t in (cos, sin)]
+        c, s = (t.reshape(tuple(t.shape[:-1]) + (1,) * lead + (t.shape[-1],)) for t in rows)
+        return _rotate_cpu(q, c, s, style, rotary_dim, inverse), _rotate_cpu(k, c, s, style, rotary_dim, inverse)
+    q, k = _contiguous_last(q), _contiguous_last(k)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    return _rope_qk_cos_sin(q, k, cos, sin, rotary_dim=rotary_dim, freq_step=freq_step, style=style, inverse=inverse,
+                            out=out)
+
+
+@torch.library.custom_op("cupyrope::rope_qk_cos_sin", mutates_args=(), device_types=("cuda", "cpu"))
+def _rope_cos_sin_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, rotary_dim: Optional[int], freq_step: int,
+                     style: str, inverse: bool) -> tuple[Tensor, Tensor]:
+    return _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
+
+
+@_rope_cos_sin_op.register_fake
+def _(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+
+def _rope_cos_sin_setup(ctx, inputs, output):
+    _, _, cos, sin, *options = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.options = options
+
+
+def _rope_cos_sin_grad(ctx, grad_q, grad_k):
+    cos, sin = ctx.saved_tensors
+    rotary_dim, freq_step, style, inverse = ctx.options
+    return *_rope_cos_sin_op(grad_q, grad_k, cos, sin, rotary_dim, freq_step, style, not inverse), *(None,) * 6
+
+
+_rope_cos_sin_op.register_autograd(_rope_cos_sin_grad, setup_context=_rope_cos_sin_setup)
+
+
+class _RopeCosSinFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, rotary_dim, freq_step, style, inverse):
+        ctx.save_for_backward(cos, sin)
+        ctx.options = (rotary_dim, freq_step, style, inverse)
+        return _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        rotary_dim, freq_step, style, inverse = ctx.options
+        return *_rope_cos_sin_any(grad_q, grad_k, cos, sin, rotary_dim, freq_step, style, not inverse), *(None,) * 6
+
+
+def rope_qk_cos_sin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, rotary_dim: Optional[int] = None,
+                    freq_step: int = 1, style: str = "neox", inverse: bool = False) -> tuple[Tensor, Tensor]:
+    """Differentiable, torch.compile-able ``cupyrope.rope_qk_cos_sin`` (out of place; one launch for q
+    and k, forward and backward). cos and sin get no gradient."""
+    if _compiling():
+        return _rope_cos_sin_op(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _RopeCosSinFunction.apply(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
+    return _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
 
 
 # ------------------------------------------------------------------------------------------- RMSNorm

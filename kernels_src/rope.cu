@@ -9,11 +9,14 @@
 // Template parameters pick the variant:
 //   T      element type of q/k (float, __half, __nv_bfloat16)
 //   C      element type of the cos/sin cache (float or T; unused without CACHE)
-//   P      position type (int or long long)
+//   P      position type (int or long long), or TokenRows: cos and sin come as two tensors holding
+//          each token's own row (transformers' per-token cos/sin), found with the strides that
+//          otherwise locate a token's position; no position is read (see cached_cos_sin)
 //   STYLE  NEOX (pairs i, i + r/2) or GPTJ (pairs 2i, 2i + 1)
 //   VEC    16-byte accesses (the planner checked alignment) or scalar accesses
-//   CACHE  cos/sin from a vLLM-layout cache [max_position, rot_dim] (cos half, then sin half), or
-//          computed in the kernel from theta, exactly to fp32 rounding.
+//   CACHE  cos/sin from a vLLM-layout cache [max_position, rot_dim] (cos half, then sin half) or, with
+//          TokenRows, from the cos and sin tensors; or computed in the kernel from theta, exactly to
+//          fp32 rounding.
 #include "common.cuh"
 
 namespace cupyrope {
@@ -33,18 +36,23 @@ constexpr int DIRECT_MAX_THREADS = 256;  // the most threads a block rope.py's D
 constexpr int MAX_BLOCK_TOKENS = 64;  // rope.py keeps tokens_per_block * rot_dim * 4 bytes <= 32 KiB
 constexpr int MAX_ROTARY_DIM = 1024;  // rope.py checks it
 
-struct RopeParams {  // mirrored by rope.py's _PARAMS (all 8-byte fields: no padding)
+struct TokenRows {};  // the position type of the variants reading per-token cos and sin tensors
+template <typename P> constexpr bool TOKEN_ROWS = false;
+template <> constexpr bool TOKEN_ROWS<TokenRows> = true;
+
+struct RopeParams {  // mirrored by rope.py's _TAIL (all 8-byte fields: no padding)
     const void* q_in;
     void* q_out;
     const void* k_in;
     void* k_out;
-    const void* positions;
-    const void* cache;
+    union { const void* positions; const void* cos; };  // cos: TokenRows variants
+    union { const void* cache; const void* sin; };      // sin: TokenRows variants
     i64 n_tokens;  // < 2^32 (rope.py checks): token indices are 32-bit
     i64 n1, n2;    // sizes of the two inner token dimensions (the outer one is implied)
     i64 q_in_s[4], q_out_s[4], k_in_s[4], k_out_s[4];  // element strides: 3 token dims, then heads
-    i64 pos_s[3];
-    i64 cache_stride, max_position;
+    i64 pos_s[3];  // TokenRows: the element strides of the token dimensions in cos and in sin
+    union { i64 cache_stride; i64 freq_stride; };  // freq_stride: TokenRows, between frequencies in cos/sin
+    i64 max_position;
     i64 n_q_heads, n_heads, tokens_per_block;
     i64 rot_dim, rot_lanes, copy_lanes;  // copy_lanes: lanes copying features past rot_dim (0 in place)
     double log_step;  // ln(theta) * -2 / rot_dim: inv_freq(f) = exp(f * log_step)
@@ -82,7 +90,8 @@ struct BlockTokens {  // per token of the block: where its rows start in q_in, q
     i64 position[MAX_BLOCK_TOKENS];
 };
 
-// Where token `token`'s rows start in q_in, q_out, k_in, k_out, and its position.
+// Where token `token`'s rows start in q_in, q_out, k_in, k_out, and its position (TokenRows: where its
+// row starts in cos and sin).
 template <typename P, bool FAST = false>
 __device__ __forceinline__ i64 token_rows(const RopeParams& p, unsigned token, i64 (&offset)[4]) {
     // 32-bit index math: a 64-bit division would dominate the kernel's registers.
@@ -99,7 +108,9 @@ __device__ __forceinline__ i64 token_rows(const RopeParams& p, unsigned token, i
     offset[1] = t0 * p.q_out_s[0] + t1 * p.q_out_s[1] + t2 * p.q_out_s[2];
     offset[2] = t0 * p.k_in_s[0] + t1 * p.k_in_s[1] + t2 * p.k_in_s[2];
     offset[3] = t0 * p.k_out_s[0] + t1 * p.k_out_s[1] + t2 * p.k_out_s[2];
-    return (i64) static_cast<const P*>(p.positions)[t0 * p.pos_s[0] + t1 * p.pos_s[1] + t2 * p.pos_s[2]];
+    const i64 at = t0 * p.pos_s[0] + t1 * p.pos_s[1] + t2 * p.pos_s[2];
+    if constexpr (TOKEN_ROWS<P>) return at;
+    else return (i64) static_cast<const P*>(p.positions)[at];
 }
 
 template <typename P>
@@ -107,10 +118,15 @@ __device__ __forceinline__ void load_block_tokens(const RopeParams& p, unsigned 
     for (int t = threadIdx.x; t < count; t += blockDim.x) bt.position[t] = token_rows<P>(p, first + t, bt.offset[t]);
 }
 
-// The cache's cos/sin of frequency f at pos (vLLM layout: cos half, then sin half).
-template <typename C>
+// The cache's cos/sin of frequency f at pos (vLLM layout: cos half, then sin half). TokenRows: pos is
+// where the token's row starts in cos and sin (in range by construction: rope.py checked the shapes).
+template <typename C, typename P>
 __device__ __forceinline__ void cached_cos_sin(const RopeParams& p, i64 pos, int f, int half, float& c, float& s) {
-    if (pos >= 0 && pos < p.max_position) {
+    if constexpr (TOKEN_ROWS<P>) {
+        const i64 at = pos + f * p.freq_stride;
+        c = to_float(static_cast<const C*>(p.cos)[at]);
+        s = to_float(static_cast<const C*>(p.sin)[at]);
+    } else if (pos >= 0 && pos < p.max_position) {
         const C* row = static_cast<const C*>(p.cache) + pos * p.cache_stride;
         c = to_float(row[f]);
         s = to_float(row[half + f]);
@@ -124,7 +140,7 @@ __device__ __forceinline__ void cached_cos_sin(const RopeParams& p, i64 pos, int
 __device__ __forceinline__ double inv_freq_of(const RopeParams& p, int f) { return exp((double)f * p.log_step); }
 
 // cos_sin[t * rot_dim + f] = cos, cos_sin[t * rot_dim + rot_dim/2 + f] = sin (sin negated if inverse).
-template <typename C, bool CACHE>
+template <typename C, typename P, bool CACHE>
 __device__ __forceinline__ void fill_cos_sin(const RopeParams& p, int count, const BlockTokens& bt,
                                              const double* inv_freq, float* cos_sin) {
     const int half = (int)p.rot_dim / 2;
@@ -133,7 +149,7 @@ __device__ __forceinline__ void fill_cos_sin(const RopeParams& p, int count, con
         const i64 pos = bt.position[t];
         float c, s;
         if constexpr (CACHE) {
-            cached_cos_sin<C>(p, pos, f, half, c, s);
+            cached_cos_sin<C, P>(p, pos, f, half, c, s);
         } else {
             exact_sincos(pos, inv_freq[f], s, c);
         }
@@ -277,7 +293,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, ROPE_MIN_BLOCKS) rope_kernel(co
     }
     load_block_tokens<P>(p, first, count, bt);
     __syncthreads();
-    fill_cos_sin<C, CACHE>(p, count, bt, inv_freq, cos_sin);
+    fill_cos_sin<C, P, CACHE>(p, count, bt, inv_freq, cos_sin);
     __syncthreads();
     const unsigned rows = (unsigned)count * (unsigned)p.n_heads;
     rotate_items<T, STYLE, VEC, E>(p, bt, cos_sin, rows * (unsigned)p.rot_lanes);
@@ -338,7 +354,7 @@ __global__ void __launch_bounds__(DIRECT_MAX_THREADS) rope_direct_kernel(const R
 #pragma unroll
         for (int i = 0; i < F; ++i) {
             if constexpr (CACHE) {
-                cached_cos_sin<C>(p, pos, (int)f0 + i, (int)half, c.v[i], s.v[i]);
+                cached_cos_sin<C, P>(p, pos, (int)f0 + i, (int)half, c.v[i], s.v[i]);
             } else {
                 exact_sincos(pos, inv_freq_of(p, (int)f0 + i), s.v[i], c.v[i]);
             }

@@ -141,6 +141,25 @@ def test_cache_variant_and_alignment():
     assert plan([(x, x)], arr((5,), "int32"), odd_cache).vectorized
 
 
+def test_transformers_cos_sin_rows_are_read_where_they_lie():
+    """rope_qk_cos_sin's plan for transformers' call: q (B, H, S, D), cos (B, 1, S, D) in fp32 with each
+    frequency at its column (freq_stride 1): the direct kernel reading each token's own row, with cos's
+    token strides in place of positions' and no cache bounds."""
+    import struct
+
+    from cupyrope.rope import TOKEN_ROWS, _TAIL
+
+    q, k = arr((2, 32, 2048, 128)), arr((2, 8, 2048, 128), ptr=BASE + 2**32)
+    rows = arr((2, 1, 2048), TOKEN_ROWS, strides=(2048 * 128, 2048 * 128, 128), ptr=BASE + 2**34)
+    cos = arr((2, 1, 2048, 128), "float32", ptr=BASE + 2**34)
+    p = plan([(q, q), (k, k)], rows, cos, freq_stride=2)
+    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, cupyrope::TokenRows, 0, true, true>"
+    tail = struct.unpack(_TAIL.format, p.tail)
+    assert tail[0] == 2 * 2048  # tokens: (B, S); the heads of q and k share each token's row
+    assert tail[19:22] == (0, 2048 * 128, 128)  # cos's token strides (B merged away: padded to 3)
+    assert tail[22:24] == (2, 0)  # freq_stride, no max_position
+
+
 @pytest.mark.parametrize(
     "hidden,elems,chunks,max_slots,width,slots",
     [(4096, 8, 1, 4, 512, 1), (16384, 4, 2, 8, 512, 8), (32768, 8, 1, 4, 512, 0),

@@ -20,8 +20,8 @@ VARIANTS = {name for _, name in all_variants()}
 SHARED_OPTIN = 99 * 1024  # an L4's or RTX 4090's: below the H100's, so the limit shows
 DEFAULT_SHARED = 48 * 1024  # what a kernel gets without opting in (the RoPE kernels do not)
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-ARGUMENTS = ("x:", "q:", "k:", "positions:", "cos_sin_cache:", "out:", "out[0]:", "out[1]:", "rotary_dim:",
-             "impl:", "weight:", "residual:", "dy:", "rstd:", "eps:")
+ARGUMENTS = ("x:", "q:", "k:", "positions:", "cos_sin_cache:", "cos:", "sin:", "freq_step:", "out:", "out[0]:",
+             "out[1]:", "rotary_dim:", "impl:", "weight:", "residual:", "dy:", "rstd:", "eps:")
 
 
 @pytest.fixture(autouse=True)
@@ -128,6 +128,46 @@ def test_rope_qk_plans_are_runnable_or_refused_clearly(call):
         assert_clear_error(error)
         return
     assert_runnable_rope(plan, [q, k])
+
+
+@SETTINGS
+@given(rope_calls(qk=True), st.data())
+def test_rope_qk_cos_sin_plans_are_runnable_or_refused_clearly(call, data):
+    """Per-token cos/sin tensors in place of positions: leading dimensions like positions', the
+    frequencies one or two columns apart, sin laid out like cos (or not)."""
+    q, k, positions, _, options = call
+    freq_step = data.draw(mostly(st.sampled_from([1, 2]), st.sampled_from([0, 3])))
+    width = data.draw(mostly(st.just(freq_step * (options["rotary_dim"] or q.shape[-1]) // 2), st.integers(1, 140)))
+    table_dtype = data.draw(st.sampled_from(["float32", q.dtype, "float16"]))
+    cos = data.draw(arrays((*positions.shape, width), table_dtype, BASE + 2**33))
+    sin = Array(None, "cupy", BASE + 2**34 + cos.ptr % 16, table_dtype, cos.shape, cos.strides, 0)
+    if data.draw(st.integers(0, 9)) == 0:
+        sin = data.draw(arrays(cos.shape, table_dtype, BASE + 2**34))
+    options = dict(rotary_dim=options["rotary_dim"], freq_step=freq_step, style=options["style"],
+                   inverse=options["inverse"], impl=options["impl"])
+    try:
+        plan = rope_module._plan_rope_qk_cos_sin_call(q, k, cos, sin, q, k, **options)
+    except (TypeError, ValueError) as error:
+        assert_clear_error(error)
+        return
+    assert "TokenRows" in plan.name
+    assert_runnable_rope(plan, [q, k])
+
+
+def test_rope_qk_cos_sin_never_writes_over_cos_or_sin():
+    """cos and sin are read by every head of their token while q and k are written: in place, q and k
+    must not overlap them (checked per call: the pointers change between calls of one plan)."""
+    import cupyrope
+    from fakes import FakeCupyArray
+
+    q, k = FakeCupyArray((3, 2, 64)), FakeCupyArray((3, 2, 64), ptr=BASE + 2**30)
+    cos, sin = FakeCupyArray((3, 1, 64), ptr=BASE + 2**31), FakeCupyArray((3, 1, 64), ptr=BASE + 2**32)
+    inside_q = FakeCupyArray((3, 1, 64), ptr=BASE + 64 * 4)  # q's second head of the first token
+    with pytest.raises(ValueError, match="q: overlaps cos"):
+        cupyrope.rope_qk_cos_sin(q, k, inside_q, sin)
+    with pytest.raises(ValueError, match="out\\[1\\]: overlaps sin"):
+        cupyrope.rope_qk_cos_sin(q, k, cos, sin, out=(FakeCupyArray((3, 2, 64), ptr=BASE + 2**33),
+                                                      FakeCupyArray((3, 2, 64), ptr=BASE + 2**32)))
 
 
 def assert_runnable_norm(plan, arrays_):

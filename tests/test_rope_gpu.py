@@ -279,3 +279,99 @@ def test_torch_side_stream_and_cuda_graph(rng, kernel):
         assert_matches(to_host(q), reference.rope(new_q, new_pos), "bfloat16", what="graph q")
         assert_matches(to_host(k), reference.rope(new_k, new_pos), "bfloat16", what="graph k")
     assert_ran(kernel)
+
+
+# ------------------------------------------------------------------- per-token cos/sin tensors (rope_qk_cos_sin)
+
+
+def cos_sin_tensors(table, pos_host, freq_step):
+    """transformers-style per-token cos and sin (lead..., rotary_dim) from a vLLM table's rows at
+    pos_host: freq_step 1, the frequencies in order and again (transformers' cat((freqs, freqs)));
+    freq_step 2, each frequency twice in a row (the interleaved layout)."""
+    half = table.shape[1] // 2
+    cos, sin = table[pos_host][..., :half], table[pos_host][..., half:]
+    if freq_step == 2:
+        return cos.repeat(2, axis=-1), sin.repeat(2, axis=-1)
+    return np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+
+
+@pytest.mark.parametrize("mode", ["out-full", "out-partial", "inplace-partial"])
+@pytest.mark.parametrize("impl", ["scalar", "vector"])
+@pytest.mark.parametrize("freq_step", [1, 2])
+@pytest.mark.parametrize("table_dtype", ["float32", "own"])
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qk_cos_sin_every_variant(rng, dtype, style, table_dtype, freq_step, impl, mode, kernel):
+    """q (B, Hq, S, D) and k (B, Hk, S, D) rotated by cos/sin (B, 1, S, columns): transformers' call,
+    against the reference at the positions whose table rows the tensors hold."""
+    rotary_dim = 64 if mode.endswith("partial") else 128
+    b, s, d = 2, 19, 128
+    table_dtype = dtype if table_dtype == "own" else table_dtype
+    table = reference.round_to(reference.rope_cache(4096, rotary_dim, 10000.0), table_dtype)
+    pos_host = rng.integers(0, 4096, (b, 1, s))
+    cos_host, sin_host = cos_sin_tensors(table, pos_host, freq_step)
+    cos, sin = to_device(cos_host, table_dtype, "cupy"), to_device(sin_host, table_dtype, "cupy")
+    q_host, k_host = random_host((b, 3, s, d), dtype, rng), random_host((b, 1, s, d), dtype, rng)
+    q, k = to_device(q_host, dtype, "cupy"), to_device(k_host, dtype, "cupy")
+    options = dict(rotary_dim=rotary_dim, freq_step=freq_step, style=style, impl=impl)
+    if mode.startswith("inplace"):
+        q_out, k_out = cupyrope.rope_qk_cos_sin(q, k, cos, sin, **options)
+        assert q_out is q and k_out is k
+    else:
+        out = tuple(poison(to_device(np.zeros(x.shape), dtype, "cupy")) for x in (q_host, k_host))
+        q_out, k_out = cupyrope.rope_qk_cos_sin(q, k, cos, sin, out=out, **options)
+        assert q_out is out[0] and k_out is out[1]
+        np.testing.assert_array_equal(to_host(q), q_host)  # inputs untouched
+        np.testing.assert_array_equal(to_host(k), k_host)
+    for got, x_host, name in ((q_out, q_host, "q"), (k_out, k_host, "k")):
+        expected = reference.rope(x_host, pos_host, style=style, rotary_dim=rotary_dim, cos_sin_cache=table)
+        assert_matches(to_host(got), expected, dtype, what=f"{name} {dtype} {style} {impl} step {freq_step}")
+    assert_ran(kernel)
+    assert all("TokenRows" in plan.name for plan in rope_module._plans._plans.values() if hasattr(plan, "name"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "q_shape,cos_lead",
+    [
+        ((2, 4, 9, 128), (1, 1, 9)),  # cos shared by the batch
+        ((2, 9, 4, 128), (2, 9, 1)),  # q (B, S, H, D): transformers' unsqueeze_dim=2
+        ((9, 4, 128), (9,)),  # (T, H, D) with one row per token
+        ((1, 4, 1, 128), (1, 1, 1)),  # decode
+    ],
+)
+def test_rope_qk_cos_sin_layouts(rng, kind, q_shape, cos_lead, kernel):
+    table = reference.round_to(reference.rope_cache(512, 128, 10000.0), "bfloat16")
+    pos_host = rng.integers(0, 512, cos_lead)
+    cos_host, sin_host = cos_sin_tensors(table, pos_host, 1)
+    q_host, k_host = random_host(q_shape, "bfloat16", rng), random_host(q_shape, "bfloat16", rng)
+    q, k = to_device(q_host, "bfloat16", kind), to_device(k_host, "bfloat16", kind)
+    cos, sin = to_device(cos_host, "bfloat16", kind), to_device(sin_host, "bfloat16", kind)
+    out = tuple(poison(to_device(np.zeros(q_shape), "bfloat16", kind)) for _ in range(2))
+    out = cupyrope.rope_qk_cos_sin(q, k, cos, sin, out=out)
+    assert all(type(o).__module__.split(".")[0] == kind for o in out)
+    for got, x_host in zip(out, (q_host, k_host)):
+        assert_matches(to_host(got), reference.rope(x_host, pos_host, cos_sin_cache=table), "bfloat16")
+    assert_ran(kernel)
+
+
+@requires_torch_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qk_cos_sin_torch_gradient_is_the_inverse_rotation(rng, dtype):
+    """cupyrope.torch.rope_qk_cos_sin: one launch for q and k forward and backward; the gradient of a
+    rotation is the inverse rotation of the incoming gradient."""
+    import torch
+
+    import cupyrope.torch as ct
+
+    table = reference.round_to(reference.rope_cache(1000, 64, 10000.0), "float32")
+    pos_host = rng.integers(0, 1000, (2, 1, 7))
+    cos, sin = (to_device(t, "float32", "torch") for t in cos_sin_tensors(table, pos_host, 2))
+    q = to_device(random_host((2, 4, 7, 96), dtype, rng), dtype, "torch").requires_grad_()
+    k = to_device(random_host((2, 2, 7, 96), dtype, rng), dtype, "torch").requires_grad_()
+    grads_host = [random_host(t.shape, dtype, rng) for t in (q, k)]
+    outs = ct.rope_qk_cos_sin(q, k, cos, sin, rotary_dim=64, freq_step=2, style="gptj")
+    torch.autograd.backward(outs, [to_device(g, dtype, "torch") for g in grads_host])
+    for x, g in zip((q, k), grads_host):
+        expected = reference.rope(g, pos_host, style="gptj", rotary_dim=64, cos_sin_cache=table, inverse=True)
+        assert_matches(to_host(x.grad), expected, dtype, what="gradient")

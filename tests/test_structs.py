@@ -15,14 +15,26 @@ def _struct_format(source: str, name: str) -> str:
     text = (_sources.kernels_dir() / source).read_text()
     body = re.search(r"struct " + name + r" \{(.*?)\n\};", text, re.S).group(1)
     body = re.sub(r"//[^\n]*", "", body)
-    codes = []
-    for declaration in filter(None, (d.strip() for d in body.split(";"))):
-        kind, names = re.match(r"((?:const )?\w+\*?)\s+(.*)", declaration, re.S).groups()
-        code = "Q" if kind.endswith("*") else {"i64": "q", "double": "d", "float": "f"}[kind]
-        for field in names.split(","):
-            count = re.search(r"\[(\d+)\]", field)
-            codes.append(code * (int(count.group(1)) if count else 1))
-    return "".join(codes)
+    # An anonymous union of same-sized scalar members (two names for one field) counts as its first.
+    body = re.sub(r"union \{(.*?)\};", lambda m: _one_union_member(m.group(1)), body, flags=re.S)
+    return "".join(_declaration_codes(d) for d in filter(None, (d.strip() for d in body.split(";"))))
+
+
+def _declaration_codes(declaration: str) -> str:
+    kind, names = re.match(r"((?:const )?\w+\*?)\s+(.*)", declaration, re.S).groups()
+    code = "Q" if kind.endswith("*") else {"i64": "q", "double": "d", "float": "f"}[kind]
+    codes = ""
+    for field in names.split(","):
+        count = re.search(r"\[(\d+)\]", field)
+        codes += code * (int(count.group(1)) if count else 1)
+    return codes
+
+
+def _one_union_member(members: str) -> str:
+    declarations = [d.strip() for d in members.split(";") if d.strip()]
+    codes = {_declaration_codes(d) for d in declarations}
+    assert len(codes) == 1 and len(codes.pop()) == 1, f"union members of different sizes: {declarations}"
+    return declarations[0] + ";"
 
 
 def _expand(fmt: str) -> str:
