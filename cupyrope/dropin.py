@@ -43,23 +43,26 @@ def _check_cos_sin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, cos_layout: s
                          "sin.detach(), or build them under torch.no_grad() as transformers does")
 
 
-def _per_token(t: Tensor, q: Tensor, k: Tensor, unsqueeze_dim: int) -> Tensor:
-    """cos or sin broadcast the way transformers' ``cos.unsqueeze(unsqueeze_dim)`` is against q and k
-    (aligned from the right), as a view with q's number of dimensions (aligned from the left)."""
-    shape, ndim, lead = tuple(t.shape), t.dim(), q.dim() - 1
+@functools.lru_cache(maxsize=256)
+def _per_token_shape(q_shape, k_shape, cos_shape, unsqueeze_dim: int) -> tuple:
+    """The shape of a view of cos (and sin) broadcast the way transformers' ``cos.unsqueeze(unsqueeze_dim)``
+    is against q and k (aligned from the right), with q's number of dimensions (aligned from the left,
+    as the kernels take it). A pure function of the shapes: cached, so a repeated call skips the checks."""
+    ndim, lead = len(cos_shape), len(q_shape) - 1
     if not -ndim - 1 <= unsqueeze_dim < ndim or unsqueeze_dim == -1:  # not after cos's last dimension
         raise ValueError(f"unsqueeze_dim: expected a dimension of cos before its last one (cos has {ndim} "
                          f"dimensions), got {unsqueeze_dim}")
-    t = t.unsqueeze(unsqueeze_dim % (ndim + 1))
-    if t.dim() - 1 > lead:
-        raise ValueError(f"cos: shape {shape} with unsqueeze_dim={unsqueeze_dim} has more leading dimensions "
-                         f"than q {tuple(q.shape)}")
-    t = t.view((1,) * (lead + 1 - t.dim()) + tuple(t.shape))
-    for name, x in (("q", q), ("k", k)):
-        if x.dim() != q.dim() or any(r not in (1, n) for r, n in zip(t.shape[:-1], x.shape[:-1])):
-            raise ValueError(f"cos: shape {shape} with unsqueeze_dim={unsqueeze_dim} does not broadcast to "
-                             f"{name}'s leading dimensions {tuple(x.shape[:-1])}")
-    return t
+    at = unsqueeze_dim % (ndim + 1)
+    shape = tuple(cos_shape[:at]) + (1,) + tuple(cos_shape[at:])
+    if len(shape) - 1 > lead:
+        raise ValueError(f"cos: shape {tuple(cos_shape)} with unsqueeze_dim={unsqueeze_dim} has more leading "
+                         f"dimensions than q {tuple(q_shape)}")
+    shape = (1,) * (lead + 1 - len(shape)) + shape
+    for name, x_shape in (("q", q_shape), ("k", k_shape)):
+        if len(x_shape) != len(q_shape) or any(r not in (1, n) for r, n in zip(shape[:-1], x_shape[:-1])):
+            raise ValueError(f"cos: shape {tuple(cos_shape)} with unsqueeze_dim={unsqueeze_dim} does not broadcast "
+                             f"to {name}'s leading dimensions {tuple(x_shape[:-1])}")
+    return shape
 
 
 def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor] = None,
@@ -81,7 +84,9 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positio
         cos, sin = cos[position_ids], sin[position_ids]
     if cos.dtype not in (torch.float32, q.dtype):
         cos, sin = cos.float(), sin.float()
-    cos, sin = _per_token(cos, q, k, unsqueeze_dim), _per_token(sin, q, k, unsqueeze_dim)
+    shape_of = _per_token_shape.__wrapped__ if ct._compiling() else _per_token_shape  # dynamo traces no caches
+    shape = shape_of(q.shape, k.shape, cos.shape, unsqueeze_dim)
+    cos, sin = cos.view(shape), sin.view(shape)
     if cos.stride() != sin.stride():  # the kernel reads both with one set of strides
         cos, sin = cos.contiguous(), sin.contiguous()
     freq_step = 1 if cos_layout == "halves" else 2

@@ -169,6 +169,29 @@ def test_inputs_on_another_gpu_run_there(rng):
     y = cupyrope.rms_norm(xt, w)
     assert y.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
     assert_matches(to_host(y), reference.rms_norm(host, w.cpu().numpy()), "bfloat16", scale=2.0)
+    # Training on cuda:1 through the transformers drop-in and the torch layer: the backward runs in
+    # torch's autograd thread for that device, whose first launch binds cuda:1's context.
+    import cupyrope.torch as ct
+    from cupyrope import dropin
+
+    table = reference.round_to(reference.rope_cache(8192, 128), "bfloat16")
+    cos_host, sin_host = (np.concatenate([table[pos, part], table[pos, part]], -1)[None]
+                          for part in (slice(0, 64), slice(64, 128)))
+    cos, sin = (torch.from_numpy(t).to("cuda:1", torch.bfloat16) for t in (cos_host, sin_host))
+    q_host = host.transpose(1, 0, 2)[None]  # (1, 8 heads, 40 tokens, 128): transformers' layout
+    q = torch.from_numpy(q_host).to("cuda:1", torch.bfloat16).requires_grad_()
+    k = torch.from_numpy(q_host[:, :2].copy()).to("cuda:1", torch.bfloat16).requires_grad_()
+    q_out, k_out = dropin.apply_rotary_pos_emb(q, k, cos, sin)
+    norm = ct.RMSNorm(128, device="cuda:1", dtype=torch.bfloat16)
+    (norm(q_out).float().square().sum() + k_out.float().sum()).backward()
+    assert q.grad.device == k.grad.device == norm.weight.grad.device == torch.device("cuda:1")
+    assert torch.cuda.current_device() == 0
+    positions = pos[None, None, :]
+    assert_matches(to_host(q_out), reference.rope(q_host, positions, cos_sin_cache=table), "bfloat16")
+    # d(sum of k_out)/dk: the inverse rotation of ones
+    ones_back = reference.rope(np.ones(k.shape), positions, cos_sin_cache=table, inverse=True)
+    assert_matches(to_host(k.grad), ones_back, "bfloat16")
+    assert torch.isfinite(q.grad).all() and torch.isfinite(norm.weight.grad).all()
 
 
 @pytest.mark.huge
