@@ -445,7 +445,7 @@ def _check_qk_outputs(qa, ka, qo, ko):
 
 def _check_cos_sin(cos, sin, qa, rotary_dim, freq_step):
     """The Array standing for cos/sin's leading dimensions as positions (dtype TOKEN_ROWS)."""
-    if isinstance(freq_step, bool) or freq_step not in (1, 2):
+    if isinstance(freq_step, bool) or not isinstance(freq_step, (int, np.integer)) or freq_step not in (1, 2):
         raise ValueError(f"freq_step: expected 1 (frequency f at column f) or 2 (at column 2f), got {freq_step!r}")
     for name, t in (("cos", cos), ("sin", sin)):
         _arrays.check_same_device(qa, t, "q", name)

@@ -44,6 +44,7 @@ ROPE_CASES = [
     (lambda: cupyrope.rope_qk(A(X), A(X, "float16", ptr=1 << 44), pos()), TypeError, "k: expected dtype float32"),
     (lambda: cupyrope.rope_qk(A(X), A(X), pos()), ValueError, "k: overlaps q"),
     (lambda: cupyrope.rope_qk_cos_sin(A(X), A(X, ptr=1 << 44), A((6, 1, 64), ptr=2 << 44), A((6, 1, 64), ptr=3 << 44), freq_step=3), ValueError, "freq_step: expected 1"),
+    (lambda: cupyrope.rope_qk_cos_sin(A(X), A(X, ptr=1 << 44), A((6, 1, 64), ptr=2 << 44), A((6, 1, 64), ptr=3 << 44), freq_step=2.0), ValueError, "freq_step: expected 1"),
     (lambda: cupyrope.rope_qk_cos_sin(A(X), A(X, ptr=1 << 44), A((6, 1, 32), ptr=2 << 44), A((6, 1, 32), ptr=3 << 44), freq_step=2), ValueError, r"cos: expected at least 63 columns"),
     (lambda: cupyrope.rope_qk_cos_sin(A(X), A(X, ptr=1 << 44), A((5, 1, 64), ptr=2 << 44), A((5, 1, 64), ptr=3 << 44)), ValueError, r"cos: leading dimensions \(5, 1\) do not match q's \(6, 4\)"),
     (lambda: cupyrope.rope_qk_cos_sin(A(X), A(X, ptr=1 << 44), A((6, 1, 64), ptr=2 << 44), A((6, 1, 64), strides=(128, 64, 1), ptr=3 << 44)), ValueError, "sin: expected the dtype, shape and strides of cos"),
