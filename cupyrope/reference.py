@@ -65,6 +65,22 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
     x = np.asarray(x, dtype=np.float64)
     rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
     cos, sin = _cos_sin(positions, x.ndim - 1, rotary_dim, theta, cos_sin_cache)
+    return _rotate(x, cos, sin, style, rotary_dim, inverse)
+
+
+def rope_cos_sin(x, cos, sin, *, style="neox", rotary_dim=None, freq_step=1, inverse=False):
+    """Rotate x (..., head_dim) by per-token cos and sin (..., columns) whose leading dimensions align
+    with x's from the left (size-1 ones broadcast); frequency f at column f * freq_step
+    (cupyrope.rope_qk_cos_sin's definition)."""
+    x = np.asarray(x, dtype=np.float64)
+    rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    pad = (1,) * (x.ndim - np.ndim(cos))
+    cos, sin = (np.asarray(t, dtype=np.float64)[..., 0 : freq_step * (rotary_dim // 2) : freq_step] for t in (cos, sin))
+    cos, sin = (t.reshape(t.shape[:-1] + pad + t.shape[-1:]) for t in (cos, sin))
+    return _rotate(x, cos, sin, style, rotary_dim, inverse)
+
+
+def _rotate(x, cos, sin, style, rotary_dim, inverse):
     if inverse:
         sin = -sin
     half = rotary_dim // 2

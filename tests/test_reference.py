@@ -129,3 +129,22 @@ def test_fused_add_rounds_the_residual_once(rng):
     y, new_r = reference.fused_add_rms_norm(x, r, w, dtype="bfloat16")
     np.testing.assert_array_equal(new_r, reference.round_to(x + r, "bfloat16"))
     np.testing.assert_allclose(y, reference.rms_norm(new_r, w), rtol=1e-13)
+
+
+@pytest.mark.parametrize("style", reference.STYLES)
+@pytest.mark.parametrize("freq_step", [1, 2])
+def test_rope_cos_sin_is_rope_at_the_positions_whose_rows_it_holds(rng, style, freq_step):
+    """Per-token cos/sin in transformers' halves layout (freq_step 1) or interleaved (2), broadcast over
+    heads from the left, rotate exactly as the cache rows at those positions do; partial rotary too."""
+    table = reference.rope_cache(500, 32)
+    positions = rng.integers(0, 500, (2, 1, 7))
+    cos, sin = table[positions][..., :16], table[positions][..., 16:]
+    if freq_step == 2:
+        cos, sin = cos.repeat(2, -1), sin.repeat(2, -1)
+    else:
+        cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+    x = rng.standard_normal((2, 3, 7, 48))
+    for inverse in (False, True):
+        got = reference.rope_cos_sin(x, cos, sin, style=style, rotary_dim=32, freq_step=freq_step, inverse=inverse)
+        expected = reference.rope(x, positions, style=style, rotary_dim=32, cos_sin_cache=table, inverse=inverse)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-15)

@@ -45,6 +45,13 @@ def reference_ops(rope_style=None, skip_rows=0):
         q[...], k[...] = rotate(q, positions, **options), rotate(k, positions, **options)
         return q, k
 
+    def rope_qk_cos_sin(q, k, cos, sin, out=None, style="neox", **options):
+        out = (q, k) if out is None else out
+        for x, o in zip((q, k), out):
+            o[...] = reference.rope_cos_sin(f64(x), f64(cos), f64(sin), style=rope_style or style,
+                                            **options).astype(x.dtype)
+        return out
+
     def rms_norm(x, w, eps, *, offset=0.0, out):
         out[skip_rows:] = reference.rms_norm(f64(x), f64(w), eps, offset=offset)[skip_rows:].astype(x.dtype)
         return out
@@ -59,8 +66,8 @@ def reference_ops(rope_style=None, skip_rows=0):
         dx, dw = reference.rms_norm_backward(f64(dy), f64(x), f64(w))
         return dx.astype(x.dtype), dw.astype(w.dtype)
 
-    return SimpleNamespace(rope=rope, rope_qk=rope_qk, rms_norm=rms_norm, fused_add_rms_norm=fused_add_rms_norm,
-                           rms_norm_backward=rms_norm_backward)
+    return SimpleNamespace(rope=rope, rope_qk=rope_qk, rope_qk_cos_sin=rope_qk_cos_sin, rms_norm=rms_norm,
+                           fused_add_rms_norm=fused_add_rms_norm, rms_norm_backward=rms_norm_backward)
 
 
 def test_correct_ops_pass_every_check(capsys):
@@ -69,7 +76,8 @@ def test_correct_ops_pass_every_check(capsys):
     assert "FAIL" not in out and out.strip().endswith("all checks passed")
     lines = out.splitlines()
     for what in ("rope float16 300 tokens gptj cache scalar", "rope bfloat16 decode 16-byte items",
-                 "rope_qk float32 partial inverse (k)", "rms_norm_backward bfloat16 [300, 1027] (dweight)",
+                 "rope_qk float32 partial inverse (k)", "rope_qk_cos_sin bfloat16 gptj freq_step 2 (q)",
+                 "rope_qk_cos_sin float16 neox freq_step 1 (k)", "rms_norm_backward bfloat16 [300, 1027] (dweight)",
                  "fused_add_rms_norm float16 [64, 16384] (residual)"):
         assert any(line.startswith(f"ok   {what}:") for line in lines), what
     assert len(lines) > 100
