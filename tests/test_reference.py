@@ -8,7 +8,7 @@ from cupyrope import reference
 
 def hf_llama_rope(x, positions, theta, rotary_dim):
     """Hugging Face Llama: q * cos + rotate_half(q) * sin with cos/sin = cat(freqs, freqs)."""
-    inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+    inv = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # as reference.inv_freq: 1 / theta**e differs in the last bit, ~1e-12 at position 4096
     freqs = positions[:, None].astype(np.float64) * inv
     emb = np.concatenate([freqs, freqs], axis=-1)
     cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
@@ -20,7 +20,7 @@ def hf_llama_rope(x, positions, theta, rotary_dim):
 
 def gptj_rope(x, positions, theta, rotary_dim):
     """GPT-J: rotate_every_two with sin/cos repeated interleaved."""
-    inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+    inv = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # as reference.inv_freq: 1 / theta**e differs in the last bit, ~1e-12 at position 4096
     freqs = positions[:, None].astype(np.float64) * inv
     sin = np.repeat(np.sin(freqs), 2, axis=-1)[:, None, :]
     cos = np.repeat(np.cos(freqs), 2, axis=-1)[:, None, :]
@@ -143,6 +143,9 @@ def test_rope_cos_sin_is_rope_at_the_positions_whose_rows_it_holds(rng, style, f
         cos, sin = cos.repeat(2, -1), sin.repeat(2, -1)
     else:
         cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+    helper = reference.per_token_cos_sin(table, positions, freq_step)
+    np.testing.assert_array_equal(helper[0], cos)
+    np.testing.assert_array_equal(helper[1], sin)
     x = rng.standard_normal((2, 3, 7, 48))
     for inverse in (False, True):
         got = reference.rope_cos_sin(x, cos, sin, style=style, rotary_dim=32, freq_step=freq_step, inverse=inverse)
