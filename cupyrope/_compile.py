@@ -160,7 +160,7 @@ def _load(source_file: str, name_expression: str, device: int):
                 RuntimeWarning,
                 stacklevel=3,
             )
-            raw = _compile_in_memory(text, name_expression, device)
+            raw = _compile_in_memory(text, name_expression, arch)
         return Kernel(raw.kernel.ptr, raw, name_expression)
 
 
@@ -177,11 +177,11 @@ def _compile_with_cupy(text: str, name_expression: str):
     return kernel
 
 
-def _compile_in_memory(text: str, name_expression: str, device: int):
+def _compile_in_memory(text: str, name_expression: str, arch: str):
     cupy = import_cupy()
 
     # As CuPy does: a GPU newer than NVRTC's newest target gets code for that target.
-    number = min(int(_device_arch(device).removeprefix("sm_")), max(nvrtc_archs()))
+    number = min(int(arch.removeprefix("sm_")), max(nvrtc_archs()))
     binary, mapping = _nvrtc_compile(text, name_expression, f"-arch=sm_{number}")
     module = cupy.cuda.function.Module()
     module.load(binary)

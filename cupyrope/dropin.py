@@ -23,7 +23,7 @@ __all__ = ["apply_rotary_pos_emb", "patch_transformers", "rotary_embedding"]
 COS_LAYOUTS = ("halves", "interleaved")
 
 
-def _check_cos_sin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, cos_layout: str) -> None:
+def _check_arguments(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, cos_layout: str) -> None:
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -78,7 +78,7 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positio
     A rotary_dim below head_dim rotates the first rotary_dim features and passes the rest through.
     Like the kernels in Liger and vLLM it reads one cos and one sin per frequency: the two copies in
     transformers' layout must be equal, which they are in every rotary embedding that builds them."""
-    _check_cos_sin(q, k, cos, sin, cos_layout)
+    _check_arguments(q, k, cos, sin, cos_layout)
     rotary_dim = cos.shape[-1]
     if position_ids is not None and cos.dim() == 2:  # transformers < 4.38: cos (max_position, dim)[position_ids]
         cos, sin = cos[position_ids], sin[position_ids]

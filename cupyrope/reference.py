@@ -46,6 +46,18 @@ def rope_cache(max_position: int, rotary_dim: int, theta: float = 10000.0, scali
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1) * attention_factor
 
 
+def per_token_cos_sin(cos_sin_cache, positions, freq_step=1):
+    """(cos, sin), each positions.shape + (rotary_dim,), as transformers hands them to
+    apply_rotary_pos_emb, from a vLLM-layout table's rows at ``positions``: freq_step 1, the frequencies
+    in order and again (``cat((freqs, freqs))``); freq_step 2, each twice in a row (the interleaved
+    layout). What rope_cos_sin takes with the same freq_step."""
+    rows = np.asarray(cos_sin_cache, dtype=np.float64)[np.asarray(positions)]
+    half = rows.shape[-1] // 2
+    if freq_step == 2:
+        return rows[..., :half].repeat(2, -1), rows[..., half:].repeat(2, -1)
+    return (np.concatenate([rows[..., :half]] * 2, -1), np.concatenate([rows[..., half:]] * 2, -1))
+
+
 def _cos_sin(positions, leading_ndim, rotary_dim, theta, cos_sin_cache):
     positions = np.asarray(positions)
     positions = positions.reshape(positions.shape + (1,) * (leading_ndim - positions.ndim))

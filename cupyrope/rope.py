@@ -230,9 +230,7 @@ def _check_cache(cache, like, like_name, rotary_dim):
     if cache is None:
         return None
     _arrays.check_same_device(like, cache, like_name, "cos_sin_cache")
-    allowed = sorted({"float32", like.dtype})
-    if cache.dtype not in allowed:
-        raise TypeError(f"cos_sin_cache: expected dtype {' or '.join(allowed)} (like {like_name}), got {cache.dtype}")
+    _check_table_dtype(cache, "cos_sin_cache", like, like_name)
     if len(cache.shape) != 2:
         raise ValueError(f"cos_sin_cache: expected shape (max_position, rotary_dim), got {cache.shape}")
     if cache.shape[1] != rotary_dim:
@@ -244,6 +242,13 @@ def _check_cache(cache, like, like_name, rotary_dim):
         )
     _arrays.check_last_dim_contiguous(cache, "cos_sin_cache")
     return cache
+
+
+def _check_table_dtype(table, name, like, like_name):
+    """cos/sin values come in fp32 or in the rotated tensor's dtype."""
+    allowed = sorted({"float32", like.dtype})
+    if table.dtype not in allowed:
+        raise TypeError(f"{name}: expected dtype {' or '.join(allowed)} (like {like_name}), got {table.dtype}")
 
 
 def _check_out(o, x, x_name):
@@ -449,9 +454,7 @@ def _check_cos_sin(cos, sin, qa, rotary_dim, freq_step):
         raise ValueError(f"freq_step: expected 1 (frequency f at column f) or 2 (at column 2f), got {freq_step!r}")
     for name, t in (("cos", cos), ("sin", sin)):
         _arrays.check_same_device(qa, t, "q", name)
-        allowed = sorted({"float32", qa.dtype})
-        if t.dtype not in allowed:
-            raise TypeError(f"{name}: expected dtype {' or '.join(allowed)} (like q), got {t.dtype}")
+        _check_table_dtype(t, name, qa, "q")
         if not t.shape:
             raise ValueError(f"{name}: expected shape (..., columns), got a 0-d array")
     if (sin.dtype, tuple(sin.shape), tuple(sin.strides)) != (cos.dtype, tuple(cos.shape), tuple(cos.strides)):

@@ -1,10 +1,10 @@
 """python -m cupyrope check: every op on this GPU against the float64 references, over the paths the
 planners pick -- fp32/fp16/bf16; RoPE's direct and block kernels, one pair or 16 bytes a thread,
 in-kernel, cached and per-token (transformers') cos/sin, both styles, partial rotary, q and k in one
-launch; RMSNorm rows of 61 to
-16384 elements (element-wise, shifted, vectorized, staged), forward, fused add, backward -- with the
-test suite's tolerances (fp32 1e-5 relative, fp16/bf16 one rounding of the output). Outputs that can be
-passed in are filled with NaN first. On a GPU the test suite has not run on, run this first.
+launch; RMSNorm rows of 61 to 16384 elements (element-wise, shifted, vectorized, staged), forward,
+fused add, backward -- with the test suite's tolerances (fp32 1e-5 relative, fp16/bf16 one rounding of
+the output). Outputs that can be passed in are filled with NaN first. On a GPU the test suite has not
+run on, run this first.
 
 The cases take the array module and the ops as arguments, so the checks themselves are tested on the
 CPU (tests/test_selfcheck.py) with reference-backed stand-ins.
@@ -66,17 +66,16 @@ def _rope_cases(xp, ops, rng):
         out = xp.nan(x.shape, dtype)
         ops.rope(xp.asarray(x, dtype), xp.asarray(pos[:1], "int64"), impl="vector", out=out)
         yield f"rope {dtype} decode 16-byte items", xp.host(out), reference.rope(x, pos[:1]), dtype, 1.0
-        yield from _rope_cos_sin_cases(xp, ops, rng, dtype)
+        yield from _rope_cos_sin_cases(xp, ops, rng, dtype, {128: table, 64: table_64})
 
 
-def _rope_cos_sin_cases(xp, ops, rng, dtype):
-    """rope_qk_cos_sin on transformers' call: q (B, H, S, D), cos/sin (B, 1, S, columns) of random angles
-    in q's dtype; the halves layout with NeoX pairs out of place, the interleaved one with GPT-J pairs,
-    partial rotary, in place."""
+def _rope_cos_sin_cases(xp, ops, rng, dtype, tables):
+    """rope_qk_cos_sin on transformers' call: q (B, H, S, D), cos/sin (B, 1, S, columns) in q's dtype
+    from the tables' rows at random positions; the halves layout with NeoX pairs out of place, the
+    interleaved one with GPT-J pairs, partial rotary, in place."""
     for freq_step, style, rotary_dim in ((1, "neox", 128), (2, "gptj", 64)):
-        angles = rng.uniform(-1000.0, 1000.0, (2, 1, 9, rotary_dim // 2))
-        cos, sin = (round_to(np.repeat(f(angles), 2, -1) if freq_step == 2 else np.concatenate([f(angles)] * 2, -1),
-                             dtype) for f in (np.cos, np.sin))
+        positions = rng.integers(0, tables[rotary_dim].shape[0], (2, 1, 9))
+        cos, sin = (round_to(t, dtype) for t in reference.per_token_cos_sin(tables[rotary_dim], positions, freq_step))
         q, k = _random(rng, (2, 4, 9, 128), dtype), _random(rng, (2, 1, 9, 128), dtype)
         qd, kd = xp.asarray(q, dtype), xp.asarray(k, dtype)
         options = dict(rotary_dim=rotary_dim, freq_step=freq_step, style=style)

@@ -23,7 +23,8 @@ from .rope import rope_qk_cos_sin as _rope_qk_cos_sin
 from . import reference as _reference
 from . import rope_scaling as _rope_scaling
 
-__all__ = ["RMSNorm", "RotaryEmbedding", "fused_add_rms_norm", "rms_norm", "rope", "rope_qk", "rope_qk_", "rope_qk_cos_sin"]
+__all__ = ["RMSNorm", "RotaryEmbedding", "fused_add_rms_norm", "rms_norm", "rope", "rope_qk", "rope_qk_",
+           "rope_qk_cos_sin"]
 
 
 def _compiling() -> bool:

@@ -23,8 +23,7 @@ def per_call(fn, calls=2000) -> float:
 def main() -> None:
     q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
-    cos, sin = torch.randn(1, 1, 128, device="cuda", dtype=torch.bfloat16), torch.randn(1, 1, 128, device="cuda",
-                                                                                         dtype=torch.bfloat16)
+    cos, sin = (torch.randn(1, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     cos4, sin4 = cos.view(1, 1, 1, 128), sin.view(1, 1, 1, 128)
     outs = (torch.empty_like(q), torch.empty_like(k))
     pos = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -36,9 +35,9 @@ def main() -> None:
         "cupyrope.rope_qk, in place": lambda: cupyrope.rope_qk(q, k, pos),
         "  piece: torch.empty x2": lambda: (torch.empty(q.shape, dtype=q.dtype, device=q.device),
                                             torch.empty(k.shape, dtype=k.dtype, device=k.device)),
-        "  piece: _check_cos_sin": lambda: dropin._check_cos_sin(q, k, cos, sin, "halves"),
-        "  piece: cos/sin views": lambda: (cos.view(dropin._per_token_shape(q.shape, k.shape, cos.shape, 1)),
-                                           sin.view((1, 1, 1, 128))),
+        "  piece: argument checks": lambda: dropin._check_arguments(q, k, cos, sin, "halves"),
+        "  piece: cos/sin views": lambda: tuple(t.view(dropin._per_token_shape(q.shape, k.shape, t.shape, 1))
+                                                for t in (cos, sin)),
         "  piece: torch.compiler.is_compiling": torch.compiler.is_compiling,
     }
     for name, fn in rows.items():

@@ -25,8 +25,9 @@ rope_module, norm_module = sys.modules["cupyrope.rope"], sys.modules["cupyrope.r
 def _describe_cpu(obj, name):
     """describe() that takes a CPU tensor as if it were on cuda:0 (planning only)."""
     if isinstance(obj, torch.Tensor):
-        return _arrays.Array(obj, "torch", obj.data_ptr(), _arrays._torch_dtype_name(obj.dtype), obj.shape,
-                             obj.stride(), 0)
+        array = _arrays._from_torch(obj)
+        array.device = 0  # a CPU tensor's get_device() is -1
+        return array
     return _arrays.describe(obj, name)
 
 

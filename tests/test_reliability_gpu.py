@@ -175,9 +175,7 @@ def test_inputs_on_another_gpu_run_there(rng):
     from cupyrope import dropin
 
     table = reference.round_to(reference.rope_cache(8192, 128), "bfloat16")
-    cos_host, sin_host = (np.concatenate([table[pos, part], table[pos, part]], -1)[None]
-                          for part in (slice(0, 64), slice(64, 128)))
-    cos, sin = (torch.from_numpy(t).to("cuda:1", torch.bfloat16) for t in (cos_host, sin_host))
+    cos, sin = (torch.from_numpy(t).to("cuda:1", torch.bfloat16) for t in reference.per_token_cos_sin(table, pos[None]))
     q_host = host.transpose(1, 0, 2)[None]  # (1, 8 heads, 40 tokens, 128): transformers' layout
     q = torch.from_numpy(q_host).to("cuda:1", torch.bfloat16).requires_grad_()
     k = torch.from_numpy(q_host[:, :2].copy()).to("cuda:1", torch.bfloat16).requires_grad_()

@@ -284,17 +284,6 @@ def test_torch_side_stream_and_cuda_graph(rng, kernel):
 # ------------------------------------------------------------------- per-token cos/sin tensors (rope_qk_cos_sin)
 
 
-def cos_sin_tensors(table, pos_host, freq_step):
-    """transformers-style per-token cos and sin (lead..., rotary_dim) from a vLLM table's rows at
-    pos_host: freq_step 1, the frequencies in order and again (transformers' cat((freqs, freqs)));
-    freq_step 2, each frequency twice in a row (the interleaved layout)."""
-    half = table.shape[1] // 2
-    cos, sin = table[pos_host][..., :half], table[pos_host][..., half:]
-    if freq_step == 2:
-        return cos.repeat(2, axis=-1), sin.repeat(2, axis=-1)
-    return np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
-
-
 @pytest.mark.parametrize("mode", ["out-full", "out-partial", "inplace-partial"])
 @pytest.mark.parametrize("impl", ["scalar", "vector"])
 @pytest.mark.parametrize("freq_step", [1, 2])
@@ -309,7 +298,7 @@ def test_rope_qk_cos_sin_every_variant(rng, dtype, style, table_dtype, freq_step
     table_dtype = dtype if table_dtype == "own" else table_dtype
     table = reference.round_to(reference.rope_cache(4096, rotary_dim, 10000.0), table_dtype)
     pos_host = rng.integers(0, 4096, (b, 1, s))
-    cos_host, sin_host = cos_sin_tensors(table, pos_host, freq_step)
+    cos_host, sin_host = reference.per_token_cos_sin(table, pos_host, freq_step)
     cos, sin = to_device(cos_host, table_dtype, "cupy"), to_device(sin_host, table_dtype, "cupy")
     q_host, k_host = random_host((b, 3, s, d), dtype, rng), random_host((b, 1, s, d), dtype, rng)
     q, k = to_device(q_host, dtype, "cupy"), to_device(k_host, dtype, "cupy")
@@ -343,7 +332,7 @@ def test_rope_qk_cos_sin_every_variant(rng, dtype, style, table_dtype, freq_step
 def test_rope_qk_cos_sin_layouts(rng, kind, q_shape, cos_lead, kernel):
     table = reference.round_to(reference.rope_cache(512, 128, 10000.0), "bfloat16")
     pos_host = rng.integers(0, 512, cos_lead)
-    cos_host, sin_host = cos_sin_tensors(table, pos_host, 1)
+    cos_host, sin_host = reference.per_token_cos_sin(table, pos_host)
     q_host, k_host = random_host(q_shape, "bfloat16", rng), random_host(q_shape, "bfloat16", rng)
     q, k = to_device(q_host, "bfloat16", kind), to_device(k_host, "bfloat16", kind)
     cos, sin = to_device(cos_host, "bfloat16", kind), to_device(sin_host, "bfloat16", kind)
@@ -366,7 +355,7 @@ def test_rope_qk_cos_sin_torch_gradient_is_the_inverse_rotation(rng, dtype):
 
     table = reference.round_to(reference.rope_cache(1000, 64, 10000.0), "float32")
     pos_host = rng.integers(0, 1000, (2, 1, 7))
-    cos, sin = (to_device(t, "float32", "torch") for t in cos_sin_tensors(table, pos_host, 2))
+    cos, sin = (to_device(t, "float32", "torch") for t in reference.per_token_cos_sin(table, pos_host, 2))
     q = to_device(random_host((2, 4, 7, 96), dtype, rng), dtype, "torch").requires_grad_()
     k = to_device(random_host((2, 2, 7, 96), dtype, rng), dtype, "torch").requires_grad_()
     grads_host = [random_host(t.shape, dtype, rng) for t in (q, k)]
