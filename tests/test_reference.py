@@ -8,7 +8,8 @@ from cupyrope import reference
 
 def hf_llama_rope(x, positions, theta, rotary_dim):
     """Hugging Face Llama: q * cos + rotate_half(q) * sin with cos/sin = cat(freqs, freqs)."""
-    inv = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # as reference.inv_freq: 1 / theta**e differs in the last bit, ~1e-12 at position 4096
+    # theta^(-2i/d) as reference.inv_freq computes it: 1 / theta^(2i/d) differs in the last bit (~1e-12 at 4096)
+    inv = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
     freqs = positions[:, None].astype(np.float64) * inv
     emb = np.concatenate([freqs, freqs], axis=-1)
     cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
@@ -20,7 +21,8 @@ def hf_llama_rope(x, positions, theta, rotary_dim):
 
 def gptj_rope(x, positions, theta, rotary_dim):
     """GPT-J: rotate_every_two with sin/cos repeated interleaved."""
-    inv = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # as reference.inv_freq: 1 / theta**e differs in the last bit, ~1e-12 at position 4096
+    # theta^(-2i/d) as reference.inv_freq computes it: 1 / theta^(2i/d) differs in the last bit (~1e-12 at 4096)
+    inv = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
     freqs = positions[:, None].astype(np.float64) * inv
     sin = np.repeat(np.sin(freqs), 2, axis=-1)[:, None, :]
     cos = np.repeat(np.cos(freqs), 2, axis=-1)[:, None, :]
