@@ -307,25 +307,24 @@ def rope_(x, positions, **options):
 def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None,
             inverse=False, impl="auto", out=None):
     """Rotate q (..., Hq, head_dim) and k (..., Hk, head_dim) in one launch (options as in rope()). In
-    place by default; out=(q_out, k_out) writes elsewhere. q and k may be strided views (e.g. column
-    slices of a fused qkv tensor) as long as their last dimension is contiguous. Returns (q, k), or out."""
+    place by default; out=(q_out, k_out) writes elsewhere, out="new" into new arrays. q and k may be
+    strided views (e.g. column slices of a fused qkv tensor) as long as their last dimension is
+    contiguous. Returns (q, k), or the outputs."""
     q_key, q_ptr = fingerprint(q, "q")
     k_key, k_ptr = fingerprint(k, "k")
     p_key, p_ptr = fingerprint(positions, "positions")
     c_key, c_ptr = fingerprint_optional(cos_sin_cache, "cos_sin_cache")
-    q_out, k_out, qo_key, ko_key, qo_ptr, ko_ptr = _qk_outputs(q, k, q_ptr, k_ptr, out)
-    key = ("rope_qk", q_key, k_key, p_key, c_key, qo_key, ko_key, theta, style, rotary_dim, inverse, impl)
+    q_out, k_out, out_key, qo_ptr, ko_ptr = _qk_outputs(q_ptr, k_ptr, out)
+    key = ("rope_qk", q_key, k_key, p_key, c_key, out_key, theta, style, rotary_dim, inverse, impl)
     plan = _plans.get(key)
     if plan is None:
         qa, ka = describe(q, "q"), describe(k, "k")
-        qo, ko = (qa, ka) if out is None else (describe(q_out, "out[0]"), describe(k_out, "out[1]"))
         plan = _plan_rope_qk_call(qa, ka, describe(positions, "positions"),
-                                  describe_optional(cos_sin_cache, "cos_sin_cache"), qo, ko, theta, style, rotary_dim,
-                                  inverse, impl)
+                                  describe_optional(cos_sin_cache, "cos_sin_cache"),
+                                  *_describe_qk_outputs(qa, ka, q_out, k_out, out), theta, style, rotary_dim, inverse,
+                                  impl)
         _plans.put(key, plan)
-    if plan.grid:
-        _check_disjoint_and_launch(plan, (q_ptr, qo_ptr, k_ptr, ko_ptr, p_ptr, c_ptr))
-    return (q, k) if out is None else tuple(out)
+    return _launch_qk(plan, q, k, (q_ptr, qo_ptr, k_ptr, ko_ptr, p_ptr, c_ptr), out)
 
 
 def rope_qk_cos_sin(q, k, cos, sin, *, rotary_dim=None, freq_step=1, style="neox", inverse=False, impl="auto",
@@ -336,35 +335,65 @@ def rope_qk_cos_sin(q, k, cos, sin, *, rotary_dim=None, freq_step=1, style="neox
     k's aligned from the left (size-1 dimensions broadcast, as positions do), frequency f's value at
     column f * freq_step (1: transformers' halves layout, whose second half repeats the first, or a
     (..., rotary_dim / 2) table; 2: the interleaved layout). rotary_dim defaults to head_dim. In place
-    by default; out=(q_out, k_out) writes elsewhere. Returns (q, k), or out."""
+    by default; out=(q_out, k_out) writes elsewhere, out="new" into new arrays. Returns (q, k), or the
+    outputs."""
     q_key, q_ptr = fingerprint(q, "q")
     k_key, k_ptr = fingerprint(k, "k")
     cos_key, cos_ptr = fingerprint(cos, "cos")
     sin_key, sin_ptr = fingerprint(sin, "sin")
-    q_out, k_out, qo_key, ko_key, qo_ptr, ko_ptr = _qk_outputs(q, k, q_ptr, k_ptr, out)
-    key = ("rope_qk_cos_sin", q_key, k_key, cos_key, sin_key, qo_key, ko_key, rotary_dim, freq_step, style,
-           inverse, impl)
+    q_out, k_out, out_key, qo_ptr, ko_ptr = _qk_outputs(q_ptr, k_ptr, out)
+    key = ("rope_qk_cos_sin", q_key, k_key, cos_key, sin_key, out_key, rotary_dim, freq_step, style, inverse, impl)
     plan = _plans.get(key)
     if plan is None:
         qa, ka = describe(q, "q"), describe(k, "k")
-        qo, ko = (qa, ka) if out is None else (describe(q_out, "out[0]"), describe(k_out, "out[1]"))
-        plan = _plan_rope_qk_cos_sin_call(qa, ka, describe(cos, "cos"), describe(sin, "sin"), qo, ko, rotary_dim,
-                                          freq_step, style, inverse, impl)
+        plan = _plan_rope_qk_cos_sin_call(qa, ka, describe(cos, "cos"), describe(sin, "sin"),
+                                          *_describe_qk_outputs(qa, ka, q_out, k_out, out), rotary_dim, freq_step,
+                                          style, inverse, impl)
         _plans.put(key, plan)
-    if plan.grid:
-        _check_disjoint_and_launch(plan, (q_ptr, qo_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr))
-    return (q, k) if out is None else tuple(out)
+    return _launch_qk(plan, q, k, (q_ptr, qo_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr), out)
 
 
-def _qk_outputs(q, k, q_ptr, k_ptr, out):
-    """(q_out, k_out, their plan keys and pointers): q and k themselves (keys None) when out is None."""
+NEW = "new"  # out=NEW: rope_qk and rope_qk_cos_sin write into new arrays
+
+
+def _qk_outputs(q_ptr, k_ptr, out):
+    """(q_out, k_out, the outputs' plan key, their pointers) of out: None (in place: q and k, key
+    None), NEW (objects and pointers made per call from the plan) or a pair (fingerprinted)."""
     if out is None:
-        return q, k, None, None, q_ptr, k_ptr
+        return None, None, None, q_ptr, k_ptr
+    if isinstance(out, str):
+        if out != NEW:
+            raise ValueError(f"out: expected None (in place), {NEW!r} or a pair (q_out, k_out), got {out!r}")
+        return None, None, NEW, 0, 0
     if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise TypeError("out: expected a pair (q_out, k_out)")
+        raise TypeError(f"out: expected None (in place), {NEW!r} or a pair (q_out, k_out)")
     q_out, k_out = out
     (qo_key, qo_ptr), (ko_key, ko_ptr) = fingerprint(q_out, "out[0]"), fingerprint(k_out, "out[1]")
-    return q_out, k_out, qo_key, ko_key, qo_ptr, ko_ptr
+    return q_out, k_out, (qo_key, ko_key), qo_ptr, ko_ptr
+
+
+def _describe_qk_outputs(qa, ka, q_out, k_out, out):
+    """(qo, ko) for the planner: q and k themselves in place, None for new arrays, else the caller's."""
+    if out is None:
+        return qa, ka
+    if isinstance(out, str):
+        return None, None
+    return describe(q_out, "out[0]"), describe(k_out, "out[1]")
+
+
+def _launch_qk(plan, q, k, ptrs, out):
+    """Launch a planned rope_qk/rope_qk_cos_sin call with ptrs (q, q_out, k, k_out, then the cos/sin
+    source's two); returns what the call returns. New outputs share memory with nothing: they skip
+    the per-call overlap checks (~3 µs of a decode call)."""
+    if isinstance(out, str):
+        new_q, new_k = plan.new_output
+        (q_out, qo_ptr), (k_out, ko_ptr) = new_q(q), new_k(k)
+        if plan.grid:
+            plan.launch(ptrs[0], qo_ptr, ptrs[2], ko_ptr, ptrs[4], ptrs[5])
+        return q_out, k_out
+    if plan.grid:
+        _check_disjoint_and_launch(plan, ptrs)
+    return (q, k) if out is None else tuple(out)
 
 
 def _check_disjoint_and_launch(plan, ptrs) -> None:
@@ -402,14 +431,8 @@ def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, theta, style, rotary_dim, inverse
     rotary_dim = _check_rotary_dim(rotary_dim, qa.shape[-1])
     _check_positions(pa, qa, "q")
     cache = _check_cache(ca, qa, "q", rotary_dim)
-    _check_qk_outputs(qa, ka, qo, ko)
-    if not (qa.size or ka.size):
-        return EmptyPlan()
-    plan = plan_rope([(qa, qo), (ka, ko)], pa, cache, style=style, rotary_dim=rotary_dim, theta=theta,
-                     inverse=inverse, impl=impl, n_sm=sm_count(qa.device))
-    _set_disjoint(plan, qa, ka, qo, ko, (pa, ca), ("positions", "cos_sin_cache"), check_reads=False)
-    _prepare_launch(plan, qa)
-    return plan
+    return _plan_qk(qa, ka, qo, ko, (pa, cache), ("positions", "cos_sin_cache"), False, positions=pa, cache=cache,
+                    style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse, impl=impl)
 
 
 def _plan_rope_qk_cos_sin_call(qa, ka, cos, sin, qo, ko, rotary_dim, freq_step, style, inverse, impl):
@@ -417,13 +440,30 @@ def _plan_rope_qk_cos_sin_call(qa, ka, cos, sin, qo, ko, rotary_dim, freq_step, 
     _check_qk(qa, ka)
     rotary_dim = _check_rotary_dim(rotary_dim, qa.shape[-1])
     rows = _check_cos_sin(cos, sin, qa, rotary_dim, freq_step)
-    _check_qk_outputs(qa, ka, qo, ko)
+    return _plan_qk(qa, ka, qo, ko, (cos, sin), ("cos", "sin"), True, positions=rows, cache=cos, style=style,
+                    rotary_dim=rotary_dim, theta=10000.0, inverse=inverse, impl=impl,
+                    freq_stride=freq_step * cos.strides[-1])
+
+
+def _plan_qk(qa, ka, qo, ko, sources, source_names, check_reads, **options):
+    """The plan of a checked q+k call (options: plan_rope's). qo = ko = None: into new arrays
+    (plan.new_output: their allocators), which overlap nothing; otherwise the outputs (q and k in
+    place) are checked here and the pairs that must not share memory (sources: the cos/sin source's
+    two arrays) are set for the per-call checks."""
+    new = qo is None
+    if new:
+        qo, ko = (_arrays.contiguous_like(a, a.shape, a.dtype) for a in (qa, ka))
+    else:
+        _check_qk_outputs(qa, ka, qo, ko)
     if not (qa.size or ka.size):
-        return EmptyPlan()
-    plan = plan_rope([(qa, qo), (ka, ko)], rows, cos, style=style, rotary_dim=rotary_dim, theta=10000.0,
-                     inverse=inverse, impl=impl, n_sm=sm_count(qa.device), freq_stride=freq_step * cos.strides[-1])
-    _set_disjoint(plan, qa, ka, qo, ko, (cos, sin), ("cos", "sin"), check_reads=True)
-    _prepare_launch(plan, qa)
+        plan = EmptyPlan()
+    else:
+        plan = plan_rope([(qa, qo), (ka, ko)], n_sm=sm_count(qa.device), **options)
+        if not new:
+            _set_disjoint(plan, qa, ka, qo, ko, sources, source_names, check_reads)
+        _prepare_launch(plan, qa)
+    if new:
+        plan.new_output = tuple(_arrays.allocator(a, a.shape, a.dtype) for a in (qa, ka))
     return plan
 
 

@@ -74,7 +74,7 @@ def _rotate_cpu(x, cos, sin, style, rotary_dim, inverse):
 
 
 def _rope_any(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse):
-    if x.device.type != "cuda":
+    if not x.is_cuda:
         return _rope_cpu(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
     return _rope(_contiguous_last(x), positions, theta=theta, style=style, rotary_dim=rotary_dim,
                  cos_sin_cache=cos_sin_cache, inverse=inverse)
@@ -132,14 +132,38 @@ def rope(x: Tensor, positions: Tensor, *, theta: float = 10000.0, style: str = "
     return _rope_any(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
 
 
-def rope_qk(q: Tensor, k: Tensor, positions: Tensor, **options) -> tuple[Tensor, Tensor]:
-    """Differentiable RoPE of q and k (out of place). On CUDA without autograd both are rotated in one
-    launch; otherwise each goes through ``rope``."""
-    if not _compiling() and q.device.type == "cuda" and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        return _rope_qk(_contiguous_last(q), _contiguous_last(k), positions, out=(q_out, k_out), **options)
-    return rope(q, positions, **options), rope(k, positions, **options)
+def _rope_qk_new(q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse):
+    return _rope_qk(_contiguous_last(q), _contiguous_last(k), positions, theta=theta, style=style,
+                    rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, inverse=inverse, out="new")
+
+
+class _RopeQKFunction(torch.autograd.Function):
+    """q and k in one launch, forward and backward (CUDA)."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse):
+        ctx.save_for_backward(positions, cos_sin_cache)
+        ctx.options = (theta, style, rotary_dim, inverse)
+        return _rope_qk_new(q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        positions, cos_sin_cache = ctx.saved_tensors
+        theta, style, rotary_dim, inverse = ctx.options
+        return *_rope_qk_new(grad_q, grad_k, positions, cos_sin_cache, theta, style, rotary_dim, not inverse), *(None,) * 6
+
+
+def rope_qk(q: Tensor, k: Tensor, positions: Tensor, *, theta: float = 10000.0, style: str = "neox",
+            rotary_dim: Optional[int] = None, cos_sin_cache: Optional[Tensor] = None,
+            inverse: bool = False) -> tuple[Tensor, Tensor]:
+    """Differentiable RoPE of q and k (out of place). On CUDA both are rotated in one launch, forward
+    and backward; under torch.compile and on the CPU each goes through ``rope``."""
+    if _compiling() or not q.is_cuda:
+        options = dict(theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, inverse=inverse)
+        return rope(q, positions, **options), rope(k, positions, **options)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _RopeQKFunction.apply(q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
+    return _rope_qk_new(q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
 
 
 @torch.library.custom_op("cupyrope::rope_qk_", mutates_args=("q", "k"), device_types=("cuda", "cpu"))
@@ -149,7 +173,7 @@ def _rope_qk_inplace_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: 
 
 
 def _rope_qk_inplace_any(q, k, positions, theta, style, rotary_dim, cos_sin_cache):
-    if q.device.type != "cuda":
+    if not q.is_cuda:
         q.copy_(_rope_cpu(q, positions, theta, style, rotary_dim, cos_sin_cache, False))
         k.copy_(_rope_cpu(k, positions, theta, style, rotary_dim, cos_sin_cache, False))
     else:
@@ -172,16 +196,14 @@ def rope_qk_(q: Tensor, k: Tensor, positions: Tensor, *, theta: float = 10000.0,
 
 
 def _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
-    rotary_dim = rotary_dim or q.shape[-1]
-    if q.device.type != "cuda":
+    if not q.is_cuda:
+        rotary_dim = rotary_dim or q.shape[-1]
         lead = q.dim() - cos.dim()  # cos's leading dimensions align with q's from the left
         rows = [t[..., 0 : freq_step * (rotary_dim // 2) : freq_step].float() for t in (cos, sin)]
         c, s = (t.reshape(tuple(t.shape[:-1]) + (1,) * lead + (t.shape[-1],)) for t in rows)
         return _rotate_cpu(q, c, s, style, rotary_dim, inverse), _rotate_cpu(k, c, s, style, rotary_dim, inverse)
-    q, k = _contiguous_last(q), _contiguous_last(k)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    return _rope_qk_cos_sin(q, k, cos, sin, rotary_dim=rotary_dim, freq_step=freq_step, style=style, inverse=inverse,
-                            out=out)
+    return _rope_qk_cos_sin(_contiguous_last(q), _contiguous_last(k), cos, sin, rotary_dim=rotary_dim,
+                            freq_step=freq_step, style=style, inverse=inverse, out="new")
 
 
 @torch.library.custom_op("cupyrope::rope_qk_cos_sin", mutates_args=(), device_types=("cuda", "cpu"))
@@ -271,13 +293,13 @@ def _rows_in_one_run(t: Tensor) -> Tensor:
 
 
 def _rms_norm_any(x, weight, eps, offset):
-    if x.device.type != "cuda":
+    if not x.is_cuda:
         return _rms_norm_cpu(x, weight, eps, offset)
     return _rms_norm(_rows_in_one_run(x), weight, eps, offset=offset, return_rstd=True)
 
 
 def _rms_norm_backward_any(dy, x, weight, rstd, eps, offset):
-    if x.device.type != "cuda":
+    if not x.is_cuda:
         return _rms_norm_backward_cpu(dy, x, weight, rstd, eps, offset)
     return _rms_norm_backward(_rows_in_one_run(dy), _rows_in_one_run(x), weight, rstd, eps, offset)
 
@@ -346,7 +368,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, offs
         return _rms_norm_op(x, weight, eps, offset)[0]
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return _RMSNormFunction.apply(x, weight, eps, offset)
-    if x.device.type != "cuda":
+    if not x.is_cuda:
         return _rms_norm_cpu(x, weight, eps, offset)[0]
     return _rms_norm(_rows_in_one_run(x), weight, eps, offset=offset)  # no rstd: one output fewer
 
@@ -357,7 +379,7 @@ def _fused_add_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: fl
 
 
 def _fused_add_any(x, residual, weight, eps, offset):
-    if x.device.type != "cuda":
+    if not x.is_cuda:
         residual.add_(x)
         x.copy_(_rms_norm_cpu(residual, weight, eps, offset)[0])
     else:

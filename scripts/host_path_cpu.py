@@ -56,11 +56,18 @@ def rows():
     x = torch.randn(1, 4096, dtype=torch.bfloat16)
     w, y, residual = torch.randn(4096, dtype=torch.bfloat16), torch.empty_like(x), torch.randn_like(x)
     cache = torch.randn(4096, 128)
+    cos, sin = torch.randn(1, 1, 128, dtype=torch.bfloat16), torch.randn(1, 1, 128, dtype=torch.bfloat16)
+    outs = torch.empty_like(q), torch.empty_like(k)
     launcher = _launch.Launch(types.SimpleNamespace(ptr=0), 1, (32, 1), 1, b"", 0, "torch")
     key = ("rope_qk", fingerprint(q, "q")[0], fingerprint(k, "k")[0], fingerprint(pos, "positions")[0])
     return {
         "rope_qk, in place": lambda: cupyrope.rope_qk(q, k, pos),
         "rope_qk, in place, cache": lambda: cupyrope.rope_qk(q, k, pos, cos_sin_cache=cache),
+        "rope_qk, out=(q_out, k_out)": lambda: cupyrope.rope_qk(q, k, pos, out=outs),
+        "rope_qk, out='new'": lambda: cupyrope.rope_qk(q, k, pos, out="new"),
+        "rope_qk_cos_sin, in place": lambda: cupyrope.rope_qk_cos_sin(q, k, cos, sin),
+        "rope_qk_cos_sin, out=(q_out, k_out)": lambda: cupyrope.rope_qk_cos_sin(q, k, cos, sin, out=outs),
+        "rope_qk_cos_sin, out='new'": lambda: cupyrope.rope_qk_cos_sin(q, k, cos, sin, out="new"),
         "rope, out=x": lambda: cupyrope.rope(q, pos, out=q),
         "rope, new output": lambda: cupyrope.rope(q, pos),
         "rms_norm, out=": lambda: cupyrope.rms_norm(x, w, out=y),

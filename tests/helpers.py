@@ -79,6 +79,29 @@ def index_to_device(host: np.ndarray, kind: str, device: int = 0):
         return cupy.asarray(host)
 
 
+def freed_poisoned_blocks(kind: str, shapes, dtype: str) -> set:
+    """Allocate NaN-filled arrays of these shapes and free them; returns their pointers. The caching
+    allocators (CuPy's pool, torch's) hand those blocks to the next allocations of the same sizes, so
+    the outputs a call allocates itself start out poisoned: the test asserts they got these pointers."""
+    if kind == "torch":
+        import torch
+
+        blocks = [torch.empty(shape, dtype=getattr(torch, dtype), device="cuda") for shape in shapes]
+    else:
+        import cupy
+
+        from cupyrope._arrays import _cupy_dtype
+
+        blocks = [cupy.empty(shape, dtype=_cupy_dtype(dtype)) for shape in shapes]
+    ptrs = {data_ptr(poison(block)) for block in blocks}
+    del blocks
+    return ptrs
+
+
+def data_ptr(array) -> int:
+    return array.data_ptr() if type(array).__module__.startswith("torch") else array.data.ptr
+
+
 def poison(array):
     """Fill with NaN so that any element the kernel fails to write fails the comparison."""
     if type(array).__module__.startswith("torch"):

@@ -119,15 +119,17 @@ def test_rope_plans_are_runnable_or_refused_clearly(call):
 
 
 @SETTINGS
-@given(rope_calls(qk=True))
-def test_rope_qk_plans_are_runnable_or_refused_clearly(call):
+@given(rope_calls(qk=True), st.booleans())
+def test_rope_qk_plans_are_runnable_or_refused_clearly(call, new):
+    """In place, or into new arrays (out="new": the planner describes them as contiguous)."""
     q, k, positions, cache, options = call
     try:
-        plan = rope_module._plan_rope_qk_call(q, k, positions, cache, q, k, **options)
+        plan = rope_module._plan_rope_qk_call(q, k, positions, cache, *((None, None) if new else (q, k)), **options)
     except (TypeError, ValueError) as error:
         assert_clear_error(error)
         return
     assert_runnable_rope(plan, [q, k])
+    assert len(plan.new_output) == 2 if new else not hasattr(plan, "new_output")
 
 
 @SETTINGS
@@ -223,5 +225,7 @@ def test_rope_qk_out_of_place_reads_overlapping_inputs_but_never_writes_overlapp
     assert rope_module._plan_rope_qk_call(q, q, pos, None, out, other, **options).grid
     with pytest.raises(ValueError, match="out\\[1\\]: overlaps out\\[0\\]"):
         rope_module._plan_rope_qk_call(q, q, pos, None, out, out, **options)
+    new = rope_module._plan_rope_qk_call(q, q, pos, None, None, None, **options)  # out="new": fresh memory
+    assert new.grid and len(new.new_output) == 2 and not hasattr(new, "disjoint")
     with pytest.raises(ValueError, match="k: overlaps q"):  # in place
         rope_module._plan_rope_qk_call(q, q, pos, None, q, q, **options)

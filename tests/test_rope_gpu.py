@@ -9,8 +9,8 @@ import cupyrope
 from cupyrope import _arrays, reference
 
 rope_module = importlib.import_module("cupyrope.rope")  # the module (cupyrope.rope is the function)
-from helpers import (DTYPES, KINDS, assert_matches, index_to_device, poison, random_host, requires_gpu,
-                     requires_torch_cuda, to_device, to_host)
+from helpers import (DTYPES, KINDS, assert_matches, data_ptr, freed_poisoned_blocks, index_to_device, poison,
+                     random_host, requires_gpu, requires_torch_cuda, to_device, to_host)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -140,6 +140,32 @@ def test_rope_qk_on_fused_qkv_slices_with_gqa(rng, kind, dtype, kernel):
     assert_matches(out[:, : hq * d].reshape(t, hq, d), q_ref, dtype, what="q")
     assert_matches(out[:, hq * d : (hq + hk) * d].reshape(t, hk, d), k_ref, dtype, what="k")
     np.testing.assert_array_equal(out[:, (hq + hk) * d :], qkv_host[:, (hq + hk) * d :])  # v untouched
+    assert_ran(kernel)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("source", ["theta", "cache"])
+@pytest.mark.parametrize("impl", ["scalar", "vector"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qk_into_new_arrays(rng, kind, dtype, impl, source, kernel):
+    """out="new": q and k (strided column slices of a fused qkv, GQA, partial rotary) rotated into
+    new contiguous arrays of the caller's kind; the inputs are left as they were."""
+    t, hq, hk, d, rotary_dim = 21, 8, 2, 128, 64
+    qkv_host = random_host((t, (hq + 2 * hk) * d), dtype, rng)
+    qkv = to_device(qkv_host, dtype, kind)
+    q, k = (qkv[:, a * d : b * d].reshape(t, b - a, d) for a, b in ((0, hq), (hq, hq + hk)))
+    pos_host = rng.integers(0, 8192, t)
+    cache = reference.round_to(reference.rope_cache(8192, rotary_dim, 10000.0), "float32") if source == "cache" else None
+    poisoned = freed_poisoned_blocks(kind, ((t, hq, d), (t, hk, d)), dtype)
+    q_out, k_out = cupyrope.rope_qk(q, k, index_to_device(pos_host, kind), rotary_dim=rotary_dim, impl=impl, out="new",
+                                    cos_sin_cache=None if cache is None else to_device(cache, "float32", kind))
+    assert {data_ptr(q_out), data_ptr(k_out)} == poisoned
+    assert all(type(o).__module__.split(".")[0] == kind and tuple(o.shape) == shape
+               for o, shape in ((q_out, (t, hq, d)), (k_out, (t, hk, d))))
+    np.testing.assert_array_equal(to_host(qkv), qkv_host)
+    for got, x_host in ((q_out, qkv_host[:, : hq * d]), (k_out, qkv_host[:, hq * d : (hq + hk) * d])):
+        expected = reference.rope(x_host.reshape(t, -1, d), pos_host, rotary_dim=rotary_dim, cos_sin_cache=cache)
+        assert_matches(to_host(got), expected, dtype, what=f"{kind} {dtype} {impl} {source}")
     assert_ran(kernel)
 
 
@@ -284,7 +310,7 @@ def test_torch_side_stream_and_cuda_graph(rng, kernel):
 # ------------------------------------------------------------------- per-token cos/sin tensors (rope_qk_cos_sin)
 
 
-@pytest.mark.parametrize("mode", ["out-full", "out-partial", "inplace-partial"])
+@pytest.mark.parametrize("mode", ["out-full", "out-partial", "new-partial", "inplace-partial"])
 @pytest.mark.parametrize("impl", ["scalar", "vector"])
 @pytest.mark.parametrize("freq_step", [1, 2])
 @pytest.mark.parametrize("table_dtype", ["float32", "own"])
@@ -307,9 +333,14 @@ def test_rope_qk_cos_sin_every_variant(rng, dtype, style, table_dtype, freq_step
         q_out, k_out = cupyrope.rope_qk_cos_sin(q, k, cos, sin, **options)
         assert q_out is q and k_out is k
     else:
-        out = tuple(poison(to_device(np.zeros(x.shape), dtype, "cupy")) for x in (q_host, k_host))
-        q_out, k_out = cupyrope.rope_qk_cos_sin(q, k, cos, sin, out=out, **options)
-        assert q_out is out[0] and k_out is out[1]
+        if mode.startswith("new"):
+            poisoned = freed_poisoned_blocks("cupy", (q_host.shape, k_host.shape), dtype)
+            q_out, k_out = cupyrope.rope_qk_cos_sin(q, k, cos, sin, out="new", **options)
+            assert {data_ptr(q_out), data_ptr(k_out)} == poisoned
+        else:
+            out = tuple(poison(to_device(np.zeros(x.shape), dtype, "cupy")) for x in (q_host, k_host))
+            q_out, k_out = cupyrope.rope_qk_cos_sin(q, k, cos, sin, out=out, **options)
+            assert q_out is out[0] and k_out is out[1]
         np.testing.assert_array_equal(to_host(q), q_host)  # inputs untouched
         np.testing.assert_array_equal(to_host(k), k_host)
     for got, x_host, name in ((q_out, q_host, "q"), (k_out, k_host, "k")):
