@@ -1,5 +1,6 @@
 """Where the eager host time of the transformers drop-in goes, at decode size on a GPU: the whole call
-and its pieces, µs per call (median of 5 runs of 2000 calls; the GPU work is tiny, so host time shows).
+and its pieces, µs per call (median of 7 interleaved rounds of 2000 calls; the GPU work is tiny, so
+host time shows).
 Usage on a GPU machine: PYTHONPATH=. python scripts/dropin_host_time.py"""
 
 import statistics
@@ -12,12 +13,17 @@ import cupyrope.torch as ct
 from cupyrope import dropin
 
 
-def per_call(fn, calls=2000) -> float:
-    fn()
+def per_call(rows: dict, calls=2000, rounds=7) -> dict:
+    """Median µs per call of each row over interleaved rounds (host speed drifts during a run)."""
+    for fn in rows.values():
+        fn()
+    samples = {name: [] for name in rows}
+    for _ in range(rounds):
+        for name, fn in rows.items():
+            torch.cuda.synchronize()
+            samples[name].append(timeit.timeit(fn, number=calls) / calls * 1e6)
     torch.cuda.synchronize()
-    runs = [timeit.timeit(fn, number=calls) / calls * 1e6 for _ in range(5)]
-    torch.cuda.synchronize()
-    return statistics.median(runs)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main() -> None:
@@ -41,9 +47,11 @@ def main() -> None:
         "  piece: cos/sin views": lambda: tuple(t.unsqueeze(dropin._per_token_shape(q.shape, k.shape, t.shape, 1)[1])
                                                 for t in (cos, sin)),
         "  piece: torch.compiler.is_compiling": torch.compiler.is_compiling,
+        "  piece: torch layer's checks": lambda: (ct._compiling(), torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad), q.is_cuda, ct._contiguous_last(q), ct._contiguous_last(k)),
     }
-    for name, fn in rows.items():
-        print(f"{name:42s} {per_call(fn):7.2f} us")
+    for name, us in per_call(rows).items():
+        print(f"{name:42s} {us:7.2f} us")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def calls():
         "rope_qk, torch, in place": lambda: cupyrope.rope_qk(q, k, pos),
         "rope_qk, torch, in place, cache": lambda: cupyrope.rope_qk(q, k, pos, cos_sin_cache=cache),
         "rope_qk, CuPy fp32, in place": lambda: cupyrope.rope_qk(cq, ck, cpos),
+        "rope_qk, torch, out=\"new\" (two new outputs)": lambda: cupyrope.rope_qk(q, k, pos, out="new"),
         "rope, torch, out=x": lambda: cupyrope.rope(q, pos, out=q),
         "rope, torch, new output": lambda: cupyrope.rope(q, pos),
         "rope, CuPy fp32, new output": lambda: cupyrope.rope(cq, cpos),
@@ -62,6 +63,7 @@ def calls():
         "fused_add_rms_norm, torch": lambda: cupyrope.fused_add_rms_norm(x1, r1, w1),
         "rms_norm_backward, torch (dx, dweight)": lambda: cupyrope.rms_norm_backward(dy1, x1, w1),
         "cupyrope.torch.rope (no grad)": lambda: ct.rope(q, pos),
+        "cupyrope.torch.rope_qk (no grad)": lambda: ct.rope_qk(q, k, pos),
         "cupyrope.torch.rms_norm (no grad)": lambda: ct.rms_norm(x1, w1),
         "torch.ops.cupyrope.rope (dispatcher)": lambda: torch.ops.cupyrope.rope(q, pos, None, 1e4, "neox", None, False),
     }

@@ -2,7 +2,7 @@
 by a vLLM cos/sin cache (positions) or by per-token cos/sin tensors (rope_qk_cos_sin), in the (T, H, D)
 layout and in transformers' (B, H, S, D), with the direct kernel and with the block kernel.
 
-Usage on a GPU machine: PYTHONPATH=. python scripts/sweep_layouts.py [--tokens 4096,32768]
+Usage on a GPU machine: PYTHONPATH=. python scripts/sweep_layouts.py [--tokens 4096,32768] [--decode]
 Each row: GPU µs per call (CUDA-graph replay over input copies that defeat the L2) and GB/s of the
 bytes every variant must move (q and k read and written, plus what it reads of cos/sin or the cache
 rows). Variants of one shape are checked against each other before they are timed.
@@ -20,8 +20,11 @@ rope_module = importlib.import_module("cupyrope.rope")  # the module (cupyrope.r
 TOKENS = [int(v) for v in sys.argv[sys.argv.index("--tokens") + 1].split(",")] if "--tokens" in sys.argv else [
     4096, 32768]
 CASES = [("bfloat16", 32, 8, 128), ("float32", 32, 8, 256)]  # dtype, q heads, k heads, head_dim
-KERNELS = {"direct": (2**31, True), "block": (0, False)}  # DIRECT_MAX_TOKENS, DIRECT_WITH_CACHE
-
+KERNELS = {  # planner settings (rope.py's module constants) per row
+    "direct": dict(DIRECT_MAX_TOKENS=2**31, DIRECT_WITH_CACHE=True),
+    "block": dict(DIRECT_MAX_TOKENS=0, DIRECT_WITH_CACHE=False),
+}
+DEFAULTS = {name: getattr(rope_module, name) for name in ("DIRECT_MAX_TOKENS", "DIRECT_WITH_CACHE")}
 
 def inputs(tokens, hq, hk, d, dtype, layout, copies):
     """Per copy: q, k in the layout, positions, and transformers' cos/sin (both halves, q's dtype)."""
@@ -63,8 +66,11 @@ def main() -> None:
                 made = inputs(tokens, hq, hk, d, dtype, layout, bench.copies_for(qk_bytes))
                 first = {}
                 for variant, fn in variants().items():
-                    for kernel, (max_tokens, with_cache) in KERNELS.items():
-                        rope_module.DIRECT_MAX_TOKENS, rope_module.DIRECT_WITH_CACHE = max_tokens, with_cache
+                    for kernel, settings in KERNELS.items():
+                        if variant == "theta" and kernel.startswith("direct"):
+                            continue  # per-head cos/sin: the block kernel's job past 64 tokens
+                        for setting, value in {**DEFAULTS, **settings}.items():
+                            setattr(rope_module, setting, value)
                         rope_module._plans = _arrays.PlanCache()
                         v = made[0]
                         for o in v["outs"]:
@@ -85,5 +91,15 @@ def main() -> None:
                 del made
 
 
+def decode() -> None:
+    """Decode-size calls with the planner's own choices (for A/B runs of two checkouts: PYTHONPATH)."""
+    rows = []
+    for layout in ("THD", "BHSD"):
+        made = inputs(1, 32, 8, 128, torch.bfloat16, layout, bench.MAX_COPIES)
+        for variant, fn in variants().items():
+            rows.append(f"{layout} {variant} {bench.gpu_time_us(torch, [lambda v=v: fn(v) for v in made]):.3f}")
+    print(f"decode bf16 q 32 + k 8 heads, GPU us ({cupyrope.__file__}): " + " | ".join(rows), flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    decode() if "--decode" in sys.argv else main()

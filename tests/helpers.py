@@ -1,5 +1,6 @@
 """Shared test helpers: device detection, random inputs in every dtype, poisoning, tolerances."""
 
+import contextlib
 import functools
 
 import numpy as np
@@ -79,23 +80,35 @@ def index_to_device(host: np.ndarray, kind: str, device: int = 0):
         return cupy.asarray(host)
 
 
-def freed_poisoned_blocks(kind: str, shapes, dtype: str) -> set:
-    """Allocate NaN-filled arrays of these shapes and free them; returns their pointers. The caching
-    allocators (CuPy's pool, torch's) hand those blocks to the next allocations of the same sizes, so
-    the outputs a call allocates itself start out poisoned: the test asserts they got these pointers."""
+_LIVE_POOLS: list = []
+
+
+@contextlib.contextmanager
+def poisoned_allocations(kind: str, shapes, dtype: str):
+    """Inside, new arrays come from a private pool of the caller's allocator (CuPy's or torch's) that
+    first held NaN-filled arrays of these shapes, freed again: the next allocations of those sizes get
+    those blocks, so the outputs a call allocates itself start out poisoned. Yields the blocks'
+    pointers (the test asserts its outputs got them). Make the call's inputs before entering."""
     if kind == "torch":
         import torch
 
-        blocks = [torch.empty(shape, dtype=getattr(torch, dtype), device="cuda") for shape in shapes]
+        pool = torch.cuda.MemPool()
+        _LIVE_POOLS.append(pool)  # the outputs outlive the block: their pool must too
+        with torch.cuda.use_mem_pool(pool):
+            blocks = [torch.empty(shape, dtype=getattr(torch, dtype), device="cuda") for shape in shapes]
+            ptrs = {data_ptr(poison(block)) for block in blocks}
+            del blocks
+            yield ptrs
     else:
         import cupy
 
         from cupyrope._arrays import _cupy_dtype
 
-        blocks = [cupy.empty(shape, dtype=_cupy_dtype(dtype)) for shape in shapes]
-    ptrs = {data_ptr(poison(block)) for block in blocks}
-    del blocks
-    return ptrs
+        with cupy.cuda.using_allocator(cupy.cuda.MemoryPool().malloc):
+            blocks = [cupy.empty(shape, dtype=_cupy_dtype(dtype)) for shape in shapes]
+            ptrs = {data_ptr(poison(block)) for block in blocks}
+            del blocks
+            yield ptrs
 
 
 def data_ptr(array) -> int:

@@ -9,7 +9,7 @@ import cupyrope
 from cupyrope import _arrays, reference
 
 rope_module = importlib.import_module("cupyrope.rope")  # the module (cupyrope.rope is the function)
-from helpers import (DTYPES, KINDS, assert_matches, data_ptr, freed_poisoned_blocks, index_to_device, poison,
+from helpers import (DTYPES, KINDS, assert_matches, data_ptr, index_to_device, poison, poisoned_allocations,
                      random_host, requires_gpu, requires_torch_cuda, to_device, to_host)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -156,9 +156,10 @@ def test_rope_qk_into_new_arrays(rng, kind, dtype, impl, source, kernel):
     q, k = (qkv[:, a * d : b * d].reshape(t, b - a, d) for a, b in ((0, hq), (hq, hq + hk)))
     pos_host = rng.integers(0, 8192, t)
     cache = reference.round_to(reference.rope_cache(8192, rotary_dim, 10000.0), "float32") if source == "cache" else None
-    poisoned = freed_poisoned_blocks(kind, ((t, hq, d), (t, hk, d)), dtype)
-    q_out, k_out = cupyrope.rope_qk(q, k, index_to_device(pos_host, kind), rotary_dim=rotary_dim, impl=impl, out="new",
-                                    cos_sin_cache=None if cache is None else to_device(cache, "float32", kind))
+    positions, cos_sin_cache = index_to_device(pos_host, kind), cache if cache is None else to_device(cache, "float32", kind)
+    with poisoned_allocations(kind, ((t, hq, d), (t, hk, d)), dtype) as poisoned:
+        q_out, k_out = cupyrope.rope_qk(q, k, positions, rotary_dim=rotary_dim, impl=impl, out="new",
+                                        cos_sin_cache=cos_sin_cache)
     assert {data_ptr(q_out), data_ptr(k_out)} == poisoned
     assert all(type(o).__module__.split(".")[0] == kind and tuple(o.shape) == shape
                for o, shape in ((q_out, (t, hq, d)), (k_out, (t, hk, d))))
@@ -334,8 +335,8 @@ def test_rope_qk_cos_sin_every_variant(rng, dtype, style, table_dtype, freq_step
         assert q_out is q and k_out is k
     else:
         if mode.startswith("new"):
-            poisoned = freed_poisoned_blocks("cupy", (q_host.shape, k_host.shape), dtype)
-            q_out, k_out = cupyrope.rope_qk_cos_sin(q, k, cos, sin, out="new", **options)
+            with poisoned_allocations("cupy", (q_host.shape, k_host.shape), dtype) as poisoned:
+                q_out, k_out = cupyrope.rope_qk_cos_sin(q, k, cos, sin, out="new", **options)
             assert {data_ptr(q_out), data_ptr(k_out)} == poisoned
         else:
             out = tuple(poison(to_device(np.zeros(x.shape), dtype, "cupy")) for x in (q_host, k_host))
