@@ -137,20 +137,22 @@ def _rope_qk_new(q, k, positions, cos_sin_cache, theta, style, rotary_dim, inver
                     rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, inverse=inverse, out="new")
 
 
-class _RopeQKFunction(torch.autograd.Function):
-    """q and k in one launch, forward and backward (CUDA)."""
+class _RotateQK(torch.autograd.Function):
+    """q and k rotated in one launch forward and one backward: the gradient of a rotation is the
+    inverse rotation. ``rotate(q, k, a, b, *options, inverse)``; a and b (positions and the cache, or
+    cos and sin) get no gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse):
-        ctx.save_for_backward(positions, cos_sin_cache)
-        ctx.options = (theta, style, rotary_dim, inverse)
-        return _rope_qk_new(q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
+    def forward(ctx, rotate, q, k, a, b, *options):
+        ctx.save_for_backward(a, b)
+        ctx.rotate, ctx.options = rotate, options
+        return rotate(q, k, a, b, *options)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        positions, cos_sin_cache = ctx.saved_tensors
-        theta, style, rotary_dim, inverse = ctx.options
-        return *_rope_qk_new(grad_q, grad_k, positions, cos_sin_cache, theta, style, rotary_dim, not inverse), *(None,) * 6
+        a, b = ctx.saved_tensors
+        *options, inverse = ctx.options
+        return None, *ctx.rotate(grad_q, grad_k, a, b, *options, not inverse), None, None, *(None,) * len(ctx.options)
 
 
 def rope_qk(q: Tensor, k: Tensor, positions: Tensor, *, theta: float = 10000.0, style: str = "neox",
@@ -162,7 +164,7 @@ def rope_qk(q: Tensor, k: Tensor, positions: Tensor, *, theta: float = 10000.0, 
         options = dict(theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, inverse=inverse)
         return rope(q, positions, **options), rope(k, positions, **options)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _RopeQKFunction.apply(q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
+        return _RotateQK.apply(_rope_qk_new, q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
     return _rope_qk_new(q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
 
 
@@ -232,20 +234,6 @@ def _rope_cos_sin_grad(ctx, grad_q, grad_k):
 _rope_cos_sin_op.register_autograd(_rope_cos_sin_grad, setup_context=_rope_cos_sin_setup)
 
 
-class _RopeCosSinFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, rotary_dim, freq_step, style, inverse):
-        ctx.save_for_backward(cos, sin)
-        ctx.options = (rotary_dim, freq_step, style, inverse)
-        return _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):
-        cos, sin = ctx.saved_tensors
-        rotary_dim, freq_step, style, inverse = ctx.options
-        return *_rope_cos_sin_any(grad_q, grad_k, cos, sin, rotary_dim, freq_step, style, not inverse), *(None,) * 6
-
-
 def rope_qk_cos_sin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, rotary_dim: Optional[int] = None,
                     freq_step: int = 1, style: str = "neox", inverse: bool = False) -> tuple[Tensor, Tensor]:
     """Differentiable, torch.compile-able ``cupyrope.rope_qk_cos_sin`` (out of place; one launch for q
@@ -253,7 +241,7 @@ def rope_qk_cos_sin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, rotary_di
     if _compiling():
         return _rope_cos_sin_op(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _RopeCosSinFunction.apply(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
+        return _RotateQK.apply(_rope_cos_sin_any, q, k, cos, sin, rotary_dim, freq_step, style, inverse)
     return _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
 
 

@@ -74,6 +74,36 @@ def test_cpu_fallback_rope_gradient_is_the_inverse_rotation(style):
     np.testing.assert_allclose(x.grad.numpy(), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("source", ["positions", "cos/sin"])
+def test_one_launch_q_k_gradient_is_the_inverse_rotation(source):
+    """_RotateQK, which the CUDA path of ct.rope_qk and ct.rope_qk_cos_sin takes, driven by the CPU
+    formulas: q's and k's gradients are both rotated back, by one call of the same rotation."""
+    q = torch.randn(6, 4, 32, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(6, 2, 32, dtype=torch.float64, requires_grad=True)
+    pos = torch.randint(0, 1000, (6,))
+    calls = []
+    if source == "positions":
+        def rotate(q, k, positions, cache, theta, style, rotary_dim, inverse):
+            calls.append(inverse)
+            return tuple(ct._rope_cpu(x.float(), positions, theta, style, rotary_dim, cache, inverse) for x in (q, k))
+        args = (pos, None, 1e4, "gptj", None)
+    else:
+        def rotate(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
+            calls.append(inverse)
+            return ct._rope_cos_sin_any(q.float(), k.float(), cos, sin, rotary_dim, freq_step, style, inverse)
+        table = torch.from_numpy(reference.rope_cache(1000, 32))[pos]
+        args = (table[:, None, :16].float(), table[:, None, 16:].float(), None, 1, "gptj")
+    q_out, k_out = ct._RotateQK.apply(rotate, q, k, *args, False)
+    grads = torch.randn_like(q_out), torch.randn_like(k_out)
+    torch.autograd.backward((q_out, k_out), grads)
+    assert calls == [False, True]  # one forward call, one backward call for both
+    for x, out, g in ((q, q_out, grads[0]), (k, k_out, grads[1])):
+        np.testing.assert_allclose(out.detach().numpy(), reference.rope(x.detach().numpy(), pos.numpy(), style="gptj"),
+                                   atol=1e-5)
+        expected = reference.rope(g.double().numpy(), pos.numpy(), style="gptj", inverse=True)
+        np.testing.assert_allclose(x.grad.numpy(), expected, atol=1e-5)
+
+
 def test_modules_are_drop_in_on_cpu():
     hf_weight = torch.randn(64)
     ours = ct.RMSNorm(64, eps=1e-5)
