@@ -310,21 +310,8 @@ def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, co
     place by default; out=(q_out, k_out) writes elsewhere, out="new" into new arrays. q and k may be
     strided views (e.g. column slices of a fused qkv tensor) as long as their last dimension is
     contiguous. Returns (q, k), or the outputs."""
-    q_key, q_ptr = fingerprint(q, "q")
-    k_key, k_ptr = fingerprint(k, "k")
-    p_key, p_ptr = fingerprint(positions, "positions")
-    c_key, c_ptr = fingerprint_optional(cos_sin_cache, "cos_sin_cache")
-    q_out, k_out, out_key, qo_ptr, ko_ptr = _qk_outputs(q_ptr, k_ptr, out)
-    key = ("rope_qk", q_key, k_key, p_key, c_key, out_key, theta, style, rotary_dim, inverse, impl)
-    plan = _plans.get(key)
-    if plan is None:
-        qa, ka = describe(q, "q"), describe(k, "k")
-        plan = _plan_rope_qk_call(qa, ka, describe(positions, "positions"),
-                                  describe_optional(cos_sin_cache, "cos_sin_cache"),
-                                  *_describe_qk_outputs(qa, ka, q_out, k_out, out), theta, style, rotary_dim, inverse,
-                                  impl)
-        _plans.put(key, plan)
-    return _launch_qk(plan, q, k, (q_ptr, qo_ptr, k_ptr, ko_ptr, p_ptr, c_ptr), out)
+    return _qk_call("rope_qk", q, k, "positions", positions, "cos_sin_cache", cos_sin_cache, out,
+                    (theta, style, rotary_dim, inverse, impl), _plan_rope_qk_call)
 
 
 def rope_qk_cos_sin(q, k, cos, sin, *, rotary_dim=None, freq_step=1, style="neox", inverse=False, impl="auto",
@@ -337,20 +324,28 @@ def rope_qk_cos_sin(q, k, cos, sin, *, rotary_dim=None, freq_step=1, style="neox
     (..., rotary_dim / 2) table; 2: the interleaved layout). rotary_dim defaults to head_dim. In place
     by default; out=(q_out, k_out) writes elsewhere, out="new" into new arrays. Returns (q, k), or the
     outputs."""
+    return _qk_call("rope_qk_cos_sin", q, k, "cos", cos, "sin", sin, out, (rotary_dim, freq_step, style, inverse, impl),
+                    _plan_rope_qk_cos_sin_call)
+
+
+def _qk_call(op, q, k, a_name, a, b_name, b, out, options, plan_call):
+    """One call of rope_qk or rope_qk_cos_sin: the plan cached by the fingerprints of q, k, the cos/sin
+    source's two arrays (a, and b, which may be None: positions and the cache, or cos and sin) and out,
+    and the options; plan_call makes it from (q, k, a, b, the outputs, *options). Then the launch with
+    this call's pointers."""
     q_key, q_ptr = fingerprint(q, "q")
     k_key, k_ptr = fingerprint(k, "k")
-    cos_key, cos_ptr = fingerprint(cos, "cos")
-    sin_key, sin_ptr = fingerprint(sin, "sin")
+    a_key, a_ptr = fingerprint(a, a_name)
+    b_key, b_ptr = fingerprint_optional(b, b_name)
     q_out, k_out, out_key, qo_ptr, ko_ptr = _qk_outputs(q_ptr, k_ptr, out)
-    key = ("rope_qk_cos_sin", q_key, k_key, cos_key, sin_key, out_key, rotary_dim, freq_step, style, inverse, impl)
+    key = (op, q_key, k_key, a_key, b_key, out_key, *options)
     plan = _plans.get(key)
     if plan is None:
         qa, ka = describe(q, "q"), describe(k, "k")
-        plan = _plan_rope_qk_cos_sin_call(qa, ka, describe(cos, "cos"), describe(sin, "sin"),
-                                          *_describe_qk_outputs(qa, ka, q_out, k_out, out), rotary_dim, freq_step,
-                                          style, inverse, impl)
+        plan = plan_call(qa, ka, describe(a, a_name), describe_optional(b, b_name),
+                         *_describe_qk_outputs(qa, ka, q_out, k_out, out), *options)
         _plans.put(key, plan)
-    return _launch_qk(plan, q, k, (q_ptr, qo_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr), out)
+    return _launch_qk(plan, q, k, (q_ptr, qo_ptr, k_ptr, ko_ptr, a_ptr, b_ptr), out)
 
 
 NEW = "new"  # out=NEW: rope_qk and rope_qk_cos_sin write into new arrays
@@ -490,6 +485,8 @@ def _check_qk_outputs(qa, ka, qo, ko):
 
 def _check_cos_sin(cos, sin, qa, rotary_dim, freq_step):
     """The Array standing for cos/sin's leading dimensions as positions (dtype TOKEN_ROWS)."""
+    if sin is None:  # _qk_call passes the second source on when it is None (rope_qk's cache may be)
+        raise TypeError("sin: expected a cupy.ndarray or a CUDA torch.Tensor, got NoneType")
     if isinstance(freq_step, bool) or not isinstance(freq_step, (int, np.integer)) or freq_step not in (1, 2):
         raise ValueError(f"freq_step: expected 1 (frequency f at column f) or 2 (at column 2f), got {freq_step!r}")
     for name, t in (("cos", cos), ("sin", sin)):
