@@ -238,9 +238,6 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, int 
 #ifndef RMS_BWD_SHIFT_WEIGHT_ONCE  // 1: the shifted backward keeps its weights in registers for all its rows
 #define RMS_BWD_SHIFT_WEIGHT_ONCE 1
 #endif
-#ifndef RMS_BWD_BLOCKED_ROWS  // 1: the staged backward's blocks take contiguous row ranges (aligned rows)
-#define RMS_BWD_BLOCKED_ROWS 0
-#endif
 #ifndef RMS_BWD_KEEP_WEIGHT  // 1: the backward keeps the weight from its first pass; 0: loads it again
 #define RMS_BWD_KEEP_WEIGHT 0
 #endif
@@ -662,9 +659,9 @@ __device__ __forceinline__ void stage_chunk(uint4* slot, const T* row, int col, 
 // commit group (an empty one past the last row, so every thread's group count stays the same).
 // `first`: the thread's first column (rows are < 2^31 elements: planner).
 template <typename T, int NPT, bool SHIFT>
-__device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged, i64 row, i64 end, int stage, int first) {
+__device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged, i64 row, int stage, int first) {
     constexpr int E = 16 / sizeof(T);
-    if (row < end) {
+    if (row < p.rows) {
         const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
         const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
 #pragma unroll
@@ -711,12 +708,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
-    // Rows blockIdx.x, + gridDim.x, ...; or (RMS_BWD_BLOCKED_ROWS, aligned rows) a contiguous range.
-    constexpr bool BLOCKED = RMS_BWD_BLOCKED_ROWS && !SHIFT;
-    const i64 per_block = BLOCKED ? (p.rows + gridDim.x - 1) / gridDim.x : 1;
-    const i64 begin = BLOCKED ? blockIdx.x * per_block : blockIdx.x;
-    const i64 end = BLOCKED ? min(p.rows, begin + per_block) : p.rows;
-    const i64 row_step = BLOCKED ? 1 : gridDim.x;
+    const i64 row_step = gridDim.x;
     // The same columns in every row of the block (SHIFT: one shift, see above).
     const int first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + (i64)blockIdx.x * p.x_stride, lane);
     Pack<float, E> dw[NPT];
@@ -732,14 +724,14 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
     }
 
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, begin + s * row_step, end, s, first);
-    float next_rstd = p.rstd && begin < end ? p.rstd[begin] : 0.f;
+    for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, blockIdx.x + s * row_step, s, first);
+    float next_rstd = p.rstd && blockIdx.x < p.rows ? p.rstd[blockIdx.x] : 0.f;
     int stage = 0;
     // The loop bound is uniform across the block (one row per block; the reduction has barriers).
 #pragma unroll 1
-    for (i64 row = begin; row < end; row += row_step) {
+    for (i64 row = blockIdx.x; row < p.rows; row += row_step) {
         const float given_rstd = next_rstd;  // loaded a row ahead: not on this row's critical path
-        if (p.rstd && row + row_step < end) next_rstd = p.rstd[row + row_step];
+        if (p.rstd && row + row_step < p.rows) next_rstd = p.rstd[row + row_step];
         copy_async_wait<STAGES - 1>();  // this row's group is complete
         Pack<T, E> dyv[NPT], xv[NPT];
         float sum_sq = 0.f, dot = 0.f;
@@ -755,7 +747,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
         }
         // The shared reads above precede this refill in program order, and a copy's write lands
         // only after its global read: the slot is free.
-        stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, end, stage, first);
+        stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
         stage = stage + 1 == STAGES ? 0 : stage + 1;
         const float2 sums = row_sum2<false>(sum_sq, dot, width, scratch);
         // IEEE division and sqrt, and the loop over the warps' partials (row_sum2<false>): the shorter

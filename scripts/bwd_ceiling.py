@@ -5,17 +5,21 @@ need not equal the copy's (1 read, 1 write) that the issue's percentages divide 
 run and with inputs rotating past the L2 (GPU µs, CUDA-graph replay):
 - the copy (the denominator), eager, as the benchmark suite measures it;
 - 2-read-1-write kernels with no arithmetic (16-byte loads, dx = dy ^ x): one chunk a thread over a
-  full grid, and grid-stride loops over one or two resident waves of blocks; torch's `torch.add`;
-- cupyrope's backward: the whole call, its main kernel alone and its dweight reduction alone, with the
-  planner's grid and with the grid shrunk to the largest one whose rows split evenly ("even").
+  full grid; grid-stride loops over one or two resident waves of blocks (static shares); those blocks
+  each taking a contiguous range ("blocked"), tiles handed out in order by a counter ("dynamic"),
+  blocks held within `lag` bands of each other ("lockstep"); torch's `torch.add`;
+- with --finish: when each block of the static grid-stride stream finishes, and on which SM, in
+  three runs (the SMs' speeds differ, the same way in every run);
+- cupyrope's backward: the whole call, its main kernel alone and its dweight reduction alone (checked
+  against torch first, and dweight bitwise equal in two runs).
 
-Usage: python scripts/bwd_ceiling.py [--no-streams]   (kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS, e.g.
-"-DRMS_BWD_BLOCKED_ROWS=1")
+Usage: python -W ignore scripts/bwd_ceiling.py [--no-streams] [--finish]   (kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS)
 """
 
 import sys
 
 import cupy
+import numpy as np
 import torch
 
 import cupyrope
@@ -26,7 +30,8 @@ from sweep_bwd import input_copies  # noqa: E402
 from sweep_norm import apply, check  # noqa: E402
 
 SHAPES = [(32768, 4096, torch.bfloat16), (16384, 8192, torch.bfloat16), (8192, 16384, torch.float32),
-          (32768, 4096, torch.float16), (8192, 1024, torch.bfloat16), (8192, 1027, torch.bfloat16)]
+          (32768, 4096, torch.float16), (8192, 4096, torch.bfloat16), (8192, 1024, torch.bfloat16),
+          (8192, 1027, torch.bfloat16)]
 
 STREAM_2R1W = r"""
 extern "C" __global__ void two_reads_one_write(const uint4* a, const uint4* b, uint4* c, long long n) {
@@ -99,17 +104,25 @@ extern "C" __global__ void two_reads_one_write_lockstep(const uint4* a, const ui
         if (threadIdx.x == 0) atomicAdd(progress, 1u);
     }
 }
+// The static grid-stride stream, recording each block's start and end (globaltimer) and its SM.
+extern "C" __global__ void two_reads_one_write_timed(const uint4* a, const uint4* b, uint4* c, long long n,
+                                                     unsigned long long* out) {
+    unsigned long long start, end;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+        const uint4 u = a[i], v = b[i];
+        c[i] = make_uint4(u.x ^ v.x, u.y ^ v.y, u.z ^ v.z, u.w ^ v.w);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned sm;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(end));
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        out[3 * blockIdx.x] = start, out[3 * blockIdx.x + 1] = end, out[3 * blockIdx.x + 2] = sm;
+    }
+}
 """
-_own_cap_grid = rmsnorm.cap_grid
-
-
-def even_cap_grid(plan, max_blocks, rows, dtype):
-    """The planner's grid, shrunk to the largest one (at least 90% of it) that gives every block the same
-    number of rows, so the last round of rows has no idle blocks."""
-    grid = _own_cap_grid(plan, max_blocks, rows, dtype)
-    if plan.shifted or grid >= rows:
-        return grid
-    return next((g for g in range(grid, int(grid * 0.9) - 1, -1) if rows % g == 0), grid)
 
 
 def stream_times(copies, kernels, n_sm):
@@ -118,7 +131,7 @@ def stream_times(copies, kernels, n_sm):
     outs = [torch.empty_like(c[0]) for c in copies]
     n = copies[0][0].numel() * copies[0][0].element_size() // 16
     times = {}
-    stride, blocked, dynamic, ilp2, lockstep = kernels
+    stride, blocked, dynamic, ilp2, lockstep, _ = kernels
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     for label, kernel, grid, block in (("full grid", stride, -(-n // 256), 256), ("1 wave x 256", stride, n_sm * 8, 256),
                                        ("2 waves x 256", stride, n_sm * 16, 256), ("1 wave x 512", stride, n_sm * 4, 512),
@@ -149,11 +162,37 @@ def stream_times(copies, kernels, n_sm):
     return times
 
 
+def finish_times(copies, kernel, n_sm):
+    """Per-block finish times of the static grid-stride stream (one resident wave of 256-thread blocks)
+    in three runs, and how alike the SMs' finish times are from run to run."""
+    grid, n = n_sm * 8, copies[0][0].numel() * copies[0][0].element_size() // 16
+    out = torch.zeros(3 * grid, dtype=torch.int64, device="cuda")
+    runs = []
+    for run in range(3):
+        x, _, dy = copies[run % len(copies)]
+        kernel((grid,), (256,), (dy.data_ptr(), x.data_ptr(), torch.empty_like(x).data_ptr(), cupy.int64(n),
+                                 out.data_ptr()))
+        o = out.view(grid, 3).cpu().numpy().astype(np.float64)
+        done = (o[:, 1] - o[:, 0].min()) / 1e3
+        per_sm = {}
+        for sm, t in zip(o[:, 2].astype(int), done):
+            per_sm[sm] = max(per_sm.get(sm, 0.0), t)
+        runs.append(per_sm)
+        q = np.percentile(done, [0, 10, 50, 90, 100])
+        print(f"  static stream, run {run}: blocks finish at " + " / ".join(f"{v:.1f}" for v in q)
+              + " µs (min / p10 / median / p90 / max)")
+    sms = sorted(runs[0])
+    for r in range(1, len(runs)):
+        corr = np.corrcoef([runs[0][s] for s in sms], [runs[r][s] for s in sms])[0, 1]
+        print(f"  correlation of the SMs' finish times, run 0 and run {r}: {corr:.2f}")
+
+
 def backward_times(copies, hidden):
     """(whole, main kernel, dweight kernel) GPU µs and the plan, for the planner's current rules."""
     x, w, dy = copies[0]
     dx, dw = cupyrope.rms_norm_backward(dy, x, w)
     check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), (dx, dw))
+    assert torch.equal(cupyrope.rms_norm_backward(dy, x, w)[1], dw), "dweight differs between two runs"
     plan = next(p for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd")
     whole = bench.gpu_time_us(torch, [lambda x=x, w=w, dy=dy: cupyrope.rms_norm_backward(dy, x, w)
                                       for x, w, dy in copies])
@@ -170,7 +209,7 @@ def main():
     module = cupy.RawModule(code=STREAM_2R1W)
     kernels = [module.get_function(n) for n in ("two_reads_one_write", "two_reads_one_write_blocked",
                                                        "two_reads_one_write_dynamic", "two_reads_one_write_ilp2",
-                                                       "two_reads_one_write_lockstep")]
+                                                       "two_reads_one_write_lockstep", "two_reads_one_write_timed")]
     streams = "--no-streams" not in sys.argv
     n_sm = _device.sm_count(0)
     bw = bench.copy_bandwidth_gbps(torch)
@@ -181,13 +220,13 @@ def main():
 
         def pct(us):
             return f"{us:.1f} ({100 * moved / us / 1e3 / bw:.1f}%)"
+        if "--finish" in sys.argv:
+            print(f"{rows}x{hidden} {str(dt)[6:]}:")
+            finish_times(copies, kernels[-1], n_sm)
         cells = [f"{label} {pct(us)}" for label, us in stream_times(copies, kernels, n_sm).items()] if streams else []
-        for label, cap in (("planner", _own_cap_grid), ("even", even_cap_grid)):
-            apply("")
-            rmsnorm.cap_grid = cap
-            whole, main_us, dw_us, plan = backward_times(copies, hidden)
-            cells.append(f"cupyrope {label} [{plan.grid}] {pct(whole)} = main {main_us:.1f} + dw {dw_us:.1f}")
-        rmsnorm.cap_grid = _own_cap_grid
+        apply("")
+        whole, main_us, dw_us, plan = backward_times(copies, hidden)
+        cells.append(f"cupyrope [{plan.grid} blocks] {pct(whole)} = main kernel {main_us:.1f} + dweight kernel {dw_us:.1f}")
         print(f"{rows}x{hidden} {str(dt)[6:]} {plan.name.split('::')[1]} {plan.block}:\n  " + "\n  ".join(cells),
               flush=True)
         del copies
