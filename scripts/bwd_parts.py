@@ -31,6 +31,26 @@ def capped(cap):
     return blocks_per_wave
 
 
+def backward_parts(copies, hidden):
+    """(whole call, main kernel, rms_norm_dw) GPU µs of the backward over copies of (x, weight, dy), and
+    its plan, for the planner's current rules; checked against torch first, and dweight bitwise equal
+    in two calls."""
+    x, w, dy = copies[0]
+    dx, dw = cupyrope.rms_norm_backward(dy, x, w)
+    check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), (dx, dw))
+    assert torch.equal(cupyrope.rms_norm_backward(dy, x, w)[1], dw), "dweight differs between two calls"
+    plan = next(p for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd")
+    whole = bench.gpu_time_us(torch, [lambda x=x, w=w, dy=dy: cupyrope.rms_norm_backward(dy, x, w)
+                                      for x, w, dy in copies])
+    partial = torch.empty(plan.grid, hidden, device=dev)
+    dxs = [torch.empty_like(c[0]) for c in copies]
+    main_us = bench.gpu_time_us(torch, [lambda c=c, d=d: plan.launch(c[2].data_ptr(), c[0].data_ptr(), c[1].data_ptr(),
+                                                                     0, d.data_ptr(), partial.data_ptr())
+                                        for c, d in zip(copies, dxs)])
+    dw_us = bench.gpu_time_us(torch, [lambda: plan.dw_launch(partial.data_ptr(), dw.data_ptr())])
+    return whole, main_us, dw_us, plan
+
+
 def main():
     caps = [int(a) for a in sys.argv[1:]] or [0, 8, 4, 2]
     bw = bench.copy_bandwidth_gbps(torch)
@@ -42,18 +62,7 @@ def main():
         for cap in caps:
             apply("")
             rmsnorm._blocks_per_wave = capped(cap)
-            x, w, dy = copies[0]
-            dx, dw = cupyrope.rms_norm_backward(dy, x, w)
-            check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), (dx, dw))
-            plan = next(p for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd")
-            whole = bench.gpu_time_us(torch, [lambda x=x, w=w, dy=dy: cupyrope.rms_norm_backward(dy, x, w)
-                                              for x, w, dy in copies])
-            partial = torch.empty(plan.grid, hidden, device=dev)
-            dxs = [torch.empty_like(c[0]) for c in copies]
-            main_fns = [lambda c=c, d=d: plan.launch(c[2].data_ptr(), c[0].data_ptr(), c[1].data_ptr(), 0, d.data_ptr(),
-                                                     partial.data_ptr()) for c, d in zip(copies, dxs)]
-            main_us = bench.gpu_time_us(torch, main_fns)
-            dw_us = bench.gpu_time_us(torch, [lambda: plan.dw_launch(partial.data_ptr(), dw.data_ptr())])
+            whole, main_us, dw_us, plan = backward_parts(copies, hidden)
             pct = 100 * nbytes * 1.5 / whole / 1e3 / bw
             cells.append(f"{whole:.1f} ({pct:.0f}%) / {main_us:.1f} / {dw_us:.1f} [{plan.grid}]")
         print(f"| {rows}x{hidden} {str(dt)[6:]} | " + " | ".join(cells) + f" |  {plan.name.split('::')[1]} {plan.block}",
