@@ -52,6 +52,9 @@ STAGED_LOOKAHEAD_BYTES = 128 * 1024
 STAGED_SLOTS = {4: (1, 2, 4, 8), 2: (1, 2, 4)}  # by element size: what 128 registers hold without spilling
 STAGED_MAX_THREADS = {1: 1024, 2: 1024, 4: 512, 8: 512}  # by slots; mirrors StagedMaxThreads
 STAGED_STAGES = (1, 2, 3)
+# One chunk a thread and at most this many rows a resident block: the LEAN variant (shorter row chain,
+# weights held; 5-16% faster up to ~40 rows a block, 5% slower at 124: docs/perf-notes.md, session 19).
+STAGED_LEAN_MAX_ROWS = 48
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -213,10 +216,10 @@ def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, i
     return wider if wider.name != plan.name and wider.slots and _waves(wider, device) == 1 else plan
 
 
-def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False):
+def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False, lean=False):
     """The plan of rms_norm_bwd_staged (threads, slots and stages by the rule above), or None where it
     does not apply. shifted: rows that are not 16-byte aligned (SHIFT), one chunk a thread only (the
-    weight stays in registers as well)."""
+    weight stays in registers as well). lean: the LEAN variant (see lean_staged)."""
     itemsize = _arrays.ITEMSIZE[dtype]
     if hidden * itemsize < STAGED_MIN_ROW_BYTES:
         return None
@@ -236,8 +239,8 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False)
     stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
     if stages < 1:
         return None
-    shift = "true" if shifted else "false"
-    plan = NormPlan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}, {shift}>",
+    flags = ", ".join("true" if f else "false" for f in (shifted, lean))
+    plan = NormPlan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}, {flags}>",
                     rows, (width, 1), True, slots)
     plan.shifted, plan.staged = shifted, True
     plan.shared_mem = stages * stage_bytes
@@ -274,6 +277,12 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     return plan
 
 
+def lean_staged(plan, rows: int) -> bool:
+    """Whether a staged plan whose grid is its resident blocks should take the LEAN variant: one chunk a
+    thread, each block walking at most STAGED_LEAN_MAX_ROWS rows."""
+    return plan.staged and plan.slots == 1 and rows <= STAGED_LEAN_MAX_ROWS * plan.grid
+
+
 def cap_grid(plan, max_blocks: int, rows: int, dtype) -> int:
     """The backward's grid: at most max_blocks (at least 1). Shifted rows: a rows slot that visits several
     rows (grid step of blocks x rows per block) keeps its columns' dweight sums in registers, so every row
@@ -304,9 +313,10 @@ def all_variants():
                             yield SOURCE, f"cupyrope::rms_norm_bwd<{w}, {shift}>"
             for slots in STAGED_SLOTS[_arrays.ITEMSIZE[dtype]]:
                 for stages in STAGED_STAGES:
-                    for shift in ("false", "true") if slots == 1 else ("false",):
+                    flags = ("false, false", "true, false", "false, true", "true, true") if slots == 1 else ("false, false",)
+                    for flag in flags:
                         yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
-                                       f"{stages}, {shift}>")
+                                       f"{stages}, {flag}>")
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 
 
@@ -484,6 +494,15 @@ def _plan_fused_add_call(xa, ra, wa, eps, offset, impl):
     return plan
 
 
+def _resident_grid(plan, rows, xa):
+    """plan's kernel on x's device; the plan's grid becomes one wave: as many blocks as the SMs hold at
+    once (the planner's estimate counts threads only). More would only add dweight partials."""
+    kernel = get_kernel(SOURCE, plan.name, xa.device)
+    allow_shared_memory(kernel, plan.shared_mem, xa.device)
+    plan.grid = cap_grid(plan, _blocks_per_wave(kernel, plan, xa.device), rows, xa.dtype)
+    return kernel
+
+
 def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
     _check_eps(eps)
     _check_offset(offset)
@@ -503,15 +522,15 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
     if xa.size:
         dxa = _arrays.contiguous_like(xa, xa.shape, xa.dtype)
         strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
-        plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl,
-                             shared_optin(xa.device) - STATIC_SHARED_BYTES)
+        shared_limit = shared_optin(xa.device) - STATIC_SHARED_BYTES
+        plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl, shared_limit)
         tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc),
                               *_scalars(eps, offset, hidden))
-        kernel = get_kernel(SOURCE, plan.name, xa.device)
-        allow_shared_memory(kernel, plan.shared_mem, xa.device)
-        # One wave: as many blocks as the SMs hold at once (the planner's estimate counts threads
-        # only). More would only add dweight partials.
-        plan.grid = cap_grid(plan, _blocks_per_wave(kernel, plan, xa.device), rows, xa.dtype)
+        kernel = _resident_grid(plan, rows, xa)
+        if lean_staged(plan, rows):
+            weight_dtype = wa.dtype if wa is not None else "float32"
+            plan = _plan_staged(xa.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean=True)
+            kernel = _resident_grid(plan, rows, xa)
         plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
         if wa is not None:
             dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[wa.dtype]}>", xa.device)

@@ -626,6 +626,12 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
 // chunk is copied whole from up to 15 bytes before the row (the same aligned 16 bytes, so the same
 // allocation), its last chunk only up to the row's end; columns outside the row are zeroed after the
 // copy. The weight, read element by element, stays in registers for all rows.
+// LEAN (one chunk a thread, blocks that walk few rows: the planner's STAGED_LEAN_MAX_ROWS): a shorter
+// row: rstd by rsqrt and 1/hidden, the warps' partials added by a shuffle tree, the weights kept in
+// registers for all rows (aligned rows too). Measured 5-16% faster where a block walks up to ~40
+// rows (bf16 [2048, 4096], [8192, 1024-2053], odd 1027), but 5% slower at bf16 [32768, 4096] (124 rows
+// a block) and up to 25% slower with 2 chunks a thread: there the longer chain stays (a sensitivity
+// to the L2's dirty lines left by the previous call, not to instructions; docs/perf-notes.md, session 19).
 // Launch bound: up to 2 chunks a thread fit the 64 registers of 1024-thread blocks; 4 or 8 chunks
 // take the 512-thread bound (128 registers). Mirrored by rmsnorm.py's STAGED_MAX_THREADS.
 template <int NPT>
@@ -694,14 +700,14 @@ __device__ __forceinline__ Pack<T, E> unstage_chunk(const uint4* slot, int col, 
     return pk;
 }
 
-// Weights of chunk i: SHIFT keeps them in registers (wv, read element by element once); aligned rows
-// load them again per row (vector loads from L1).
-template <bool SHIFT, int E, typename W, int N>
+// Weights of chunk i: HOLD keeps them in registers (wv: read once, SHIFT element by element); otherwise
+// they are loaded again per row (vector loads from L1).
+template <bool HOLD, int E, typename W, int N>
 __device__ __forceinline__ Pack<W, E> staged_weight(const NormBwdParams& p, const Pack<W, E> (&wv)[N], int i, int col) {
-    return SHIFT ? wv[SHIFT ? i : 0] : load_weight<W, true, E>(p.weight, col);
+    return HOLD ? wv[HOLD ? i : 0] : load_weight<W, true, E>(p.weight, col);
 }
 
-template <typename T, typename W, int NPT, int STAGES, bool SHIFT>
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN>
 __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
     constexpr int E = 16 / sizeof(T);
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
@@ -712,14 +718,15 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
     // The same columns in every row of the block (SHIFT: one shift, see above).
     const int first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + (i64)blockIdx.x * p.x_stride, lane);
     Pack<float, E> dw[NPT];
-    Pack<W, E> wv[SHIFT ? NPT : 1];
+    constexpr bool HOLD = SHIFT || LEAN;  // the weights stay in registers for all rows
+    Pack<W, E> wv[HOLD ? NPT : 1];
 #pragma unroll
     for (int i = 0; i < NPT; ++i) dw[i] = zeros<E>();
-    if constexpr (SHIFT) {
+    if constexpr (HOLD) {
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
-            if (col < p.hidden) wv[SHIFT ? i : 0] = load_weight_chunk<W, true, true, E>(p.weight, col, hidden);
+            if (col < p.hidden) wv[HOLD ? i : 0] = load_weight_chunk<W, true, SHIFT, E>(p.weight, col, hidden);
         }
     }
 
@@ -741,7 +748,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
             if (col < p.hidden) {
                 dyv[i] = unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 0, i), col, hidden);
                 xv[i] = unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden);
-                const Pack<W, E> w = staged_weight<SHIFT, E>(p, wv, i, col);
+                const Pack<W, E> w = staged_weight<HOLD, E>(p, wv, i, col);
                 add_row_sums<T, W, E>(p, dyv[i], xv[i], w, sum_sq, dot);
             }
         }
@@ -749,18 +756,20 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
         // only after its global read: the slot is free.
         stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
         stage = stage + 1 == STAGES ? 0 : stage + 1;
-        const float2 sums = row_sum2<false>(sum_sq, dot, width, scratch);
-        // IEEE division and sqrt, and the loop over the warps' partials (row_sum2<false>): the shorter
-        // chain of rms_norm_bwd (rsqrt, shuffle tree, int columns) made this kernel 3-11% slower at
-        // bf16 [32768, 4096] and [8192, 16384] and fp32 [8192, 5120] (docs/perf-notes.md v11).
-        const float rstd = p.rstd ? given_rstd : 1.f / sqrtf(sums.x / (float)p.hidden + p.eps);
-        const float coef = rstd * rstd * rstd * (sums.y / (float)p.hidden);
+        const float2 sums = row_sum2<LEAN>(sum_sq, dot, width, scratch);
+        // Not LEAN: IEEE division and sqrt, and the loop over the warps' partials (row_sum2<false>): the
+        // shorter chain of rms_norm_bwd (rsqrt, shuffle tree, int columns) made this kernel 3-11% slower
+        // at bf16 [32768, 4096] and [8192, 16384] and fp32 [8192, 5120] (docs/perf-notes.md v11).
+        const float rstd = p.rstd ? given_rstd
+                           : LEAN ? rsqrtf(sums.x * p.inv_hidden + p.eps)
+                                  : 1.f / sqrtf(sums.x / (float)p.hidden + p.eps);
+        const float coef = rstd * rstd * rstd * (LEAN ? sums.y * p.inv_hidden : sums.y / (float)p.hidden);
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
             if (col < p.hidden) {
-                const Pack<W, E> w = staged_weight<SHIFT, E>(p, wv, i, col);
+                const Pack<W, E> w = staged_weight<HOLD, E>(p, wv, i, col);
                 if constexpr (SHIFT)
                     store_chunk<true, true, E>(dx_row, col, hidden, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i]));
                 else

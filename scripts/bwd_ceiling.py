@@ -5,7 +5,8 @@ need not equal the copy's (1 read, 1 write) that the issue's percentages divide 
 run and with inputs rotating past the L2 (GPU µs, CUDA-graph replay):
 - the copy (the denominator), eager, as the benchmark suite measures it;
 - 2-read-1-write kernels with no arithmetic (16-byte loads, dx = dy ^ x): one chunk a thread over a
-  full grid; grid-stride loops over one or two resident waves of blocks (static shares); those blocks
+  full grid; the staged backward's own schedule (a row a block, 2 blocks an SM, the next 3 rows
+  copied ahead into shared memory by cp.async; with and without two barriers a row); grid-stride loops over one or two resident waves of blocks (static shares); those blocks
   each taking a contiguous range ("blocked"), tiles handed out in order by a counter ("dynamic"),
   blocks held within `lag` bands of each other ("lockstep"); torch's `torch.add`;
 - with --finish: when each block of the static grid-stride stream finishes, and on which SM, in
@@ -107,15 +108,51 @@ extern "C" __global__ void lockstep(const uint4* a, const uint4* b, uint4* c, lo
         if (threadIdx.x == 0) atomicAdd(progress, 1u);
     }
 }
+// The staged backward's memory schedule with no arithmetic: a row of blockDim.x chunks a block, rows
+// blockIdx.x, + gridDim.x, ...; each thread cp.async-copies its chunk of the next 3 rows' a and b into
+// shared memory, reads the current one back, refills its stage, passes `barriers` __syncthreads (the
+// backward's row reduction has two) and stores.
+__device__ __forceinline__ void stage_copy(uint4* dst, const uint4* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
+}
+extern "C" __global__ void staged(const uint4* a, const uint4* b, uint4* c, long long n, int barriers) {
+    constexpr int STAGES = 3;
+    extern __shared__ uint4 buf[];  // [STAGES][a, b][blockDim.x]
+    const int t = threadIdx.x, w = blockDim.x;
+    const long long rows = n / w;
+    for (int s = 0; s < STAGES; ++s) {
+        const long long r = blockIdx.x + (long long)s * gridDim.x;
+        if (r < rows) stage_copy(buf + (2 * s) * w + t, a + r * w + t), stage_copy(buf + (2 * s + 1) * w + t, b + r * w + t);
+        asm volatile("cp.async.commit_group;");
+    }
+    int s = 0;
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        asm volatile("cp.async.wait_group 2;" ::: "memory");
+        const uint4 u = buf[(2 * s) * w + t], v = buf[(2 * s + 1) * w + t];
+        const long long next = r + STAGES * (long long)gridDim.x;
+        if (next < rows) stage_copy(buf + (2 * s) * w + t, a + next * w + t), stage_copy(buf + (2 * s + 1) * w + t, b + next * w + t);
+        asm volatile("cp.async.commit_group;");
+        s = s + 1 == STAGES ? 0 : s + 1;
+        for (int k = 0; k < barriers; ++k) __syncthreads();
+        c[r * w + t] = xor4(u, v);
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
 """
-KERNELS = ("grid_stride", "grid_stride_2", "blocked", "dynamic", "lockstep")
+KERNELS = ("grid_stride", "grid_stride_2", "blocked", "dynamic", "lockstep", "staged")
 
 
-def stream_variants(n, n_sm, counter):
+def stream_variants(n, n_sm, counter, row_chunks):
     """(label, kernel, grid, block, extra arguments, zero the counter first) of each stream timed."""
     null = cupy.uint64(0)  # grid_stride's times
     wave = [("1 wave x 256", n_sm * 8, 256), ("1 wave x 512", n_sm * 4, 512)]
-    return ([("full grid", "grid_stride", -(-n // 256), 256, (null,), False)]
+    # The staged backward's geometry for rows of 8-16 KiB (a row a block, one 16-byte chunk a thread, 2
+    # blocks an SM; the backward itself takes 512 threads x 2 chunks for 16 KiB rows).
+    staged = [] if not 512 <= row_chunks <= 1024 else (
+        [(f"grid-stride, 2 blocks an SM x {row_chunks}", "grid_stride", n_sm * 2, row_chunks, (null,), False)]
+        + [(f"staged rows, {b} blocks an SM x {row_chunks}, {k} barriers a row", "staged", n_sm * b, row_chunks,
+            (cupy.int32(k),), False) for b, k in ((2, 0), (2, 2), (4, 0)) if b * row_chunks <= 2048])
+    return ([("full grid", "grid_stride", -(-n // 256), 256, (null,), False)] + staged
             + [(label, "grid_stride", g, b, (null,), False) for label, g, b in wave]
             + [("2 waves x 256", "grid_stride", n_sm * 16, 256, (null,), False),
                ("grid-stride 2 in flight, 1 wave x 256", "grid_stride_2", n_sm * 8, 256, (), False)]
@@ -131,12 +168,18 @@ def stream_times(copies, kernels, n_sm):
     n = copies[0][0].numel() * copies[0][0].element_size() // 16
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     times = {}
-    for label, name, grid, block, extra, counted in stream_variants(n, n_sm, counter.data_ptr()):
-        def launch(c, o, kernel=kernels[name], grid=grid, block=block, extra=extra, counted=counted):
+    row_chunks = copies[0][0].shape[-1] * copies[0][0].element_size() // 16
+    for label, name, grid, block, extra, counted in stream_variants(n, n_sm, counter.data_ptr(), row_chunks):
+        shared = 3 * 2 * 16 * block if name == "staged" else 0
+        if shared:
+            kernels[name].max_dynamic_shared_size_bytes = shared
+
+        def launch(c, o, kernel=kernels[name], grid=grid, block=block, extra=extra, counted=counted, shared=shared):
             if counted:
                 counter.zero_()
             with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-                kernel((grid,), (block,), (c[2].data_ptr(), c[0].data_ptr(), o.data_ptr(), cupy.int64(n), *extra))
+                kernel((grid,), (block,), (c[2].data_ptr(), c[0].data_ptr(), o.data_ptr(), cupy.int64(n), *extra),
+                       shared_mem=shared)
         launch(copies[0], outs[0])
         torch.cuda.synchronize()
         assert torch.equal(outs[0].view(torch.int16), copies[0][2].view(torch.int16) ^ copies[0][0].view(torch.int16))

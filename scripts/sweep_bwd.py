@@ -1,6 +1,7 @@
 """RMSNorm backward tuning sweep on a GPU: planner settings x shapes (not the benchmark suite).
 
-Usage: python scripts/sweep_bwd.py [--peers] [big|mid|table|odd] SETTING ...
+Usage: python scripts/sweep_bwd.py [--peers] [--xw] [big|mid|table|odd|lean] SETTING ...
+(--xw: the weight in x's dtype, as the benchmark suite has it; default fp32)
 (odd: odd hidden sizes and ones whose chunks are not a power of two)
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "STAGED_LOOKAHEAD_BYTES=65536,STAGED_ROW_THREADS=256";
 "old" is the unstaged kernel (STAGED_MIN_ROW_BYTES above every row). Each setting is checked against
@@ -34,21 +35,26 @@ ODD = [(8192, 1027, torch.float32), (8192, 1027, torch.bfloat16), (8192, 1027, t
        (8192, 7168, torch.bfloat16), (8192, 3072, torch.float32), (8192, 5120, torch.float32),
        (8192, 2053, torch.bfloat16), (2048, 2053, torch.bfloat16)]
 
+# One 16-byte chunk a thread (the staged kernel's LEAN rule): blocks walking ~2 to ~250 rows.
+LEAN = [(r, h, torch.bfloat16) for h in (1024, 2048, 4096) for r in (2048, 8192, 32768)]
+LEAN += [(16384, 4096, torch.bfloat16), (4096, 4096, torch.bfloat16), (8192, 1027, torch.bfloat16),
+         (32768, 1027, torch.bfloat16), (8192, 3072, torch.bfloat16), (32768, 4096, torch.float16)]
 
-def input_copies(rows, hidden, dt):
-    """(bytes of x and dy, enough (x, fp32 weight, dy) copies to defeat the L2)."""
+
+def input_copies(rows, hidden, dt, weight_dtype=torch.float32):
+    """(bytes of x and dy, enough (x, weight, dy) copies to defeat the L2)."""
     nbytes = 2 * rows * hidden * torch.finfo(dt).bits // 8
     copies = []
     for _ in range(bench.copies_for(nbytes)):
         x = torch.randn(rows, hidden, device=dev, dtype=dt)
-        copies.append((x, torch.randn(hidden, device=dev, dtype=torch.float32), torch.randn_like(x)))
+        copies.append((x, torch.randn(hidden, device=dev, dtype=weight_dtype), torch.randn_like(x)))
     return nbytes, copies
 
 
 def main():
     args = sys.argv[1:]
     with_peers = "--peers" in args
-    sets = {"big": BIG, "table": TABLE, "mid": MID, "odd": ODD}
+    sets = {"big": BIG, "table": TABLE, "mid": MID, "odd": ODD, "lean": LEAN}
     shapes = sets[next((a for a in args if a in sets), "big")]
     settings = [a for a in args if not a.startswith("--") and a not in sets] or ["old", ""]
     bw = bench.copy_bandwidth_gbps(torch)
@@ -56,7 +62,7 @@ def main():
     header = ["shape"] + [s or "default" for s in settings] + (["liger"] if with_peers else [])
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
     for rows, hidden, dt in shapes:
-        nbytes, copies = input_copies(rows, hidden, dt)
+        nbytes, copies = input_copies(rows, hidden, dt, dt if "--xw" in args else torch.float32)
         times, names = [], []
         for setting in settings:
             apply(setting)

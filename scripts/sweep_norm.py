@@ -3,7 +3,8 @@
 Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words] [--half|--f32] SETTING ...
 --add times fused_add_rms_norm (in place; no peers) instead of the forward and backward.
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
-or entries of their tables, e.g. "FWD_MAX_SLOTS[True:2]=8"
+or entries of their tables, e.g. "FWD_MAX_SLOTS[True:2]=8", and NVRTC=... for kernel knobs of that
+setting alone (e.g. "NVRTC=-DRMS_BWD_ONE_BARRIER=1")
 ("" = the defaults, the only setting when none is given).
 Kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS="-DRMS_WEIGHT_BATCH=1 ..." (kernels_src/rms_norm.cu).
 Each cupyrope setting is checked against torch in fp32 before it is timed. GPU time per call: the
@@ -18,7 +19,7 @@ import sys
 import torch
 
 import cupyrope
-from cupyrope import _arrays, bench, rmsnorm
+from cupyrope import _arrays, _compile, bench, rmsnorm
 
 dev = torch.device("cuda")
 SHAPES = [(32768, 4096, torch.bfloat16), (16384, 8192, torch.bfloat16), (8192, 16384, torch.bfloat16),
@@ -62,6 +63,7 @@ if "--f32" in sys.argv:  # the same shapes in fp32
     SHAPES = [(r, h, torch.float32) for r, h, _ in SHAPES]
 
 DEFAULTS = {n: getattr(rmsnorm, n) for n in dir(rmsnorm) if n.isupper()}
+DEFAULT_OPTIONS = os.environ.get("CUPYROPE_EXTRA_NVRTC_OPTIONS", "")
 
 
 def apply(setting):
@@ -70,17 +72,25 @@ def apply(setting):
         setattr(rmsnorm, name, value)
     if setting == "old":  # the unstaged backward
         setting = "STAGED_MIN_ROW_BYTES=1000000000"
+    options = DEFAULT_OPTIONS
     for item in filter(None, setting.split(",")):
-        name, value = item.split("=")
+        name, _, value = item.partition("=")
+        if name == "NVRTC":  # NVRTC=-DKNOB=1 -DOTHER=2: kernel knobs for this setting only
+            options = value
+            continue
         name, _, key = name.partition("[")  # NAME[True:2]=8: one entry of a table (a copy is changed)
         if name not in DEFAULTS:
             raise SystemExit(f"{name}: not a planner constant of cupyrope.rmsnorm")
         if key:
             table = dict(getattr(rmsnorm, name))
-            table[tuple(ast.literal_eval(k) for k in key.rstrip("]").split(":"))] = int(value)
+            keys = tuple(ast.literal_eval(k) for k in key.rstrip("]").split(":"))
+            table[keys if len(keys) > 1 else keys[0]] = int(value)
             setattr(rmsnorm, name, table)
         else:
             setattr(rmsnorm, name, int(value))
+    if options != os.environ.get("CUPYROPE_EXTRA_NVRTC_OPTIONS", ""):
+        os.environ["CUPYROPE_EXTRA_NVRTC_OPTIONS"] = options
+        _compile._functions.clear()  # compiled again with the options (CuPy's disk cache keys on them)
     rmsnorm._plans = _arrays.PlanCache()
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cupyrope._arrays import Array
+from cupyrope import rmsnorm
 from cupyrope.rmsnorm import cap_grid, plan_backward, plan_forward, row_shape
 from cupyrope.rope import plan_rope
 
@@ -203,7 +204,7 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
     # The backward shifts too (the staged kernel: see test_rms_norm_backward_plans); one rows slot a
     # block: its dweight sums stay in registers.
     b = plan_backward(odd, odd, out, weight, (1027,) * 3, 7, 1027, n_sm=132)
-    assert b.shifted and b.name.endswith("float, 1, 3, true>") and b.block == (160, 1)
+    assert b.shifted and b.name.endswith("float, 1, 3, true, false>") and b.block == (160, 1)
 
 
 @pytest.mark.parametrize("n_sm, rows, hidden, dtype, cap, grid", [
@@ -251,7 +252,7 @@ def test_rms_norm_backward_plans():
     x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
     b = plan_backward(x, x, y, arr((4096,), "float32"), (4096,) * 3, 8192, 4096, n_sm=132)
     # Aligned bf16 rows are staged: 512 threads x one 16-byte chunk, 3 rows ahead (3 x 16 KiB of dy and x).
-    assert b.staged and b.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, false>"
+    assert b.staged and b.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, false, false>"
     assert b.block == (512, 1) and b.shared_mem == 3 * 2 * 8192 and b.grid <= 132 * 4
     # fp32 rows of up to 8 elements a thread keep rms_norm_bwd's register prefetch.
     f = arr((8192, 4096), "float32")
@@ -261,10 +262,10 @@ def test_rms_norm_backward_plans():
     # fp32 [*, 16384]: 512 threads x 8 chunks, one row ahead (128 KiB); fp32 [*, 8192]: 1024 x 2, two ahead.
     wide = arr((64, 16384), "float32")
     w = plan_backward(wide, wide, wide, arr((16384,), "float32"), (16384,) * 3, 64, 16384, n_sm=132)
-    assert w.name.endswith("<float, float, 8, 1, false>") and w.block == (512, 1) and w.shared_mem == 128 * 1024
+    assert w.name.endswith("<float, float, 8, 1, false, false>") and w.block == (512, 1) and w.shared_mem == 128 * 1024
     mid = arr((64, 8192), "float32")
     m = plan_backward(mid, mid, mid, None, (8192,) * 3, 64, 8192, n_sm=132)
-    assert m.name.endswith("<float, float, 2, 2, false>") and m.block == (1024, 1) and m.grid == 64
+    assert m.name.endswith("<float, float, 2, 2, false, false>") and m.block == (1024, 1) and m.grid == 64
     # Less shared memory than a stage: not staged.
     n = plan_backward(wide, wide, wide, None, (16384,) * 3, 64, 16384, n_sm=132, shared_limit=100 * 1024)
     assert not n.staged and n.slots == 0
@@ -273,7 +274,7 @@ def test_rms_norm_backward_plans():
     # all rows of a block share one shift. fp32 ones keep the register prefetch; longer odd rows rms_norm_bwd.
     odd = arr((8192, 1027))
     o = plan_backward(odd, odd, odd, arr((1027,), "float32"), (1027,) * 3, 8192, 1027, n_sm=132)
-    assert o.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, true>" and o.shifted
+    assert o.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, true, false>" and o.shifted
     assert o.block == (160, 1) and o.grid % 8 == 0 and o.shared_mem == 3 * 2 * 160 * 16
     odd32 = arr((8192, 1027), "float32")
     o32 = plan_backward(odd32, odd32, odd32, None, (1027,) * 3, 8192, 1027, n_sm=132)
@@ -287,6 +288,32 @@ def test_rms_norm_backward_plans():
     huge = arr((64, 65536), "float32")
     h = plan_backward(huge, huge, huge, arr((65536,), "float32"), (65536,) * 3, 64, 65536, n_sm=132)
     assert h.slots == 0 and h.block[1] == 1 and h.shared_mem == 0  # sums go to the partial row instead
+
+
+def test_rms_norm_backward_lean_rule():
+    # The LEAN staged variant: one chunk a thread and at most STAGED_LEAN_MAX_ROWS rows a resident block.
+    x = arr((8192, 4096))
+    b = plan_backward(x, x, x, arr((4096,)), (4096,) * 3, 8192, 4096, n_sm=132)
+    limit = rmsnorm.STAGED_LEAN_MAX_ROWS
+    b.grid = -(-8192 // limit)
+    assert rmsnorm.lean_staged(b, 8192)
+    b.grid -= 1  # a block would walk more rows than the limit
+    assert not rmsnorm.lean_staged(b, 8192)
+    lean = rmsnorm._plan_staged("bfloat16", "bfloat16", 8192, 4096, 227 * 1024, lean=True)
+    assert lean.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, __nv_bfloat16, 1, 3, false, true>"
+    assert lean.block == b.block and lean.shared_mem == b.shared_mem
+    # Two chunks a thread never (measured up to 25% slower), nor the unstaged kernel.
+    wide = arr((64, 8192))
+    two = plan_backward(wide, wide, wide, None, (8192,) * 3, 64, 8192, n_sm=132)
+    assert two.staged and two.slots == 2 and not rmsnorm.lean_staged(two, 64)
+    f = arr((64, 4096), "float32")
+    assert not rmsnorm.lean_staged(plan_backward(f, f, f, None, (4096,) * 3, 64, 4096, n_sm=132), 64)
+    # Every LEAN name the planner can give is a compiled variant.
+    names = {name for _, name in rmsnorm.all_variants()}
+    for dtype in ("float32", "float16", "bfloat16"):
+        for hidden in (1024, 1027, 2048):
+            plan = rmsnorm._plan_staged(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1, lean=True)
+            assert plan is None or plan.slots != 1 or plan.name in names
 
 
 @pytest.mark.parametrize("optin_kib", [64, 99, 163, 227])  # T4; A10/L4/RTX 4090/V100-class; A100; H100

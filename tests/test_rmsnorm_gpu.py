@@ -161,14 +161,26 @@ def fill_next_allocation_with_nan(shape, dtype, kind):
     poison(to_device(np.zeros(shape), dtype, kind))
 
 
+def force_lean(monkeypatch, lean):
+    """The staged backward's LEAN variant wherever it applies (one chunk a thread), or nowhere."""
+    monkeypatch.setattr(rmsnorm, "STAGED_LEAN_MAX_ROWS", 1 << 40 if lean else 0)
+    fresh_plans(monkeypatch)
+
+
+def assert_lean(plan, lean):
+    assert plan.staged and plan.name.endswith(", true>" if lean and plan.slots == 1 else ", false>"), plan
+
+
 # The staged backward (rows copied ahead into shared memory, one row per block): 1 or 2 slots, 128 to
 # 1024 threads (whole warps, not only powers of two), 1 to 3 stages; more rows than blocks (the
-# lookahead runs past the last row); strided rows.
+# lookahead runs past the last row); strided rows; the LEAN variant of one chunk a thread and the other.
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("hidden,rows,pad", [(1024, 3001, 0), (2048, 133, 8), (8192, 1, 0), (8192, 2999, 0),
                                              (3072, 700, 16), (5120, 301, 24)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_staged_rows(rng, kind, dtype, hidden, rows, pad):
+@pytest.mark.parametrize("lean", [False, True])
+def test_backward_staged_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad, lean):
+    force_lean(monkeypatch, lean)
     x_host = random_host((rows, hidden), dtype, rng)
     dy_host = random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), dtype, rng)
@@ -180,6 +192,8 @@ def test_backward_staged_rows(rng, kind, dtype, hidden, rows, pad):
     for weight, given in ((w, None), (w, rstd), (None, rstd)):
         fill_next_allocation_with_nan((rows, hidden), dtype, kind)
         dx, dw = cupyrope.rms_norm_backward(dy, x, weight, rstd=given)
+        if planned("bwd").staged:  # fp32 rows of up to 2 chunks a thread take the register prefetch
+            assert_lean(planned("bwd"), lean)
         ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host if weight is not None else None)
         scale = np.abs(dy_host * (w_host if weight is not None else 1) * rstd_ref[:, None]).max()
         assert_matches(to_host(dx), ref_dx, dtype, scale=scale, what="dx")  # every row
@@ -227,7 +241,9 @@ def test_forward_register_chunks(rng, monkeypatch, kind, dtype, hidden, start, s
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("hidden,rows,start", [(1027, 3001, 8), (1027, 5, 0), (3071, 700, 8), (2053, 133, 0)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_staged_shifted_rows(rng, monkeypatch, kind, dtype, hidden, rows, start):
+@pytest.mark.parametrize("lean", [False, True])
+def test_backward_staged_shifted_rows(rng, monkeypatch, kind, dtype, hidden, rows, start, lean):
+    force_lean(monkeypatch, lean)
     x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), "float32", rng)
     _, x = unaligned_view(x_host, dtype, kind, start, 16)
@@ -240,6 +256,8 @@ def test_backward_staged_shifted_rows(rng, monkeypatch, kind, dtype, hidden, row
         dx, dw = cupyrope.rms_norm_backward(dy, x, weight, offset=0.5)
         plan = planned("bwd")
         assert plan.shifted and plan.staged == (dtype != "float32"), plan
+        if plan.staged:
+            assert_lean(plan, lean)
         ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host if weight is not None else None, offset=0.5)
         scale = np.abs(dy_host * (w_host + 0.5 if weight is not None else 1) * rstd_ref[:, None]).max()
         assert_matches(to_host(dx), ref_dx, dtype, scale=scale, what="dx")  # every row
