@@ -4,7 +4,7 @@ Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--add] [--big|--mid|--sm
 --add times fused_add_rms_norm (in place; no peers) instead of the forward and backward.
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
 or entries of their tables, e.g. "FWD_MAX_SLOTS[True:2]=8", and NVRTC=... for kernel knobs of that
-setting alone (e.g. "NVRTC=-DRMS_BWD_ONE_BARRIER=1")
+setting alone (e.g. "NVRTC=-DRMS_BWD_KEEP_WEIGHT=1")
 ("" = the defaults, the only setting when none is given).
 Kernel knobs: CUPYROPE_EXTRA_NVRTC_OPTIONS="-DRMS_WEIGHT_BATCH=1 ..." (kernels_src/rms_norm.cu).
 Each cupyrope setting is checked against torch in fp32 before it is timed. GPU time per call: the
