@@ -761,7 +761,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_
         // shorter chain of rms_norm_bwd (rsqrt, shuffle tree, int columns) made this kernel 3-11% slower
         // at bf16 [32768, 4096] and [8192, 16384] and fp32 [8192, 5120] (docs/perf-notes.md v11).
         const float rstd = p.rstd ? given_rstd
-                           : LEAN ? rsqrtf(sums.x * p.inv_hidden + p.eps)
+                           : LEAN ? inverse_rms(sums.x, p.inv_hidden, p.eps)
                                   : 1.f / sqrtf(sums.x / (float)p.hidden + p.eps);
         const float coef = rstd * rstd * rstd * (LEAN ? sums.y * p.inv_hidden : sums.y / (float)p.hidden);
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
