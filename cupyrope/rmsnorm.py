@@ -1,5 +1,6 @@
 """RMSNorm forward, backward and fused residual add: argument checks -> plan -> launch."""
 
+import itertools
 import math
 import struct
 
@@ -248,7 +249,8 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
 
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto",
-                  shared_limit=SHARED_OPTIN_LIMIT) -> NormPlan:
+                  shared_limit=SHARED_OPTIN_LIMIT, lean=False) -> NormPlan:
+    """lean: a staged plan takes the LEAN variant (the caller decides, see lean_staged)."""
     weight_dtype = weight.dtype if weight is not None else "float32"
     long_rows = hidden * _arrays.ITEMSIZE[x.dtype] >= LONG_ROW_BYTES
     elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD
@@ -258,7 +260,7 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     # measured a little faster than staging; everywhere else aligned rows are staged.
     prefetches = plan.vectorized and plan.slots and _arrays.ITEMSIZE[x.dtype] == 4 and plan.slots * 4 <= 8
     if plan.vectorized and not prefetches:
-        plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted) or plan
+        plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean) or plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     plan.grid = cap_grid(plan, n_sm * max(1, THREADS_PER_SM // threads), rows, x.dtype)
@@ -313,10 +315,10 @@ def all_variants():
                             yield SOURCE, f"cupyrope::rms_norm_bwd<{w}, {shift}>"
             for slots in STAGED_SLOTS[_arrays.ITEMSIZE[dtype]]:
                 for stages in STAGED_STAGES:
-                    flags = ("false, false", "true, false", "false, true", "true, true") if slots == 1 else ("false, false",)
-                    for flag in flags:
+                    flags = ("false", "true") if slots == 1 else ("false",)  # SHIFT and LEAN: one chunk a thread
+                    for shift, lean in itertools.product(flags, flags):
                         yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
-                                       f"{stages}, {flag}>")
+                                       f"{stages}, {shift}, {lean}>")
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 
 
@@ -522,14 +524,14 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
     if xa.size:
         dxa = _arrays.contiguous_like(xa, xa.shape, xa.dtype)
         strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
-        shared_limit = shared_optin(xa.device) - STATIC_SHARED_BYTES
-        plan = plan_backward(da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl, shared_limit)
+        planning = (da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl,
+                    shared_optin(xa.device) - STATIC_SHARED_BYTES)
+        plan = plan_backward(*planning)
         tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc),
                               *_scalars(eps, offset, hidden))
         kernel = _resident_grid(plan, rows, xa)
-        if lean_staged(plan, rows):
-            weight_dtype = wa.dtype if wa is not None else "float32"
-            plan = _plan_staged(xa.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean=True)
+        if lean_staged(plan, rows):  # decided on the default variant's resident grid
+            plan = plan_backward(*planning, lean=True)
             kernel = _resident_grid(plan, rows, xa)
         plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
         if wa is not None:

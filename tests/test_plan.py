@@ -299,7 +299,7 @@ def test_rms_norm_backward_lean_rule():
     assert rmsnorm.lean_staged(b, 8192)
     b.grid -= 1  # a block would walk more rows than the limit
     assert not rmsnorm.lean_staged(b, 8192)
-    lean = rmsnorm._plan_staged("bfloat16", "bfloat16", 8192, 4096, 227 * 1024, lean=True)
+    lean = plan_backward(x, x, x, arr((4096,)), (4096,) * 3, 8192, 4096, n_sm=132, lean=True)
     assert lean.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, __nv_bfloat16, 1, 3, false, true>"
     assert lean.block == b.block and lean.shared_mem == b.shared_mem
     # Two chunks a thread never (measured up to 25% slower), nor the unstaged kernel.
