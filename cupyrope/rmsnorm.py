@@ -46,16 +46,20 @@ THREADS_PER_SM = 2048
 # Staged backward (rms_norm_bwd_staged, docs/perf-notes.md v9): aligned rows of at least
 # STAGED_MIN_ROW_BYTES, one row per block, the next rows' dy and x copied ahead into shared memory.
 # Measured on an H100 (scripts/sweep_bwd.py): 512 threads a row with 1-2 chunks each, else 1024 threads
-# with 2; lookahead of about STAGED_LOOKAHEAD_BYTES a block, at most 3 rows.
+# with 2 (fp16/bf16) or 512 with 4 (fp32); lookahead of about STAGED_LOOKAHEAD_BYTES a block, at most 3 rows.
 STAGED_MIN_ROW_BYTES = 2048
 STAGED_ROW_THREADS = 512
 STAGED_LOOKAHEAD_BYTES = 128 * 1024
-STAGED_SLOTS = {4: (1, 2, 4, 8), 2: (1, 2, 4)}  # by element size: what 128 registers hold without spilling
+# Chunks a thread, by element size: what 128 registers hold without spilling. fp32 skips 2 chunks on 1024
+# threads: 4 on 512 with LEAN measured 3-16% faster (session 20); fp16/bf16 rows that 2 on 1024 cannot
+# hold, 4 on 512 cannot either.
+STAGED_SLOTS = {4: (1, 4, 8), 2: (1, 2)}
 STAGED_MAX_THREADS = {1: 1024, 2: 1024, 4: 512, 8: 512}  # by slots; mirrors StagedMaxThreads
 STAGED_STAGES = (1, 2, 3)
-# One chunk a thread and at most this many rows a resident block: the LEAN variant (shorter row chain,
-# weights held; 5-16% faster up to ~40 rows a block, 5% slower at 124: docs/perf-notes.md, session 19).
-STAGED_LEAN_MAX_ROWS = 48
+# The LEAN variant (shorter row chain, weights held) where a resident block walks at most this many rows,
+# by chunks a thread: one chunk 5-16% faster up to ~40 rows a block, 5% slower at 124 (session 19); fp32
+# rows of 4 chunks faster at every length measured (session 20); 2 spill (64 registers), 8 no faster.
+STAGED_LEAN_MAX_ROWS = {1: 48, 2: 0, 4: math.inf, 8: 0}
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -225,7 +229,7 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
     if hidden * itemsize < STAGED_MIN_ROW_BYTES:
         return None
     chunks = -(-(_shifted_span(hidden, itemsize) if shifted else hidden) * itemsize // 16)
-    # One chunk a thread up to STAGED_ROW_THREADS, then 2 on up to 1024 threads (not 4 on 512), then 4 or 8.
+    # One chunk a thread up to STAGED_ROW_THREADS, then 2 on up to 1024 threads (fp16/bf16), then 4 or 8.
     limits = {s: STAGED_ROW_THREADS if s == 1 else STAGED_MAX_THREADS[s] for s in STAGED_SLOTS[itemsize]}
     if shifted:
         limits = {1: limits[1]}
@@ -280,9 +284,9 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
 
 
 def lean_staged(plan, rows: int) -> bool:
-    """Whether a staged plan whose grid is its resident blocks should take the LEAN variant: one chunk a
-    thread, each block walking at most STAGED_LEAN_MAX_ROWS rows."""
-    return plan.staged and plan.slots == 1 and rows <= STAGED_LEAN_MAX_ROWS * plan.grid
+    """Whether a staged plan whose grid is its resident blocks should take the LEAN variant: each block
+    walking at most STAGED_LEAN_MAX_ROWS rows (by chunks a thread)."""
+    return plan.staged and rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid
 
 
 def cap_grid(plan, max_blocks: int, rows: int, dtype) -> int:
@@ -315,8 +319,9 @@ def all_variants():
                             yield SOURCE, f"cupyrope::rms_norm_bwd<{w}, {shift}>"
             for slots in STAGED_SLOTS[_arrays.ITEMSIZE[dtype]]:
                 for stages in STAGED_STAGES:
-                    flags = ("false", "true") if slots == 1 else ("false",)  # SHIFT and LEAN: one chunk a thread
-                    for shift, lean in itertools.product(flags, flags):
+                    shifts = ("false", "true") if slots == 1 else ("false",)  # SHIFT: one chunk a thread
+                    leans = ("false", "true") if STAGED_LEAN_MAX_ROWS[slots] else ("false",)
+                    for shift, lean in itertools.product(shifts, leans):
                         yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
                                        f"{stages}, {shift}, {lean}>")
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"

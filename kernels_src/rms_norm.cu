@@ -626,12 +626,14 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
 // chunk is copied whole from up to 15 bytes before the row (the same aligned 16 bytes, so the same
 // allocation), its last chunk only up to the row's end; columns outside the row are zeroed after the
 // copy. The weight, read element by element, stays in registers for all rows.
-// LEAN (one chunk a thread, blocks that walk few rows: the planner's STAGED_LEAN_MAX_ROWS): a shorter
-// row: rstd by rsqrt and 1/hidden, the warps' partials added by a shuffle tree, the weights kept in
-// registers for all rows (aligned rows too). Measured 5-16% faster where a block walks up to ~40
-// rows (bf16 [2048, 4096], [8192, 1024-2053], odd 1027), but 5% slower at bf16 [32768, 4096] (124 rows
-// a block) and up to 25% slower with 2 chunks a thread: there the longer chain stays (a sensitivity
-// to the L2's dirty lines left by the previous call, not to instructions; docs/perf-notes.md, session 19).
+// LEAN (the planner's STAGED_LEAN_MAX_ROWS: one chunk a thread in blocks that walk few rows, fp32 rows of
+// 4 chunks): a shorter row: rstd by rsqrt and 1/hidden, the warps' partials added by a shuffle tree, the
+// weights kept in registers for all rows (aligned rows too). Measured 5-16% faster where a block walks up
+// to ~40 rows (bf16 [2048, 4096], [8192, 1024-2053], odd 1027) and 2-16% with fp32 rows of 4 chunks
+// (hidden 5120-8192, any length), but 5% slower at bf16 [32768, 4096] (124 rows a block): there the
+// longer chain stays (a sensitivity to the L2's dirty lines left by the previous call, not to
+// instructions; docs/perf-notes.md, session 19). With 2 chunks a thread it spills under the 1024-thread
+// bound and was up to 25% slower.
 // Launch bound: up to 2 chunks a thread fit the 64 registers of 1024-thread blocks; 4 or 8 chunks
 // take the 512-thread bound (128 registers). Mirrored by rmsnorm.py's STAGED_MAX_THREADS.
 template <int NPT>

@@ -1,6 +1,6 @@
 """RMSNorm backward tuning sweep on a GPU: planner settings x shapes (not the benchmark suite).
 
-Usage: python scripts/sweep_bwd.py [--peers] [--xw] [big|mid|table|odd|lean] SETTING ...
+Usage: python scripts/sweep_bwd.py [--peers] [--xw] [big|mid|table|odd|lean|wide] SETTING ...
 (--xw: the weight in x's dtype, as the benchmark suite has it; default fp32)
 (odd: odd hidden sizes and ones whose chunks are not a power of two)
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "STAGED_LOOKAHEAD_BYTES=65536,STAGED_ROW_THREADS=256";
@@ -40,6 +40,12 @@ LEAN = [(r, h, torch.bfloat16) for h in (1024, 2048, 4096) for r in (2048, 8192,
 LEAN += [(16384, 4096, torch.bfloat16), (4096, 4096, torch.bfloat16), (8192, 1027, torch.bfloat16),
          (32768, 1027, torch.bfloat16), (8192, 3072, torch.bfloat16), (32768, 4096, torch.float16)]
 
+# Two or more chunks a thread (the LEAN rule by slots): fp32 rows of 5-16K, fp16/bf16 rows of 8-32K.
+WIDE = [(r, h, torch.float32) for h in (5120, 8192) for r in (2048, 8192, 32768)]
+WIDE += [(8192, 6144, torch.float32), (8192, 16384, torch.float32), (4096, 16384, torch.float32),
+         (8192, 16384, torch.bfloat16), (16384, 16384, torch.bfloat16), (8192, 14336, torch.bfloat16),
+         (2048, 8192, torch.bfloat16), (8192, 16384, torch.float16)]
+
 
 def input_copies(rows, hidden, dt, weight_dtype=torch.float32):
     """(bytes of x and dy, enough (x, weight, dy) copies to defeat the L2)."""
@@ -54,7 +60,7 @@ def input_copies(rows, hidden, dt, weight_dtype=torch.float32):
 def main():
     args = sys.argv[1:]
     with_peers = "--peers" in args
-    sets = {"big": BIG, "table": TABLE, "mid": MID, "odd": ODD, "lean": LEAN}
+    sets = {"big": BIG, "table": TABLE, "mid": MID, "odd": ODD, "lean": LEAN, "wide": WIDE}
     shapes = sets[next((a for a in args if a in sets), "big")]
     settings = [a for a in args if not a.startswith("--") and a not in sets] or ["old", ""]
     bw = bench.copy_bandwidth_gbps(torch)

@@ -259,13 +259,13 @@ def test_rms_norm_backward_plans():
     r = plan_backward(f, f, f, arr((4096,), "float32"), (4096,) * 3, 8192, 4096, n_sm=132)
     assert not r.staged and r.name.startswith("cupyrope::rms_norm_bwd<float, float, true, 2,")
     assert r.block[1] == 1 and r.slots and r.shared_mem == 0  # register sums go straight to the partial row
-    # fp32 [*, 16384]: 512 threads x 8 chunks, one row ahead (128 KiB); fp32 [*, 8192]: 1024 x 2, two ahead.
+    # fp32 [*, 16384]: 512 threads x 8 chunks, one row ahead (128 KiB); fp32 [*, 8192]: 512 x 4, two ahead.
     wide = arr((64, 16384), "float32")
     w = plan_backward(wide, wide, wide, arr((16384,), "float32"), (16384,) * 3, 64, 16384, n_sm=132)
     assert w.name.endswith("<float, float, 8, 1, false, false>") and w.block == (512, 1) and w.shared_mem == 128 * 1024
     mid = arr((64, 8192), "float32")
     m = plan_backward(mid, mid, mid, None, (8192,) * 3, 64, 8192, n_sm=132)
-    assert m.name.endswith("<float, float, 2, 2, false, false>") and m.block == (1024, 1) and m.grid == 64
+    assert m.name.endswith("<float, float, 4, 2, false, false>") and m.block == (512, 1) and m.grid == 64
     # Less shared memory than a stage: not staged.
     n = plan_backward(wide, wide, wide, None, (16384,) * 3, 64, 16384, n_sm=132, shared_limit=100 * 1024)
     assert not n.staged and n.slots == 0
@@ -294,7 +294,7 @@ def test_rms_norm_backward_lean_rule():
     # The LEAN staged variant: one chunk a thread and at most STAGED_LEAN_MAX_ROWS rows a resident block.
     x = arr((8192, 4096))
     b = plan_backward(x, x, x, arr((4096,)), (4096,) * 3, 8192, 4096, n_sm=132)
-    limit = rmsnorm.STAGED_LEAN_MAX_ROWS
+    limit = rmsnorm.STAGED_LEAN_MAX_ROWS[1]
     b.grid = -(-8192 // limit)
     assert rmsnorm.lean_staged(b, 8192)
     b.grid -= 1  # a block would walk more rows than the limit
@@ -308,12 +308,19 @@ def test_rms_norm_backward_lean_rule():
     assert two.staged and two.slots == 2 and not rmsnorm.lean_staged(two, 64)
     f = arr((64, 4096), "float32")
     assert not rmsnorm.lean_staged(plan_backward(f, f, f, None, (4096,) * 3, 64, 4096, n_sm=132), 64)
+    # fp32 rows of 5-8K: 4 chunks on 512 threads (not 2 on 1024), LEAN however many rows a block walks.
+    for hidden in (5120, 8192):
+        f = arr((32768, hidden), "float32")
+        p = plan_backward(f, f, f, arr((hidden,), "float32"), (hidden,) * 3, 32768, hidden, n_sm=132)
+        assert p.staged and p.slots == 4 and p.block == (512, 1), p
+        p.grid = 1
+        assert rmsnorm.lean_staged(p, 32768)
     # Every LEAN name the planner can give is a compiled variant.
     names = {name for _, name in rmsnorm.all_variants()}
     for dtype in ("float32", "float16", "bfloat16"):
-        for hidden in (1024, 1027, 2048):
+        for hidden in (1024, 1027, 2048, 5120, 8192):
             plan = rmsnorm._plan_staged(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1, lean=True)
-            assert plan is None or plan.slots != 1 or plan.name in names
+            assert plan is None or not rmsnorm.STAGED_LEAN_MAX_ROWS[plan.slots] or plan.name in names
 
 
 @pytest.mark.parametrize("optin_kib", [64, 99, 163, 227])  # T4; A10/L4/RTX 4090/V100-class; A100; H100
