@@ -135,6 +135,13 @@ __device__ __forceinline__ void copy_async16_first(void* shared_dst, const void*
 #endif
 }
 
+// Bytes of dynamic shared memory this launch gave the block.
+__device__ __forceinline__ unsigned dynamic_shared_bytes() {
+    unsigned bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    return bytes;
+}
+
 __device__ __forceinline__ void copy_async_commit() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");

@@ -4,7 +4,8 @@
 // two) threads per row. Thread `lane` owns chunks lane, lane + blockDim.x, ... of E elements
 // (E = 16 bytes when VEC, else 1). NPT > 0: the NPT chunks stay in registers between the reduction
 // and the output (one read, one write); NPT == 0: rows too large for registers are read twice (the
-// second read mostly hits L2).
+// second read mostly hits L2), except the fused add's sums where the launch gives the block's rows in
+// dynamic shared memory (the planner's row cache): there they wait in shared memory.
 // SHIFT (VEC, NPT > 0; forward and backward): rows that are not 16-byte aligned (odd hidden sizes). Chunks follow
 // the 16-byte boundaries of memory, not the row: chunk c of a row that starts s elements past a
 // boundary covers columns c*E - s ... c*E - s + E - 1, so whole chunks move as one 16-byte access
@@ -88,6 +89,13 @@ template <typename T, typename W, bool VEC, int E>
 __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 col, const Pack<T, E>& v, float rstd,
                                              const Pack<W, E>& w) {
     store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, output<T, W, VEC, E>(p, v, rstd, w));
+}
+
+// The output pass of rows read twice: y from the row's values at `src` (global or the row cache).
+template <typename T, typename W, bool VEC, int E>
+__device__ __forceinline__ void output_pass(const NormParams& p, i64 row, const T* src, float rstd) {
+    for (i64 col = (i64)threadIdx.x * E; col < p.hidden; col += (i64)blockDim.x * E)
+        store_output<T, W, VEC, E>(p, row, col, load_pack<VEC, E>(src + col), rstd, load_weight<W, VEC, E>(p.weight, col));
 }
 
 // Vectorized fp16/bf16 rows of 2+ chunks a thread (not the fused add) hold each chunk as its four
@@ -389,20 +397,26 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         }
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
     } else {
+        // The fused add's row cache: this row's rounded sums, where the launch gave the block's rows.
+        extern __shared__ __align__(16) unsigned char row_cache_bytes[];
+        T* const row_cache = reinterpret_cast<T*>(row_cache_bytes) + threadIdx.y * p.hidden;
+        const bool cached = ADD && dynamic_shared_bytes() >= blockDim.y * p.hidden * sizeof(T);
         for (i64 col = (i64)lane * E; active && col < p.hidden; col += step) {
             const Pack<T, E> v = load_input<T, VEC, E, ADD>(p, row, col);
+            if (cached) store_pack<VEC, E>(row_cache + col, v);
 #pragma unroll
             for (int e = 0; e < E; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
         }
         const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
         if (!active) return;
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
-        // With ADD, the normalized values are the rounded sums this thread just stored in residual.
-        const T* src = ADD ? static_cast<const T*>(p.residual) : static_cast<const T*>(p.x);
-        const i64 src_stride = ADD ? p.residual_stride : p.x_stride;
-        for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
-            const Pack<T, E> v = load_pack<VEC, E>(src + row * src_stride + col);
-            store_output<T, W, VEC, E>(p, row, col, v, rstd, load_weight<W, VEC, E>(p.weight, col));
+        // With ADD, the normalized values are the rounded sums this thread just stored in residual (and
+        // in the row cache: each thread reads back only its own columns, so no barrier).
+        if (cached) {
+            output_pass<T, W, VEC, E>(p, row, row_cache, rstd);
+        } else {
+            const T* src = ADD ? static_cast<const T*>(p.residual) : static_cast<const T*>(p.x);
+            output_pass<T, W, VEC, E>(p, row, src + row * (ADD ? p.residual_stride : p.x_stride), rstd);
         }
     }
 }

@@ -1,6 +1,6 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words] [--half|--f32] SETTING ...
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long] [--half|--f32] SETTING ...
 --add times fused_add_rms_norm (in place; no peers) instead of the forward and backward.
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
 or entries of their tables, e.g. "FWD_MAX_SLOTS[True:2]=8", and NVRTC=... for kernel knobs of that
@@ -53,6 +53,11 @@ if "--decode" in sys.argv:  # 1-128 rows (decode batches; one partial wave) and 
     SHAPES = [(r, h, torch.bfloat16) for r in (1, 16, 128) for h in (4096, 8192)]
     SHAPES += [(r, 4096, torch.float32) for r in (1, 128)]
     SHAPES += [(512, h, torch.bfloat16) for h in (256, 512, 1024, 2048)]
+if "--long" in sys.argv:  # rows past the registers (the two-pass loop; the fused add's row cache)
+    SHAPES = [(r, 16384, torch.float32) for r in (512, 2048, 8192)] + [(8192, 12288, torch.float32)]
+    SHAPES += [(2048, 32768, torch.float32), (1024, 65536, torch.float32), (2048, 20001, torch.float32)]
+    SHAPES += [(4096, 32768, torch.bfloat16), (8192, 24576, torch.bfloat16), (2048, 65536, torch.bfloat16),
+               (4096, 20001, torch.bfloat16)]
 if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]

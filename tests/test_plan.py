@@ -323,6 +323,22 @@ def test_rms_norm_backward_lean_rule():
             assert plan is None or not rmsnorm.STAGED_LEAN_MAX_ROWS[plan.slots] or plan.name in names
 
 
+def test_fused_add_row_cache_plan():
+    # Rows read twice (slots 0) keep their sums in shared memory where the block's rows fit; rows held in
+    # registers, and rows past the cap or past what the GPU gives a block, take none.
+    def cache(hidden, dtype, shared_limit=227 * 1024 - 1024):
+        x = arr((64, hidden), dtype)
+        plan = plan_forward(x, x, x, arr((hidden,), "float32"), (hidden,) * 3, 64, hidden)
+        return plan.slots, rmsnorm.row_cache_bytes(plan, hidden, dtype, shared_limit)
+
+    assert cache(16384, "float32") == (0, 65536)
+    assert cache(32768, "bfloat16") == (0, 65536)
+    assert cache(20001, "float16") == (0, 40002)
+    assert cache(8192, "float32")[1] == 0 and cache(16384, "bfloat16")[1] == 0  # in registers
+    assert cache(65536, "float32") == (0, 0)  # 256 KiB
+    assert cache(32768, "float32", shared_limit=99 * 1024 - 1024) == (0, 0)
+
+
 @pytest.mark.parametrize("optin_kib", [64, 99, 163, 227])  # T4; A10/L4/RTX 4090/V100-class; A100; H100
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rms_norm_backward_plans_fit_the_gpus_shared_memory(optin_kib, dtype):

@@ -361,6 +361,32 @@ def test_fused_add_chunks(rng, monkeypatch, kind, dtype, hidden, start):
         assert np.isnan(outside_rows(buf, start, hidden)).all(), "wrote outside"
 
 
+# The fused add of rows read twice (the two-pass loop, slots 0), its rounded sums kept for the output
+# pass in the row cache (shared memory) or read back from residual: aligned rows (16-byte chunks) and
+# odd ones (element by element), strided, NaN around the rows.
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,hidden", [("float32", 16384), ("bfloat16", 32768), ("float16", 20001),
+                                          ("float32", 20001)])
+@pytest.mark.parametrize("cache", [False, True])
+def test_fused_add_row_cache(rng, monkeypatch, kind, dtype, hidden, cache):
+    fresh_plans(monkeypatch)
+    if not cache:
+        monkeypatch.setattr(rmsnorm, "FWD_ADD_ROW_CACHE_MAX_BYTES", 0)
+    rows = 37
+    x_host, r_host = random_host((rows, hidden), dtype, rng, scale=2.0), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), "float32", rng)
+    x_buf, x = unaligned_view(x_host, dtype, kind, 0, 8)
+    r_buf, r = unaligned_view(r_host, dtype, kind, 0, 8)
+    cupyrope.fused_add_rms_norm(x, r, to_device(w_host, "float32", kind), 1e-6, offset=0.25)
+    plan = planned("add")
+    assert plan.slots == 0 and plan.shared_mem == (hidden * _arrays.ITEMSIZE[dtype] if cache else 0), plan
+    ref_y, ref_r = reference.fused_add_rms_norm(x_host, r_host, w_host, 1e-6, 0.25, dtype=dtype)
+    np.testing.assert_array_equal(to_host(r), ref_r)
+    assert_matches(to_host(x), ref_y, dtype, scale=2.0)
+    for buf in (x_buf, r_buf):
+        assert np.isnan(outside_rows(buf, 0, hidden)).all(), "wrote outside"
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_zero_size(kind):
     x = to_device(np.zeros((0, 64)), "float16", kind)
