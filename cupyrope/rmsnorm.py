@@ -37,8 +37,9 @@ FWD_MAX_SLOTS = {(True, 4): 8, (True, 2): 4, (False, 4): 8, (False, 2): 8}
 FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 4): 4}
 # The fused add's rows read twice (slots 0): their rounded sums wait in shared memory for the output pass
 # (the row cache) where the block's rows take at most this many bytes, instead of being read back from
-# residual (docs/perf-notes.md v18).
-FWD_ADD_ROW_CACHE_MAX_BYTES = 227 * 1024
+# residual: 86% -> 98% of copy bandwidth at fp32 [8192, 16384]. Rows of 80-128 KiB (2 or 1 blocks an SM)
+# measured up to 10% slower with it (docs/perf-notes.md v18).
+FWD_ADD_ROW_CACHE_MAX_BYTES = 64 * 1024
 BWD_MAX_SLOTS = {(True, 4): 2, (True, 2): 2, (False, 4): 8, (False, 2): 8}
 SHARED_ACC_LIMIT = 160 * 1024  # bytes of per-block dweight sums kept in shared memory
 # Threads per block (rows of fewer threads share a block): 128 was best for the forward at every

@@ -91,13 +91,6 @@ __device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 c
     store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, output<T, W, VEC, E>(p, v, rstd, w));
 }
 
-// The output pass of rows read twice: y from the row's values at `src` (global or the row cache).
-template <typename T, typename W, bool VEC, int E>
-__device__ __forceinline__ void output_pass(const NormParams& p, i64 row, const T* src, float rstd) {
-    for (i64 col = (i64)threadIdx.x * E; col < p.hidden; col += (i64)blockDim.x * E)
-        store_output<T, W, VEC, E>(p, row, col, load_pack<VEC, E>(src + col), rstd, load_weight<W, VEC, E>(p.weight, col));
-}
-
 // Vectorized fp16/bf16 rows of 2+ chunks a thread (not the fused add) hold each chunk as its four
 // 32-bit words, half the registers of eight converted floats: shifted rows 5-13% faster (v14), aligned
 // rows as fast, and 5-10% faster on one- and two-wave grids together with their weight loaded early
@@ -413,10 +406,17 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         // With ADD, the normalized values are the rounded sums this thread just stored in residual (and
         // in the row cache: each thread reads back only its own columns, so no barrier).
         if (cached) {
-            output_pass<T, W, VEC, E>(p, row, row_cache, rstd);
-        } else {
-            const T* src = ADD ? static_cast<const T*>(p.residual) : static_cast<const T*>(p.x);
-            output_pass<T, W, VEC, E>(p, row, src + row * (ADD ? p.residual_stride : p.x_stride), rstd);
+            for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
+                const Pack<T, E> v = load_pack<VEC, E>(row_cache + col);
+                store_output<T, W, VEC, E>(p, row, col, v, rstd, load_weight<W, VEC, E>(p.weight, col));
+            }
+            return;
+        }
+        const T* src = ADD ? static_cast<const T*>(p.residual) : static_cast<const T*>(p.x);
+        const i64 src_stride = ADD ? p.residual_stride : p.x_stride;
+        for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
+            const Pack<T, E> v = load_pack<VEC, E>(src + row * src_stride + col);
+            store_output<T, W, VEC, E>(p, row, col, v, rstd, load_weight<W, VEC, E>(p.weight, col));
         }
     }
 }

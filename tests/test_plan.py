@@ -335,7 +335,7 @@ def test_fused_add_row_cache_plan():
     assert cache(32768, "bfloat16") == (0, 65536)
     assert cache(20001, "float16") == (0, 40002)
     assert cache(8192, "float32")[1] == 0 and cache(16384, "bfloat16")[1] == 0  # in registers
-    assert cache(65536, "float32") == (0, 0)  # 256 KiB
+    assert cache(65536, "float32") == (0, 0) and cache(20001, "float32") == (0, 0)  # past 64 KiB
     assert cache(32768, "float32", shared_limit=99 * 1024 - 1024) == (0, 0)
 
 
