@@ -415,7 +415,8 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
 
 def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"):
     """vLLM's in-place fused residual add: residual <- x + residual (rounded to x's dtype), then
-    x <- rms_norm(residual, weight, eps). Each tensor is read once and written once. Returns (x, residual)."""
+    x <- rms_norm(residual, weight, eps). Each tensor is read once and written once (rows over 64 KiB read
+    the new residual a second time, mostly from the L2). Returns (x, residual)."""
     x_key, x_ptr = fingerprint(x, "x")
     r_key, r_ptr = fingerprint(residual, "residual")
     w_key, w_ptr = fingerprint_optional(weight, "weight")
