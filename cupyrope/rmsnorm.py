@@ -62,9 +62,11 @@ STAGED_SLOTS = {4: (1, 4, 8), 2: (1, 2)}
 STAGED_MAX_THREADS = {1: 1024, 2: 1024, 4: 512, 8: 512}  # by slots; mirrors StagedMaxThreads
 STAGED_STAGES = (1, 2, 3)
 # The LEAN variant (shorter row chain, weights held) where a resident block walks at most this many rows,
-# by chunks a thread: one chunk 5-16% faster up to ~40 rows a block, 5% slower at 124 (session 19); fp32
-# rows of 4 chunks faster at every length measured (session 20); 2 spill (64 registers), 8 no faster.
-STAGED_LEAN_MAX_ROWS = {1: 48, 2: 0, 4: math.inf, 8: 0}
+# by chunks a thread: one chunk 5-16% faster up to ~40 rows a block, 5% slower at 124 (session 19); 2
+# chunks (on up to 512 threads: LEAN's launch bound) 20% faster at 8 rows a block, ±1% at 31-124 in
+# bf16; fp32 rows of 4 chunks faster at every length measured; 8 chunks no faster (session 20).
+STAGED_LEAN_MAX_ROWS = {1: 48, 2: 48, 4: math.inf, 8: 0}
+STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMaxThreads<NPT, true>
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -245,6 +247,7 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
     # (320 x 2) but -10% at fp32 [8192, 5120] (640 x 2, whose 3 stages leave one block an SM).
     per_thread = -(-chunks // slots)
     width = row_threads(per_thread) if slots == 1 else _next_pow2(per_thread)
+    lean = lean and width <= STAGED_LEAN_MAX_THREADS[slots]
     stage_bytes = 2 * slots * width * 16
     stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
     if stages < 1:
@@ -290,8 +293,9 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
 
 def lean_staged(plan, rows: int) -> bool:
     """Whether a staged plan whose grid is its resident blocks should take the LEAN variant: each block
-    walking at most STAGED_LEAN_MAX_ROWS rows (by chunks a thread)."""
-    return plan.staged and rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid
+    walking at most STAGED_LEAN_MAX_ROWS rows, on at most STAGED_LEAN_MAX_THREADS (by chunks a thread)."""
+    return (plan.staged and rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid
+            and plan.block[0] <= STAGED_LEAN_MAX_THREADS[plan.slots])
 
 
 def cap_grid(plan, max_blocks: int, rows: int, dtype) -> int:

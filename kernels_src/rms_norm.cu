@@ -640,19 +640,20 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
 // chunk is copied whole from up to 15 bytes before the row (the same aligned 16 bytes, so the same
 // allocation), its last chunk only up to the row's end; columns outside the row are zeroed after the
 // copy. The weight, read element by element, stays in registers for all rows.
-// LEAN (the planner's STAGED_LEAN_MAX_ROWS: one chunk a thread in blocks that walk few rows, fp32 rows of
-// 4 chunks): a shorter row: rstd by rsqrt and 1/hidden, the warps' partials added by a shuffle tree, the
-// weights kept in registers for all rows (aligned rows too). Measured 5-16% faster where a block walks up
-// to ~40 rows (bf16 [2048, 4096], [8192, 1024-2053], odd 1027) and 2-16% with fp32 rows of 4 chunks
-// (hidden 5120-8192, any length), but 5% slower at bf16 [32768, 4096] (124 rows a block): there the
-// longer chain stays (a sensitivity to the L2's dirty lines left by the previous call, not to
-// instructions; docs/perf-notes.md, session 19). With 2 chunks a thread it spills under the 1024-thread
-// bound and was up to 25% slower.
-// Launch bound: up to 2 chunks a thread fit the 64 registers of 1024-thread blocks; 4 or 8 chunks
-// take the 512-thread bound (128 registers). Mirrored by rmsnorm.py's STAGED_MAX_THREADS.
-template <int NPT>
+// LEAN (the planner's STAGED_LEAN_MAX_ROWS: blocks that walk few rows with 1 or 2 chunks a thread, fp32
+// rows of 4 chunks): a shorter row: rstd by rsqrt and 1/hidden, the warps' partials added by a shuffle
+// tree, the weights kept in registers for all rows (aligned rows too). Measured 5-16% faster where a
+// block walks up to ~40 rows (bf16 [2048, 4096], [8192, 1024-2053], odd 1027; 2 chunks: bf16 [2048,
+// 8192] 20%) and 2-16% with fp32 rows of 4 chunks (hidden 5120-8192, any length), but 5% slower at bf16
+// [32768, 4096] (124 rows a block): there the longer chain stays (a sensitivity to the L2's dirty lines
+// left by the previous call, not to instructions; docs/perf-notes.md, session 19).
+// Launch bound: 1 chunk a thread, and 2 with the long chain, fit the 64 registers of 1024-thread blocks
+// (2 spill 4-12 bytes); LEAN at 2 chunks (92-102 registers: it spilled at 64 and was up to 25% slower),
+// 4 and 8 chunks take the 512-thread bound (128 registers). Mirrored by rmsnorm.py's STAGED_MAX_THREADS
+// and STAGED_LEAN_MAX_THREADS.
+template <int NPT, bool LEAN>
 struct StagedMaxThreads {
-    static constexpr int value = NPT <= 2 ? 1024 : 512;
+    static constexpr int value = NPT == 1 || (NPT == 2 && !LEAN) ? 1024 : 512;
 };
 
 template <int NPT>
@@ -724,7 +725,7 @@ __device__ __forceinline__ Pack<W, E> staged_weight(const NormBwdParams& p, cons
 }
 
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN>
-__global__ void __launch_bounds__(StagedMaxThreads<NPT>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
+__global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
     constexpr int E = 16 / sizeof(T);
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]

@@ -1,6 +1,6 @@
 """RMSNorm backward tuning sweep on a GPU: planner settings x shapes (not the benchmark suite).
 
-Usage: python scripts/sweep_bwd.py [--peers] [--xw] [big|mid|table|odd|lean|wide] SETTING ...
+Usage: python scripts/sweep_bwd.py [--peers] [--xw] [big|mid|table|odd|lean|wide|two] SETTING ...
 (--xw: the weight in x's dtype, as the benchmark suite has it; default fp32)
 (odd: odd hidden sizes and ones whose chunks are not a power of two)
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "STAGED_LOOKAHEAD_BYTES=65536,STAGED_ROW_THREADS=256";
@@ -46,6 +46,12 @@ WIDE += [(8192, 6144, torch.float32), (8192, 16384, torch.float32), (4096, 16384
          (8192, 16384, torch.bfloat16), (16384, 16384, torch.bfloat16), (8192, 14336, torch.bfloat16),
          (2048, 8192, torch.bfloat16), (8192, 16384, torch.float16)]
 
+# fp16/bf16 rows of 2 chunks a thread on up to 512 threads (LEAN there: no spill under its 512-thread bound),
+# and rows of 1 chunk that 256 threads would take as 2.
+TWO = [(r, 4096, torch.bfloat16) for r in (8192, 16384, 32768)] + [(r, 8192, torch.bfloat16) for r in (2048, 8192, 16384)]
+TWO += [(8192, 3072, torch.bfloat16), (8192, 6144, torch.bfloat16), (32768, 4096, torch.float16),
+        (16384, 8192, torch.float16)]
+
 
 def input_copies(rows, hidden, dt, weight_dtype=torch.float32):
     """(bytes of x and dy, enough (x, weight, dy) copies to defeat the L2)."""
@@ -60,7 +66,7 @@ def input_copies(rows, hidden, dt, weight_dtype=torch.float32):
 def main():
     args = sys.argv[1:]
     with_peers = "--peers" in args
-    sets = {"big": BIG, "table": TABLE, "mid": MID, "odd": ODD, "lean": LEAN, "wide": WIDE}
+    sets = {"big": BIG, "table": TABLE, "mid": MID, "odd": ODD, "lean": LEAN, "wide": WIDE, "two": TWO}
     shapes = sets[next((a for a in args if a in sets), "big")]
     settings = [a for a in args if not a.startswith("--") and a not in sets] or ["old", ""]
     bw = bench.copy_bandwidth_gbps(torch)

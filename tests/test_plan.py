@@ -302,10 +302,17 @@ def test_rms_norm_backward_lean_rule():
     lean = plan_backward(x, x, x, arr((4096,)), (4096,) * 3, 8192, 4096, n_sm=132, lean=True)
     assert lean.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, __nv_bfloat16, 1, 3, false, true>"
     assert lean.block == b.block and lean.shared_mem == b.shared_mem
-    # Two chunks a thread never (measured up to 25% slower), nor the unstaged kernel.
+    # Two chunks a thread on up to 512 threads too (LEAN's launch bound), not on 1024; nor the unstaged kernel.
     wide = arr((64, 8192))
     two = plan_backward(wide, wide, wide, None, (8192,) * 3, 64, 8192, n_sm=132)
-    assert two.staged and two.slots == 2 and not rmsnorm.lean_staged(two, 64)
+    assert two.staged and two.slots == 2 and two.block == (512, 1) and rmsnorm.lean_staged(two, 64)
+    two_lean = plan_backward(wide, wide, wide, None, (8192,) * 3, 64, 8192, n_sm=132, lean=True)
+    assert two_lean.name.endswith(", 2, 3, false, true>") and two_lean.block == (512, 1)
+    wider = arr((64, 16384))
+    two = plan_backward(wider, wider, wider, None, (16384,) * 3, 64, 16384, n_sm=132)
+    assert two.staged and two.slots == 2 and two.block == (1024, 1) and not rmsnorm.lean_staged(two, 64)
+    two_lean = plan_backward(wider, wider, wider, None, (16384,) * 3, 64, 16384, n_sm=132, lean=True)
+    assert two_lean.name == two.name  # past the 512-thread bound: never LEAN
     f = arr((64, 4096), "float32")
     assert not rmsnorm.lean_staged(plan_backward(f, f, f, None, (4096,) * 3, 64, 4096, n_sm=132), 64)
     # fp32 rows of 5-8K: 4 chunks on 512 threads (not 2 on 1024), LEAN however many rows a block walks.
@@ -318,7 +325,7 @@ def test_rms_norm_backward_lean_rule():
     # Every LEAN name the planner can give is a compiled variant.
     names = {name for _, name in rmsnorm.all_variants()}
     for dtype in ("float32", "float16", "bfloat16"):
-        for hidden in (1024, 1027, 2048, 5120, 8192):
+        for hidden in (1024, 1027, 2048, 5120, 8192, 16384):
             plan = rmsnorm._plan_staged(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1, lean=True)
             assert plan is None or not rmsnorm.STAGED_LEAN_MAX_ROWS[plan.slots] or plan.name in names
 

@@ -164,21 +164,22 @@ def fill_next_allocation_with_nan(shape, dtype, kind):
 
 
 def force_lean(monkeypatch, lean):
-    """The staged backward's LEAN variant wherever it applies (one or 4 chunks a thread), or nowhere."""
+    """The staged backward's LEAN variant wherever it applies, or nowhere."""
     limits = {slots: math.inf if lean and limit else 0 for slots, limit in rmsnorm.STAGED_LEAN_MAX_ROWS.items()}
     monkeypatch.setattr(rmsnorm, "STAGED_LEAN_MAX_ROWS", limits)
     fresh_plans(monkeypatch)
 
 
 def assert_lean(plan, lean):
-    lean = lean and rmsnorm.STAGED_LEAN_MAX_ROWS[plan.slots] > 0
+    lean = (lean and rmsnorm.STAGED_LEAN_MAX_ROWS[plan.slots] > 0
+            and plan.block[0] <= rmsnorm.STAGED_LEAN_MAX_THREADS[plan.slots])
     assert plan.staged and plan.name.endswith(", true>" if lean else ", false>"), plan
 
 
 # The staged backward (rows copied ahead into shared memory, one row per block): 1, 2 or 4 slots, 128 to
 # 1024 threads (whole warps, not only powers of two), 1 to 3 stages; more rows than blocks (the
-# lookahead runs past the last row); strided rows; the LEAN variant of one chunk a thread (and of fp32
-# rows of 4, hidden 5120 and 8192) and the other.
+# lookahead runs past the last row); strided rows; the LEAN variant (1 chunk a thread; fp16/bf16 rows of
+# 2 on up to 512 threads, hidden 5120 and 8192; fp32 rows of 4) and the other.
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("hidden,rows,pad", [(1024, 3001, 0), (2048, 133, 8), (8192, 1, 0), (8192, 2999, 0),
                                              (3072, 700, 16), (5120, 301, 24)])
