@@ -59,7 +59,7 @@ STAGED_LOOKAHEAD_BYTES = 128 * 1024
 # threads: 4 on 512 with LEAN measured 3-16% faster (session 20); fp16/bf16 rows that 2 on 1024 cannot
 # hold, 4 on 512 cannot either.
 STAGED_SLOTS = {4: (1, 4, 8), 2: (1, 2)}
-STAGED_MAX_THREADS = {1: 1024, 2: 1024, 4: 512, 8: 512}  # by slots; mirrors StagedMaxThreads
+STAGED_MAX_THREADS = {1: 1024, 2: 1024, 4: 512, 8: 512}  # by slots; mirrors StagedMaxThreads<NPT, false>
 STAGED_STAGES = (1, 2, 3)
 # The LEAN variant (shorter row chain, weights held) where a resident block walks at most this many rows,
 # by chunks a thread: one chunk 5-16% faster up to ~40 rows a block, 5% slower at 124 (session 19); 2
