@@ -35,11 +35,12 @@ FWD_MAX_SLOTS = {(True, 4): 8, (True, 2): 4, (False, 4): 8, (False, 2): 8}
 # the new residual back from the L2, measured faster: [8192, 16384] 982 -> 831 us, [512, 16384] 66 -> 56
 # (docs/perf-notes.md v15). Shifted rows have no two-pass loop and keep FWD_MAX_SLOTS.
 FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 4): 4}
-# The fused add's rows read twice (slots 0): their rounded sums wait in shared memory for the output pass
-# (the row cache) where the block's rows take at most this many bytes, instead of being read back from
-# residual: 86% -> 98% of copy bandwidth at fp32 [8192, 16384]. Rows of 80-128 KiB (2 or 1 blocks an SM)
-# measured up to 10% slower with it (docs/perf-notes.md v18).
-FWD_ADD_ROW_CACHE_MAX_BYTES = 64 * 1024
+# Rows read twice (slots 0) wait in shared memory for the output pass (the row cache) where the block's
+# rows take at most this many bytes, instead of being read again: the fused add's rounded sums (86% -> 98%
+# of copy bandwidth at fp32 [8192, 16384]) and the plain forward's 16-byte rows (bf16 [4096, 32768] 68% ->
+# 87%; its odd rows measured 1% slower with it and keep the second read). Rows of 80-128 KiB (2 or 1 blocks
+# an SM) measured up to 10% slower with it (docs/perf-notes.md v18).
+ROW_CACHE_MAX_BYTES = 64 * 1024
 BWD_MAX_SLOTS = {(True, 4): 2, (True, 2): 2, (False, 4): 8, (False, 2): 8}
 SHARED_ACC_LIMIT = 160 * 1024  # bytes of per-block dweight sums kept in shared memory
 # Threads per block (rows of fewer threads share a block): 128 was best for the forward at every
@@ -481,9 +482,12 @@ def _plan_forward_call(xa, wa, oa, eps, offset, return_rstd, impl):
         strides = _row_strides([xa, ya], ["x", "out"])
         plan = plan_forward_for_device(xa, ya, None, wa, strides, rows, hidden, impl, xa.device)
         plan.out_layouts = _arrays.out_layouts(xa, oa)
+        if plan.vectorized:
+            plan.shared_mem = row_cache_bytes(plan, hidden, xa.dtype, shared_optin(xa.device) - STATIC_SHARED_BYTES)
         tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[1], 0, *_scalars(eps, offset, hidden))
-        plan.launch = _launch.Launch(get_kernel(SOURCE, plan.name, xa.device), plan.grid, plan.block, 5, tail,
-                                     xa.device, xa.kind)
+        kernel = get_kernel(SOURCE, plan.name, xa.device)
+        allow_shared_memory(kernel, plan.shared_mem, xa.device)
+        plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 5, tail, xa.device, xa.kind, plan.shared_mem)
     else:
         plan = EmptyPlan()
     plan.new_output = _arrays.allocator(xa, xa.shape, xa.dtype)
@@ -514,10 +518,10 @@ def _plan_fused_add_call(xa, ra, wa, eps, offset, impl):
 
 
 def row_cache_bytes(plan, hidden: int, dtype, shared_limit: int) -> int:
-    """Dynamic shared memory of a fused-add plan: its block's rows, where they are read twice (slots 0)
-    and fit (FWD_ADD_ROW_CACHE_MAX_BYTES, and what the GPU gives a block); else 0 (read back from L2)."""
+    """Dynamic shared memory of a forward or fused-add plan: its block's rows, where they are read twice
+    (slots 0) and fit (ROW_CACHE_MAX_BYTES, and what the GPU gives a block); else 0 (read again)."""
     nbytes = plan.block[1] * hidden * _arrays.ITEMSIZE[dtype]
-    return nbytes if not plan.slots and nbytes <= min(FWD_ADD_ROW_CACHE_MAX_BYTES, shared_limit) else 0
+    return nbytes if not plan.slots and nbytes <= min(ROW_CACHE_MAX_BYTES, shared_limit) else 0
 
 
 def _resident_grid(plan, rows, xa):

@@ -4,8 +4,8 @@
 // two) threads per row. Thread `lane` owns chunks lane, lane + blockDim.x, ... of E elements
 // (E = 16 bytes when VEC, else 1). NPT > 0: the NPT chunks stay in registers between the reduction
 // and the output (one read, one write); NPT == 0: rows too large for registers are read twice (the
-// second read mostly hits L2), except the fused add's sums where the launch gives the block's rows in
-// dynamic shared memory (the planner's row cache): there they wait in shared memory.
+// second read mostly hits L2), except where the launch gives the block's rows in dynamic shared memory
+// (the planner's row cache): the row (the fused add's rounded sums) waits there for the output pass.
 // SHIFT (VEC, NPT > 0; forward and backward): rows that are not 16-byte aligned (odd hidden sizes). Chunks follow
 // the 16-byte boundaries of memory, not the row: chunk c of a row that starts s elements past a
 // boundary covers columns c*E - s ... c*E - s + E - 1, so whole chunks move as one 16-byte access
@@ -390,10 +390,10 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         }
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
     } else {
-        // The fused add's row cache: this row's rounded sums, where the launch gave the block's rows.
+        // The row cache: this row's values (ADD: the rounded sums), where the launch gave the block's rows.
         extern __shared__ __align__(16) unsigned char row_cache_bytes[];
         T* const row_cache = reinterpret_cast<T*>(row_cache_bytes) + threadIdx.y * p.hidden;
-        const bool cached = ADD && dynamic_shared_bytes() >= blockDim.y * p.hidden * sizeof(T);
+        const bool cached = dynamic_shared_bytes() >= blockDim.y * p.hidden * sizeof(T);
         for (i64 col = (i64)lane * E; active && col < p.hidden; col += step) {
             const Pack<T, E> v = load_input<T, VEC, E, ADD>(p, row, col);
             if (cached) store_pack<VEC, E>(row_cache + col, v);
@@ -403,8 +403,9 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
         if (!active) return;
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
-        // With ADD, the normalized values are the rounded sums this thread just stored in residual (and
-        // in the row cache: each thread reads back only its own columns, so no barrier).
+        // With ADD, the normalized values are the rounded sums this thread just stored in residual. The
+        // row cache holds what this thread read or summed: each thread reads back only its own columns,
+        // so no barrier.
         if (cached) {
             for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
                 const Pack<T, E> v = load_pack<VEC, E>(row_cache + col);

@@ -58,6 +58,9 @@ if "--long" in sys.argv:  # rows past the registers (the two-pass loop; the fuse
     SHAPES += [(2048, 32768, torch.float32), (1024, 65536, torch.float32), (2048, 20001, torch.float32)]
     SHAPES += [(4096, 32768, torch.bfloat16), (8192, 24576, torch.bfloat16), (2048, 65536, torch.bfloat16),
                (4096, 20001, torch.bfloat16)]
+if "--fwdlong" in sys.argv:  # the plain forward of rows of 8+ chunks a thread, and two-pass rows
+    SHAPES = [(r, 16384, torch.float32) for r in (512, 2048, 8192)] + [(8192, 12288, torch.float32)]
+    SHAPES += [(r, 32768, torch.bfloat16) for r in (512, 2048, 4096)] + [(2048, 20001, torch.bfloat16)]
 if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]

@@ -344,6 +344,10 @@ def test_fused_add_row_cache_plan():
     assert cache(8192, "float32")[1] == 0 and cache(16384, "bfloat16")[1] == 0  # in registers
     assert cache(65536, "float32") == (0, 0) and cache(20001, "float32") == (0, 0)  # past 64 KiB
     assert cache(32768, "float32", shared_limit=99 * 1024 - 1024) == (0, 0)
+    # The plain forward's two-pass rows too (the launcher gives vectorized ones the cache).
+    x = arr((64, 32768), "bfloat16")
+    fwd = plan_forward(x, x, None, arr((32768,), "bfloat16"), (32768,) * 2, 64, 32768)
+    assert fwd.slots == 0 and rmsnorm.row_cache_bytes(fwd, 32768, "bfloat16", 226 * 1024) == 65536
 
 
 @pytest.mark.parametrize("optin_kib", [64, 99, 163, 227])  # T4; A10/L4/RTX 4090/V100-class; A100; H100

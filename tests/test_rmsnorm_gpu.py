@@ -371,7 +371,7 @@ def test_fused_add_chunks(rng, monkeypatch, kind, dtype, hidden, start):
 @pytest.mark.parametrize("cache", [False, True])
 def test_fused_add_row_cache(rng, monkeypatch, kind, dtype, hidden, cache):
     fresh_plans(monkeypatch)
-    monkeypatch.setattr(rmsnorm, "FWD_ADD_ROW_CACHE_MAX_BYTES", 96 * 1024 if cache else 0)
+    monkeypatch.setattr(rmsnorm, "ROW_CACHE_MAX_BYTES", 96 * 1024 if cache else 0)
     rows = 37
     x_host, r_host = random_host((rows, hidden), dtype, rng, scale=2.0), random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), "float32", rng)
@@ -385,6 +385,28 @@ def test_fused_add_row_cache(rng, monkeypatch, kind, dtype, hidden, cache):
     assert_matches(to_host(x), ref_y, dtype, scale=2.0)
     for buf in (x_buf, r_buf):
         assert np.isnan(outside_rows(buf, 0, hidden)).all(), "wrote outside"
+
+
+# The plain forward of 16-byte rows read twice (fp16/bf16 rows over 16384 elements) through the row cache
+# or read again from x: strided, in place and out of place (out= a view with NaN around it), rstd returned.
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,hidden", [("bfloat16", 32768), ("float16", 20000)])
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_forward_row_cache(rng, monkeypatch, kind, dtype, hidden, cache, in_place):
+    fresh_plans(monkeypatch)
+    monkeypatch.setattr(rmsnorm, "ROW_CACHE_MAX_BYTES", 64 * 1024 if cache else 0)
+    rows = 29
+    x_host = random_host((rows, hidden), dtype, rng, scale=3.0)
+    w_host = random_host((hidden,), dtype, rng)
+    x_buf, x = unaligned_view(x_host, dtype, kind, 0, 8)
+    out_buf, out = (x_buf, x) if in_place else unaligned_view(np.full((rows, hidden), np.nan), dtype, kind, 0, 8)
+    y, rstd = cupyrope.rms_norm(x, to_device(w_host, dtype, kind), 1e-5, offset=0.5, out=out, return_rstd=True)
+    plan = planned("fwd")
+    assert plan.slots == 0 and plan.vectorized and plan.shared_mem == (hidden * 2 if cache else 0), plan
+    assert_matches(to_host(y), reference.rms_norm(x_host, w_host, 1e-5, 0.5), dtype, scale=3.0)
+    np.testing.assert_allclose(to_host(rstd), reference.rms_norm(x_host, None, 1e-5, return_rstd=True)[1], rtol=2e-6)
+    assert np.isnan(outside_rows(out_buf, 0, hidden)).all(), "wrote outside"
 
 
 @pytest.mark.parametrize("kind", KINDS)
