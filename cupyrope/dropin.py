@@ -235,6 +235,13 @@ def _patch_rope_functions(model, report) -> None:
         report["rope"].append(name)
 
 
+def _cos_sin_of(module, x, positions, layer_types) -> list[tuple[Tensor, Tensor]]:
+    """A rotary embedding module's (cos, sin) at ``positions`` for each layer type, in fp32 on the CPU."""
+    with torch.no_grad():
+        return [tuple(t.float().cpu() for t in module(*((x, positions) if layer_type is None else (x, positions, layer_type))))
+                for layer_type in layer_types]
+
+
 def _model_cos_sin(model, source) -> list[tuple[Tensor, Tensor]]:
     """(cos, sin) pairs, (1, 16, rotary_dim) at positions 1-16, from each rotary embedding module of the
     model defined in ``source`` (each layer type of each), in fp32 on the CPU; _Skip unless they are."""
@@ -248,12 +255,12 @@ def _model_cos_sin(model, source) -> list[tuple[Tensor, Tensor]]:
         positions = torch.arange(1, 17, device=device)[None]
         layer_types = getattr(module, "layer_types", None) or [None]
         try:
-            with torch.no_grad():
-                for layer_type in layer_types:
-                    args = (x, positions) if layer_type is None else (x, positions, layer_type)
-                    pairs.append(tuple(t.float().cpu() for t in module(*args)))
+            pairs += _cos_sin_of(module, x, positions, layer_types)
         except Exception as error:
-            raise _Skip(f"its {type(module).__name__} fails on (x, position_ids) ({type(error).__name__})") from None
+            try:  # multimodal RoPE of transformers up to ~5.17: one row of positions each for time, height, width
+                pairs += _cos_sin_of(module, x, positions.expand(3, 1, 16), layer_types)
+            except Exception:
+                raise _Skip(f"its {type(module).__name__} fails on (x, position_ids) ({type(error).__name__})") from None
     if not pairs:
         raise _Skip("no *RotaryEmbedding module of this modeling module in the model to read cos/sin from")
     shapes = {tuple(c.shape) for c, _ in pairs}

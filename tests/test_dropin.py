@@ -372,6 +372,42 @@ def test_patch_transformers_leaves_a_rope_it_cannot_match(fake_model):
     assert report["skipped"] == [(f"{module.__name__}.apply_rotary_pos_emb", "its results match neither of cupyrope's rotation styles")]
 
 
+def test_patch_transformers_reads_multimodal_rope_from_three_position_rows(fake_model, gen):
+    # transformers up to ~5.17: Qwen2-VL's and Qwen3-VL's rotary embeddings take (3, batch, seq) positions
+    # only (time, height, width rows) and fold them into one cos/sin; a (batch, seq) probe fails there.
+    module, model = fake_model()
+    one_row = model.rotary_emb.forward
+
+    def three_rows(x, position_ids):
+        if position_ids.dim() != 3 or position_ids.shape[0] != 3:
+            raise IndexError("expected (3, batch, seq) positions")
+        return one_row(x, position_ids[0])  # stand-in for the fold: the time row
+
+    model.rotary_emb.forward = three_rows
+    x, t = torch.randn(2, 7, 64, generator=gen), torch.arange(3, 10)[None].expand(2, -1)
+    position_ids = torch.stack([t, t // 2, t % 3])
+    with torch.no_grad():
+        before = model(x, position_ids)
+        report = dropin.patch_transformers(model)
+        after = model(x, position_ids)
+    assert report["rope"] == [module.__name__]
+    assert_close(after, before, "float32")
+
+
+def test_patch_transformers_leaves_a_rope_whose_embedding_it_cannot_run(fake_model):
+    module, model = fake_model()
+
+    def broken(x, position_ids):
+        raise IndexError("no positions fit")
+
+    model.rotary_emb.forward = broken
+    original = module.apply_rotary_pos_emb
+    report = dropin.patch_transformers(model, rms_norm=False)
+    assert report["rope"] == [] and module.apply_rotary_pos_emb is original
+    assert report["skipped"] == [(f"{module.__name__}.apply_rotary_pos_emb",
+                                  "its FakeRotaryEmbedding fails on (x, position_ids) (IndexError)")]
+
+
 def test_patch_transformers_leaves_hooked_modules(fake_model):
     _, model = fake_model()
     model.norm.register_forward_pre_hook(lambda module, args: None)
