@@ -237,9 +237,12 @@ def _patch_rope_functions(model, report) -> None:
 
 def _cos_sin_of(module, x, positions, layer_types) -> list[tuple[Tensor, Tensor]]:
     """A rotary embedding module's (cos, sin) at ``positions`` for each layer type, in fp32 on the CPU."""
+    pairs = []
     with torch.no_grad():
-        return [tuple(t.float().cpu() for t in module(*((x, positions) if layer_type is None else (x, positions, layer_type))))
-                for layer_type in layer_types]
+        for layer_type in layer_types:
+            args = (x, positions) if layer_type is None else (x, positions, layer_type)
+            pairs.append(tuple(t.float().cpu() for t in module(*args)))
+    return pairs
 
 
 def _model_cos_sin(model, source) -> list[tuple[Tensor, Tensor]]:

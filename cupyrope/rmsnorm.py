@@ -482,12 +482,11 @@ def _plan_forward_call(xa, wa, oa, eps, offset, return_rstd, impl):
         strides = _row_strides([xa, ya], ["x", "out"])
         plan = plan_forward_for_device(xa, ya, None, wa, strides, rows, hidden, impl, xa.device)
         plan.out_layouts = _arrays.out_layouts(xa, oa)
-        if plan.vectorized:
-            plan.shared_mem = row_cache_bytes(plan, hidden, xa.dtype, shared_optin(xa.device) - STATIC_SHARED_BYTES)
+        if plan.vectorized:  # odd rows measured slower with the row cache in the plain forward
+            plan.shared_mem = row_cache_bytes(plan, hidden, xa.dtype, _shared_limit(xa.device))
         tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[1], 0, *_scalars(eps, offset, hidden))
-        kernel = get_kernel(SOURCE, plan.name, xa.device)
-        allow_shared_memory(kernel, plan.shared_mem, xa.device)
-        plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 5, tail, xa.device, xa.kind, plan.shared_mem)
+        plan.launch = _launch.Launch(_kernel(plan, xa.device), plan.grid, plan.block, 5, tail, xa.device, xa.kind,
+                                     plan.shared_mem)
     else:
         plan = EmptyPlan()
     plan.new_output = _arrays.allocator(xa, xa.shape, xa.dtype)
@@ -508,12 +507,11 @@ def _plan_fused_add_call(xa, ra, wa, eps, offset, impl):
     rows, hidden = _rows(xa.shape), xa.shape[-1]
     strides = _row_strides([xa, ra], ["x", "residual"])
     plan = plan_forward_for_device(xa, xa, ra, wa, (strides[0], strides[0], strides[1]), rows, hidden, impl, xa.device)
-    plan.shared_mem = row_cache_bytes(plan, hidden, xa.dtype, shared_optin(xa.device) - STATIC_SHARED_BYTES)
+    plan.shared_mem = row_cache_bytes(plan, hidden, xa.dtype, _shared_limit(xa.device))
     tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[0], strides[1], *_scalars(eps, offset, hidden))
     plan.extents = (_arrays.layout_key(xa), _arrays.layout_key(ra))
-    kernel = get_kernel(SOURCE, plan.name, xa.device)
-    allow_shared_memory(kernel, plan.shared_mem, xa.device)
-    plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 5, tail, xa.device, xa.kind, plan.shared_mem)
+    plan.launch = _launch.Launch(_kernel(plan, xa.device), plan.grid, plan.block, 5, tail, xa.device, xa.kind,
+                                 plan.shared_mem)
     return plan
 
 
@@ -524,11 +522,22 @@ def row_cache_bytes(plan, hidden: int, dtype, shared_limit: int) -> int:
     return nbytes if not plan.slots and nbytes <= min(ROW_CACHE_MAX_BYTES, shared_limit) else 0
 
 
+def _shared_limit(device: int) -> int:
+    """Dynamic shared memory a plan may give one block on device: its opt-in less the static arrays."""
+    return shared_optin(device) - STATIC_SHARED_BYTES
+
+
+def _kernel(plan, device: int):
+    """plan's kernel on device, allowed the plan's dynamic shared memory."""
+    kernel = get_kernel(SOURCE, plan.name, device)
+    allow_shared_memory(kernel, plan.shared_mem, device)
+    return kernel
+
+
 def _resident_grid(plan, rows, xa):
     """plan's kernel on x's device; the plan's grid becomes one wave: as many blocks as the SMs hold at
     once (the planner's estimate counts threads only). More would only add dweight partials."""
-    kernel = get_kernel(SOURCE, plan.name, xa.device)
-    allow_shared_memory(kernel, plan.shared_mem, xa.device)
+    kernel = _kernel(plan, xa.device)
     plan.grid = cap_grid(plan, _blocks_per_wave(kernel, plan, xa.device), rows, xa.dtype)
     return kernel
 
@@ -552,8 +561,7 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
     if xa.size:
         dxa = _arrays.contiguous_like(xa, xa.shape, xa.dtype)
         strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
-        planning = (da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl,
-                    shared_optin(xa.device) - STATIC_SHARED_BYTES)
+        planning = (da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl, _shared_limit(xa.device))
         plan = plan_backward(*planning)
         tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc),
                               *_scalars(eps, offset, hidden))

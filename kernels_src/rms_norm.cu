@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(co
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
         // With ADD, the normalized values are the rounded sums this thread just stored in residual. The
         // row cache holds what this thread read or summed: each thread reads back only its own columns,
-        // so no barrier.
+        // so no barrier. Its own loop: a pointer that may be shared or global would load generically.
         if (cached) {
             for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
                 const Pack<T, E> v = load_pack<VEC, E>(row_cache + col);
