@@ -35,6 +35,13 @@ FWD_MAX_SLOTS = {(True, 4): 8, (True, 2): 4, (False, 4): 8, (False, 2): 8}
 # the new residual back from the L2, measured faster: [8192, 16384] 982 -> 831 us, [512, 16384] 66 -> 56
 # (docs/perf-notes.md v15). Shifted rows have no two-pass loop and keep FWD_MAX_SLOTS.
 FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 4): 4}
+# Threads a row of 4+ register slots may have, by (vectorized, element size); else MAX_WIDTH (the kernel
+# allows 1024 for 4+ slots: FwdBounds). fp32 rows of 8K-32K elements on up to 1024 threads (one block an
+# SM, like Liger) instead of 8 chunks on 512 or the two-pass loop measured faster, forward and fused add:
+# [8192, 16384] 367 -> 360 us (fused add 734 -> 719), [4096, 24576] 410 -> 279, odd [4096, 16389] 359 ->
+# 189. Shifted rows of the plain forward that 512 threads hold keep them (800 x 4 was 3% slower than 416 x
+# 8 at hidden 12291). fp16/bf16 rows of 1024 x 2 were 13-20% slower than 512 x 4 (docs/perf-notes.md v19).
+FWD_MAX_WIDTH = {(True, 4): 1024}
 # Rows read twice (slots 0) wait in shared memory for the output pass (the row cache) where the block's
 # rows take at most this many bytes, instead of being read again: the fused add's rounded sums (86% -> 98%
 # of copy bandwidth at fp32 [8192, 16384]) and the plain forward's 16-byte rows (bf16 [4096, 32768] 68% ->
@@ -115,12 +122,16 @@ def row_threads(n: int) -> int:
     return _next_pow2(n) if n <= 32 else -(-n // 32) * 32
 
 
-def row_shape(hidden: int, elems: int, chunks_per_thread: int = 1, max_slots: int = 8) -> tuple[int, int]:
+def row_shape(hidden: int, elems: int, chunks_per_thread: int = 1, max_slots: int = 8,
+              wide: int = MAX_WIDTH) -> tuple[int, int]:
     """(threads per row, register slots per thread; 0 = two-pass loop) for a row of ``hidden`` elements
-    moved ``elems`` at a time: about ``chunks_per_thread`` 16-byte chunks a thread."""
+    moved ``elems`` at a time: about ``chunks_per_thread`` 16-byte chunks a thread; rows that need 4+
+    slots at MAX_WIDTH threads may have up to ``wide`` threads instead."""
     chunks = -(-hidden // elems)
     # More threads per row when the register slots cannot hold the row at this width.
     width = min(row_threads(-(-chunks // min(chunks_per_thread, max_slots))), MAX_WIDTH)
+    if -(-chunks // width) >= 4:
+        width = min(row_threads(-(-chunks // min(chunks_per_thread, max_slots))), wide)
     needed = -(-chunks // width)
     if needed > max_slots:
         return MAX_WIDTH, 0
@@ -160,19 +171,24 @@ def _shifted_span(hidden: int, itemsize: int) -> int:
 
 
 def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread, block_threads,
-          extra, impl, can_shift=False):
-    """can_shift: the kernel takes a last SHIFT parameter; arrays[-1] is the weight."""
+          extra, impl, can_shift=False, max_width=None, shift_wide=True):
+    """can_shift: the kernel takes a last SHIFT parameter; arrays[-1] is the weight. max_width: threads a
+    row of 4+ slots may have, by (vectorized, element size); MAX_WIDTH where it has no entry. shift_wide
+    False: shifted rows take more than MAX_WIDTH threads only where MAX_WIDTH cannot hold them."""
     itemsize = _arrays.ITEMSIZE[dtype]
 
-    def shape(vec, span):  # (width, slots) for a row of `span` elements
+    def shape(vec, span, wide=True):  # (width, slots) for a row of `span` elements
         elems = 16 // itemsize if vec else 1
-        return row_shape(span, elems, max(1, elems_per_thread // elems), max_slots[vec, itemsize])
+        width = (max_width or {}).get((vec, itemsize), MAX_WIDTH) if wide else MAX_WIDTH
+        return row_shape(span, elems, max(1, elems_per_thread // elems), max_slots[vec, itemsize], width)
 
     vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
     shifted = can_shift and not vectorized and impl != "scalar" and _shiftable(arrays[:-1], row_strides, hidden, dtype)
     if shifted:
         # A shifted row must fit in registers (SHIFT has no two-pass loop).
-        width, slots = shape(True, _shifted_span(hidden, itemsize))
+        width, slots = shape(True, _shifted_span(hidden, itemsize), wide=shift_wide)
+        if not slots:
+            width, slots = shape(True, _shifted_span(hidden, itemsize))
         shifted = vectorized = slots > 0
     if impl == "vector" and not vectorized:
         raise ValueError("impl: 'vector' needs hidden a multiple of 16 bytes and 16-byte aligned rows")
@@ -198,7 +214,8 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
 
     def plan_with(max_slots):
         return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots,
-                     elems, FWD_BLOCK_THREADS, [add], impl, can_shift=True)
+                     elems, FWD_BLOCK_THREADS, [add], impl, can_shift=True, max_width=FWD_MAX_WIDTH,
+                     shift_wide=residual is not None)
 
     plan = plan_with(FWD_MAX_SLOTS)
     aligned_add = residual is not None and plan.vectorized and not plan.shifted

@@ -253,15 +253,22 @@ __device__ constexpr bool weight_early() {
     return bytes <= (VEC && !ADD && !SHIFT ? RMS_FWD_EARLY_BYTES : RMS_WEIGHT_EARLY_BYTES);
 }
 
-// Blocks have at most 512 threads (rmsnorm.py: MAX_WIDTH, BLOCK_THREADS).
+// Launch bounds by register slots. Blocks have at most 512 threads (rmsnorm.py: MAX_WIDTH,
+// FWD_BLOCK_THREADS), but rows of 4+ slots may have 1024 (FWD_MAX_WIDTH: fp32 rows of 8K-16K
+// elements); those ask for half as many blocks, which leaves their register budget unchanged.
+static_assert(RMS_FWD_MIN_BLOCKS_4 % 2 == 0, "RMS_FWD_MIN_BLOCKS_4 counts 512-thread blocks: even");
 template <int NPT>
-struct FwdMinBlocks {
-    static constexpr int value =
-        NPT == 1 ? RMS_FWD_MIN_BLOCKS_1 : NPT == 2 ? RMS_FWD_MIN_BLOCKS_2 : RMS_FWD_MIN_BLOCKS_4;
+struct FwdBounds {
+    static constexpr bool wide = NPT >= 4;
+    static constexpr int threads = wide ? 1024 : 512;
+    static constexpr int min_blocks = NPT == 1   ? RMS_FWD_MIN_BLOCKS_1
+                                      : NPT == 2 ? RMS_FWD_MIN_BLOCKS_2
+                                      : wide     ? RMS_FWD_MIN_BLOCKS_4 / 2
+                                                 : RMS_FWD_MIN_BLOCKS_4;
 };
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
-__global__ void __launch_bounds__(512, FwdMinBlocks<NPT>::value) rms_norm_fwd(const NormParams p) {
+__global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_blocks) rms_norm_fwd(const NormParams p) {
     static_assert(!SHIFT || (VEC && NPT > 0), "SHIFT: vectorized rows held in registers");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     __shared__ float scratch[32];

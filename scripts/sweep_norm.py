@@ -61,6 +61,10 @@ if "--long" in sys.argv:  # rows past the registers (the two-pass loop; the fuse
 if "--fwdlong" in sys.argv:  # the plain forward of rows of 8+ chunks a thread, and two-pass rows
     SHAPES = [(r, 16384, torch.float32) for r in (512, 2048, 8192)] + [(8192, 12288, torch.float32)]
     SHAPES += [(r, 32768, torch.bfloat16) for r in (512, 2048, 4096)] + [(2048, 20001, torch.bfloat16)]
+if "--wide" in sys.argv:  # fp32 rows that 512 threads hold in 8 chunks or not at all (FWD_MAX_WIDTH)
+    SHAPES = [(r, 16384, torch.float32) for r in (512, 2048, 8192)] + [(8192, 12288, torch.float32)]
+    SHAPES += [(8192, 9000, torch.float32), (2048, 32768, torch.float32), (4096, 24576, torch.float32)]
+    SHAPES += [(8192, 12291, torch.float32), (4096, 16389, torch.float32)]  # shifted rows
 if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]

@@ -338,16 +338,34 @@ def test_fused_add_row_cache_plan():
         plan = plan_forward(x, x, x, arr((hidden,), "float32"), (hidden,) * 3, 64, hidden)
         return plan.slots, rmsnorm.row_cache_bytes(plan, hidden, dtype, shared_limit)
 
-    assert cache(16384, "float32") == (0, 65536)
     assert cache(32768, "bfloat16") == (0, 65536)
     assert cache(20001, "float16") == (0, 40002)
-    assert cache(8192, "float32")[1] == 0 and cache(16384, "bfloat16")[1] == 0  # in registers
-    assert cache(65536, "float32") == (0, 0) and cache(20001, "float32") == (0, 0)  # past 64 KiB
-    assert cache(32768, "float32", shared_limit=99 * 1024 - 1024) == (0, 0)
+    assert cache(16384, "float32") == (4, 0) and cache(16384, "bfloat16")[1] == 0  # in registers
+    assert cache(20000, "float32") == (0, 0) and cache(33001, "float32") == (0, 0)  # past 64 KiB
+    assert cache(32768, "bfloat16", shared_limit=48 * 1024) == (0, 0)  # past what the GPU gives a block
     # The plain forward's two-pass rows too (the launcher gives vectorized ones the cache).
     x = arr((64, 32768), "bfloat16")
     fwd = plan_forward(x, x, None, arr((32768,), "bfloat16"), (32768,) * 2, 64, 32768)
     assert fwd.slots == 0 and rmsnorm.row_cache_bytes(fwd, 32768, "bfloat16", 226 * 1024) == 65536
+
+
+@pytest.mark.parametrize("hidden,add,threads,slots,shifted", [
+    (8192, False, 512, 4, False), (9000, False, 576, 4, False), (16384, False, 1024, 4, False),
+    (24576, False, 768, 8, False), (32768, False, 1024, 8, False), (65536, False, 512, 0, False),
+    (16384, True, 1024, 4, False), (32768, True, 512, 0, False), (4099, False, 288, 4, True),
+    (12291, False, 416, 8, True), (12291, True, 800, 4, True), (20001, False, 640, 8, True)])
+def test_rms_norm_forward_takes_wide_fp32_rows(hidden, add, threads, slots, shifted):
+    # fp32 rows that 512 threads hold only in 8 chunks, or not at all, take up to 1024 threads (v19);
+    # shifted rows of the plain forward that 512 threads hold keep them.
+    x, y = arr((4096, hidden), "float32"), arr((4096, hidden), "float32", ptr=BASE + 2**36)
+    residual = arr((4096, hidden), "float32", ptr=BASE + 2**37) if add else None
+    strides = (hidden,) * (3 if add else 2)
+    plan = plan_forward(x, y, residual, arr((hidden,), "float32", ptr=BASE + 2**38), strides, 4096, hidden)
+    assert (plan.block, plan.slots, plan.shifted) == ((threads, 1), slots, shifted)
+    assert plan.name in {name for _, name in rmsnorm.all_variants()}
+    # fp16/bf16 rows stay on 512 threads.
+    half = arr((4096, 2 * hidden), "bfloat16")
+    assert plan_forward(half, half, None, None, (2 * hidden,) * 2, 4096, 2 * hidden).block[0] <= 512
 
 
 @pytest.mark.parametrize("optin_kib", [64, 99, 163, 227])  # T4; A10/L4/RTX 4090/V100-class; A100; H100

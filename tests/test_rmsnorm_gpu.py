@@ -337,9 +337,8 @@ def test_fused_add(rng, kind, dtype, hidden):
     assert_matches(to_host(x), ref_y, dtype, scale=2.0)
 
 
-# The fused add with rows of 2+ chunks a thread, aligned and shifted (held row pointers there, v15;
-# aligned fp32 rows of 16384 take the two-pass loop instead): x and residual are views with NaN around
-# the rows; every row checked, nothing outside written.
+# The fused add with rows of 2+ chunks a thread, aligned and shifted (held row pointers there, v15): x and
+# residual are views with NaN around the rows; every row checked, nothing outside written.
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("hidden,start", [(16384, 0), (4099, 3), (12289, 5)])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -353,8 +352,7 @@ def test_fused_add_chunks(rng, monkeypatch, kind, dtype, hidden, start):
     cupyrope.fused_add_rms_norm(x, r, to_device(w_host, dtype, kind), 1e-6)
     plan = planned("add")
     shifted = start * _arrays.ITEMSIZE[dtype] % 16 != 0
-    two_pass = dtype == "float32" and not shifted
-    assert plan.shifted == shifted and (plan.slots == 0 if two_pass else plan.slots >= 2), plan
+    assert plan.shifted == shifted and plan.slots >= 2, plan
     ref_y, ref_r = reference.fused_add_rms_norm(x_host, r_host, w_host, 1e-6, dtype=dtype)
     np.testing.assert_array_equal(to_host(r), ref_r)
     assert_matches(to_host(x), ref_y, dtype, scale=2.0)
@@ -363,15 +361,15 @@ def test_fused_add_chunks(rng, monkeypatch, kind, dtype, hidden, start):
 
 
 # The fused add of rows read twice (the two-pass loop, slots 0), its rounded sums kept for the output
-# pass in the row cache (shared memory, up to 80 KiB here: past the planner's cap) or read back from
+# pass in the row cache (shared memory, up to 136 KiB here: past the planner's cap) or read back from
 # residual: aligned rows (16-byte chunks) and odd ones (element by element), strided, NaN around the rows.
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype,hidden", [("float32", 16384), ("bfloat16", 32768), ("float16", 20001),
-                                          ("float32", 20001)])
+@pytest.mark.parametrize("dtype,hidden", [("float32", 20000), ("bfloat16", 32768), ("float16", 20001),
+                                          ("float32", 33001)])
 @pytest.mark.parametrize("cache", [False, True])
 def test_fused_add_row_cache(rng, monkeypatch, kind, dtype, hidden, cache):
     fresh_plans(monkeypatch)
-    monkeypatch.setattr(rmsnorm, "ROW_CACHE_MAX_BYTES", 96 * 1024 if cache else 0)
+    monkeypatch.setattr(rmsnorm, "ROW_CACHE_MAX_BYTES", 136 * 1024 if cache else 0)
     rows = 37
     x_host, r_host = random_host((rows, hidden), dtype, rng, scale=2.0), random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), "float32", rng)
@@ -385,6 +383,42 @@ def test_fused_add_row_cache(rng, monkeypatch, kind, dtype, hidden, cache):
     assert_matches(to_host(x), ref_y, dtype, scale=2.0)
     for buf in (x_buf, r_buf):
         assert np.isnan(outside_rows(buf, 0, hidden)).all(), "wrote outside"
+
+
+# fp32 rows on more than 512 threads (rmsnorm.FWD_MAX_WIDTH, v19): aligned rows of 4 and 8 chunks a thread,
+# shifted rows of the fused add, shifted rows of the plain forward that 512 threads cannot hold (and one
+# they can: it keeps 512). The forward out of place (out= a view with NaN around it) with rstd, the fused add
+# in place on views with NaN around the rows; every row checked, nothing outside written.
+WIDE_ROWS = [(16384, 0, False, 1024, 4), (24576, 0, False, 768, 8), (32768, 0, False, 1024, 8),
+             (20001, 3, False, 640, 8), (12291, 3, False, 416, 8),
+             (16384, 0, True, 1024, 4), (9000, 0, True, 576, 4), (12291, 3, True, 800, 4), (20001, 3, True, 640, 8)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("hidden,start,add,threads,slots", WIDE_ROWS)
+def test_forward_wide_rows(rng, monkeypatch, kind, hidden, start, add, threads, slots):
+    fresh_plans(monkeypatch)
+    rows, dtype = 37, "float32"
+    x_host, w_host = random_host((rows, hidden), dtype, rng, scale=2.0), random_host((hidden,), dtype, rng)
+    x_buf, x = unaligned_view(x_host, dtype, kind, start, 8)
+    w = to_device(w_host, dtype, kind)
+    if add:
+        r_host = random_host((rows, hidden), dtype, rng)
+        r_buf, r = unaligned_view(r_host, dtype, kind, start, 8)
+        cupyrope.fused_add_rms_norm(x, r, w, 1e-6, offset=0.25)
+        plan, y, written = planned("add"), x, (x_buf, r_buf)
+        ref_y, ref_r = reference.fused_add_rms_norm(x_host, r_host, w_host, 1e-6, 0.25, dtype=dtype)
+        np.testing.assert_array_equal(to_host(r), ref_r)
+    else:
+        out_buf, out = unaligned_view(np.full((rows, hidden), np.nan), dtype, kind, start, 8)
+        y, rstd = cupyrope.rms_norm(x, w, 1e-6, offset=0.25, out=out, return_rstd=True)
+        plan, written = planned("fwd"), (out_buf,)
+        ref_y, ref_rstd = reference.rms_norm(x_host, w_host, 1e-6, 0.25, return_rstd=True)
+        np.testing.assert_allclose(to_host(rstd), ref_rstd, rtol=2e-6)
+    assert plan.block == (threads, 1) and plan.slots == slots and plan.shifted == (start > 0), plan
+    assert_matches(to_host(y), ref_y, dtype, scale=2.0)
+    for buf in written:
+        assert np.isnan(outside_rows(buf, start, hidden)).all(), "wrote outside"
 
 
 # The plain forward of 16-byte rows read twice (fp16/bf16 rows over 16384 elements) through the row cache
