@@ -35,18 +35,25 @@ FWD_MAX_SLOTS = {(True, 4): 8, (True, 2): 4, (False, 4): 8, (False, 2): 8}
 # the new residual back from the L2, measured faster: [8192, 16384] 982 -> 831 us, [512, 16384] 66 -> 56
 # (docs/perf-notes.md v15). Shifted rows have no two-pass loop and keep FWD_MAX_SLOTS.
 FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 4): 4}
-# Threads a row of 4+ register slots may have, by (vectorized, element size); else MAX_WIDTH (the kernel
-# allows 1024 for 4+ slots: FwdBounds). fp32 rows of 8K-32K elements on up to 1024 threads (one block an
-# SM, like Liger) instead of 8 chunks on 512 or the two-pass loop measured faster, forward and fused add:
-# [8192, 16384] 367 -> 360 us (fused add 734 -> 719), [4096, 24576] 410 -> 279, odd [4096, 16389] 359 ->
-# 189. Shifted rows of the plain forward that 512 threads hold keep them (800 x 4 was 3% slower than 416 x
-# 8 at hidden 12291). fp16/bf16 rows of 1024 x 2 were 13-20% slower than 512 x 4 (docs/perf-notes.md v19).
-FWD_MAX_WIDTH = {(True, 4): 1024}
+# Threads a 16-byte row may have, by (fused add, element size), where MAX_WIDTH threads cannot hold it in
+# registers (else the two-pass loop; the kernel allows 1024 for 4+ slots: FwdBounds); one block an SM.
+# Measured against the two-pass loop (docs/perf-notes.md v19, v20): fp32 [4096, 24576] 410 -> 279 us, odd
+# [4096, 16389] 359 -> 189 (fused add 683 -> 510); bf16 [4096, 32768] 206 -> 182-188, odd [2048, 20001]
+# 140 -> 73. The fp16/bf16 fused add keeps the two-pass loop with its row cache (odd bf16 [4096, 20001]
+# 415 -> 475 on 1024 threads).
+FWD_MAX_WIDTH = {(False, 4): 1024, (True, 4): 1024, (False, 2): 1024, (True, 2): MAX_WIDTH}
+# Rows that take up to FWD_MAX_WIDTH threads even where MAX_WIDTH holds them (in 8 chunks), by (fused add,
+# element size): fp32 rows of 8K-16K elements as 1024 x 4 (Liger's launch shape) measured faster than
+# 512 x 8: [8192, 16384] 367 -> 360 us (fused add 734 -> 719), odd fused add [8192, 12291] 736 -> 547; not
+# odd rows of the plain forward (800 x 4 3% slower than 416 x 8 at hidden 12291), nor fp16/bf16 (1024 x 2
+# 13-20% slower than 512 x 4 at hidden 16384).
+FWD_WIDE_FIRST = {(False, 4): ("aligned",), (True, 4): ("aligned", "shifted")}
 # Rows read twice (slots 0) wait in shared memory for the output pass (the row cache) where the block's
-# rows take at most this many bytes, instead of being read again: the fused add's rounded sums (86% -> 98%
-# of copy bandwidth at fp32 [8192, 16384]) and the plain forward's 16-byte rows (bf16 [4096, 32768] 68% ->
-# 87%; its odd rows measured 1% slower with it and keep the second read). Rows of 80-128 KiB (2 or 1 blocks
-# an SM) measured up to 10% slower with it (docs/perf-notes.md v18).
+# rows take at most this many bytes, instead of being read again: the fused add's rounded sums (bf16
+# [4096, 32768] 85% -> 96% of copy bandwidth) and the plain forward's 16-byte rows (v18b: bf16 [4096, 32768]
+# 68% -> 87%; since v20 rows up to 32768 fp16/bf16 elements are held in registers on 1024 threads instead,
+# 99%, so only a raised cap gives the plain forward the cache; odd rows keep the second read, 1% faster).
+# Rows of 80-128 KiB (2 or 1 blocks an SM) measured up to 10% slower with it (docs/perf-notes.md v18).
 ROW_CACHE_MAX_BYTES = 64 * 1024
 BWD_MAX_SLOTS = {(True, 4): 2, (True, 2): 2, (False, 4): 8, (False, 2): 8}
 SHARED_ACC_LIMIT = 160 * 1024  # bytes of per-block dweight sums kept in shared memory
@@ -123,16 +130,18 @@ def row_threads(n: int) -> int:
 
 
 def row_shape(hidden: int, elems: int, chunks_per_thread: int = 1, max_slots: int = 8,
-              wide: int = MAX_WIDTH) -> tuple[int, int]:
+              max_width: int = MAX_WIDTH, wide_first: bool = False) -> tuple[int, int]:
     """(threads per row, register slots per thread; 0 = two-pass loop) for a row of ``hidden`` elements
-    moved ``elems`` at a time: about ``chunks_per_thread`` 16-byte chunks a thread; rows that need 4+
-    slots at MAX_WIDTH threads may have up to ``wide`` threads instead."""
+    moved ``elems`` at a time: about ``chunks_per_thread`` 16-byte chunks a thread. Up to ``max_width``
+    threads where MAX_WIDTH cannot hold the row, and with ``wide_first`` where it needs 4+ slots there."""
     chunks = -(-hidden // elems)
+    threads = row_threads(-(-chunks // min(chunks_per_thread, max_slots)))
     # More threads per row when the register slots cannot hold the row at this width.
-    width = min(row_threads(-(-chunks // min(chunks_per_thread, max_slots))), MAX_WIDTH)
-    if -(-chunks // width) >= 4:
-        width = min(row_threads(-(-chunks // min(chunks_per_thread, max_slots))), wide)
+    width = min(threads, MAX_WIDTH)
     needed = -(-chunks // width)
+    if needed > max_slots or (wide_first and needed >= 4):
+        width = min(threads, max_width)
+        needed = -(-chunks // width)
     if needed > max_slots:
         return MAX_WIDTH, 0
     slots = next(s for s in REGISTER_SLOTS if s >= needed)
@@ -171,24 +180,21 @@ def _shifted_span(hidden: int, itemsize: int) -> int:
 
 
 def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread, block_threads,
-          extra, impl, can_shift=False, max_width=None, shift_wide=True):
-    """can_shift: the kernel takes a last SHIFT parameter; arrays[-1] is the weight. max_width: threads a
-    row of 4+ slots may have, by (vectorized, element size); MAX_WIDTH where it has no entry. shift_wide
-    False: shifted rows take more than MAX_WIDTH threads only where MAX_WIDTH cannot hold them."""
+          extra, impl, can_shift=False, max_width=MAX_WIDTH, wide_first=()):
+    """can_shift: the kernel takes a last SHIFT parameter; arrays[-1] is the weight. max_width, wide_first
+    (the kinds of 16-byte row, "aligned" or "shifted", that widen first): see row_shape."""
     itemsize = _arrays.ITEMSIZE[dtype]
 
-    def shape(vec, span, wide=True):  # (width, slots) for a row of `span` elements
+    def shape(vec, span, kind="aligned"):  # (width, slots) for a row of `span` elements
         elems = 16 // itemsize if vec else 1
-        width = (max_width or {}).get((vec, itemsize), MAX_WIDTH) if wide else MAX_WIDTH
-        return row_shape(span, elems, max(1, elems_per_thread // elems), max_slots[vec, itemsize], width)
+        return row_shape(span, elems, max(1, elems_per_thread // elems), max_slots[vec, itemsize],
+                         max_width if vec else MAX_WIDTH, vec and kind in wide_first)
 
     vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
     shifted = can_shift and not vectorized and impl != "scalar" and _shiftable(arrays[:-1], row_strides, hidden, dtype)
     if shifted:
         # A shifted row must fit in registers (SHIFT has no two-pass loop).
-        width, slots = shape(True, _shifted_span(hidden, itemsize), wide=shift_wide)
-        if not slots:
-            width, slots = shape(True, _shifted_span(hidden, itemsize))
+        width, slots = shape(True, _shifted_span(hidden, itemsize), "shifted")
         shifted = vectorized = slots > 0
     if impl == "vector" and not vectorized:
         raise ValueError("impl: 'vector' needs hidden a multiple of 16 bytes and 16-byte aligned rows")
@@ -211,11 +217,12 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     itemsize = _arrays.ITEMSIZE[x.dtype]
     small = hidden * itemsize <= FWD_SMALL_ROW_BYTES and rows * hidden <= FWD_SMALL_ELEMENTS
     elems = elems or (FWD_SMALL_ELEMS_PER_THREAD if small else FWD_ELEMS_PER_THREAD)
+    key = residual is not None, itemsize
 
     def plan_with(max_slots):
         return _plan("rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots,
-                     elems, FWD_BLOCK_THREADS, [add], impl, can_shift=True, max_width=FWD_MAX_WIDTH,
-                     shift_wide=residual is not None)
+                     elems, FWD_BLOCK_THREADS, [add], impl, can_shift=True, max_width=FWD_MAX_WIDTH[key],
+                     wide_first=FWD_WIDE_FIRST.get(key, ()))
 
     plan = plan_with(FWD_MAX_SLOTS)
     aligned_add = residual is not None and plan.vectorized and not plan.shifted

@@ -330,7 +330,7 @@ def test_rms_norm_backward_lean_rule():
             assert plan is None or not rmsnorm.STAGED_LEAN_MAX_ROWS[plan.slots] or plan.name in names
 
 
-def test_fused_add_row_cache_plan():
+def test_fused_add_row_cache_plan(monkeypatch):
     # Rows read twice (slots 0) keep their sums in shared memory where the block's rows fit; rows held in
     # registers, and rows past the cap or past what the GPU gives a block, take none.
     def cache(hidden, dtype, shared_limit=227 * 1024 - 1024):
@@ -343,29 +343,35 @@ def test_fused_add_row_cache_plan():
     assert cache(16384, "float32") == (4, 0) and cache(16384, "bfloat16")[1] == 0  # in registers
     assert cache(20000, "float32") == (0, 0) and cache(33001, "float32") == (0, 0)  # past 64 KiB
     assert cache(32768, "bfloat16", shared_limit=48 * 1024) == (0, 0)  # past what the GPU gives a block
-    # The plain forward's two-pass rows too (the launcher gives vectorized ones the cache).
-    x = arr((64, 32768), "bfloat16")
-    fwd = plan_forward(x, x, None, arr((32768,), "bfloat16"), (32768,) * 2, 64, 32768)
-    assert fwd.slots == 0 and rmsnorm.row_cache_bytes(fwd, 32768, "bfloat16", 226 * 1024) == 65536
+    # The plain forward's two-pass rows too (the launcher gives vectorized ones the cache): since v20 only
+    # rows past 32768 fp16/bf16 elements, past the cap.
+    x = arr((64, 40000), "bfloat16")
+    fwd = plan_forward(x, x, None, arr((40000,), "bfloat16"), (40000,) * 2, 64, 40000)
+    assert fwd.slots == 0 and rmsnorm.row_cache_bytes(fwd, 40000, "bfloat16", 226 * 1024) == 0
+    monkeypatch.setattr(rmsnorm, "ROW_CACHE_MAX_BYTES", 96 * 1024)
+    assert rmsnorm.row_cache_bytes(fwd, 40000, "bfloat16", 226 * 1024) == 80000
 
 
-@pytest.mark.parametrize("hidden,add,threads,slots,shifted", [
-    (8192, False, 512, 4, False), (9000, False, 576, 4, False), (16384, False, 1024, 4, False),
-    (24576, False, 768, 8, False), (32768, False, 1024, 8, False), (65536, False, 512, 0, False),
-    (16384, True, 1024, 4, False), (32768, True, 512, 0, False), (4099, False, 288, 4, True),
-    (12291, False, 416, 8, True), (12291, True, 800, 4, True), (20001, False, 640, 8, True)])
-def test_rms_norm_forward_takes_wide_fp32_rows(hidden, add, threads, slots, shifted):
-    # fp32 rows that 512 threads hold only in 8 chunks, or not at all, take up to 1024 threads (v19);
-    # shifted rows of the plain forward that 512 threads hold keep them.
-    x, y = arr((4096, hidden), "float32"), arr((4096, hidden), "float32", ptr=BASE + 2**36)
-    residual = arr((4096, hidden), "float32", ptr=BASE + 2**37) if add else None
+@pytest.mark.parametrize("dtype,hidden,add,threads,slots,shifted", [
+    ("float32", 8192, False, 512, 4, False), ("float32", 9000, False, 576, 4, False),
+    ("float32", 16384, False, 1024, 4, False), ("float32", 24576, False, 768, 8, False),
+    ("float32", 32768, False, 1024, 8, False), ("float32", 65536, False, 512, 0, False),
+    ("float32", 16384, True, 1024, 4, False), ("float32", 32768, True, 512, 0, False),
+    ("float32", 4099, False, 288, 4, True), ("float32", 12291, False, 416, 8, True),
+    ("float32", 12291, True, 800, 4, True), ("float32", 20001, False, 640, 8, True),
+    ("bfloat16", 16384, False, 512, 4, False), ("bfloat16", 24576, False, 768, 4, False),
+    ("bfloat16", 32768, False, 1024, 4, False), ("bfloat16", 40000, False, 512, 0, False),
+    ("bfloat16", 32768, True, 512, 0, False), ("bfloat16", 12291, False, 416, 4, True),
+    ("bfloat16", 20001, False, 640, 4, True), ("float16", 12291, True, 416, 4, True)])
+def test_rms_norm_forward_takes_wide_rows(dtype, hidden, add, threads, slots, shifted):
+    # Rows that 512 threads cannot hold in registers take up to 1024 threads (v19, v20; not the fp16/bf16
+    # fused add), and fp32 rows that 512 threads hold in 8 chunks take them too (not shifted plain ones).
+    x, y = arr((4096, hidden), dtype), arr((4096, hidden), dtype, ptr=BASE + 2**36)
+    residual = arr((4096, hidden), dtype, ptr=BASE + 2**37) if add else None
     strides = (hidden,) * (3 if add else 2)
     plan = plan_forward(x, y, residual, arr((hidden,), "float32", ptr=BASE + 2**38), strides, 4096, hidden)
     assert (plan.block, plan.slots, plan.shifted) == ((threads, 1), slots, shifted)
     assert plan.name in {name for _, name in rmsnorm.all_variants()}
-    # fp16/bf16 rows stay on 512 threads.
-    half = arr((4096, 2 * hidden), "bfloat16")
-    assert plan_forward(half, half, None, None, (2 * hidden,) * 2, 4096, 2 * hidden).block[0] <= 512
 
 
 @pytest.mark.parametrize("optin_kib", [64, 99, 163, 227])  # T4; A10/L4/RTX 4090/V100-class; A100; H100

@@ -385,20 +385,25 @@ def test_fused_add_row_cache(rng, monkeypatch, kind, dtype, hidden, cache):
         assert np.isnan(outside_rows(buf, 0, hidden)).all(), "wrote outside"
 
 
-# fp32 rows on more than 512 threads (rmsnorm.FWD_MAX_WIDTH, v19): aligned rows of 4 and 8 chunks a thread,
-# shifted rows of the fused add, shifted rows of the plain forward that 512 threads cannot hold (and one
-# they can: it keeps 512). The forward out of place (out= a view with NaN around it) with rstd, the fused add
-# in place on views with NaN around the rows; every row checked, nothing outside written.
-WIDE_ROWS = [(16384, 0, False, 1024, 4), (24576, 0, False, 768, 8), (32768, 0, False, 1024, 8),
-             (20001, 3, False, 640, 8), (12291, 3, False, 416, 8),
-             (16384, 0, True, 1024, 4), (9000, 0, True, 576, 4), (12291, 3, True, 800, 4), (20001, 3, True, 640, 8)]
+# Rows on more than 512 threads (rmsnorm.FWD_MAX_WIDTH, v19, v20): fp32 aligned rows of 4 and 8 chunks a
+# thread, shifted rows of the fused add, shifted rows of the plain forward that 512 threads cannot hold (and
+# one they can: it keeps 512); fp16/bf16 rows of the plain forward that 512 threads cannot hold, aligned and
+# shifted. The forward out of place (out= a view with NaN around it) with rstd, the fused add in place on
+# views with NaN around the rows; every row checked, nothing outside written.
+WIDE_ROWS = [("float32", 16384, 0, False, 1024, 4), ("float32", 24576, 0, False, 768, 8),
+             ("float32", 32768, 0, False, 1024, 8), ("float32", 20001, 3, False, 640, 8),
+             ("float32", 12291, 3, False, 416, 8), ("float32", 16384, 0, True, 1024, 4),
+             ("float32", 9000, 0, True, 576, 4), ("float32", 12291, 3, True, 800, 4),
+             ("float32", 20001, 3, True, 640, 8), ("bfloat16", 32768, 0, False, 1024, 4),
+             ("float16", 24576, 0, False, 768, 4), ("bfloat16", 20001, 3, False, 640, 4),
+             ("float16", 16389, 5, False, 544, 4)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("hidden,start,add,threads,slots", WIDE_ROWS)
-def test_forward_wide_rows(rng, monkeypatch, kind, hidden, start, add, threads, slots):
+@pytest.mark.parametrize("dtype,hidden,start,add,threads,slots", WIDE_ROWS)
+def test_forward_wide_rows(rng, monkeypatch, kind, dtype, hidden, start, add, threads, slots):
     fresh_plans(monkeypatch)
-    rows, dtype = 37, "float32"
+    rows = 37
     x_host, w_host = random_host((rows, hidden), dtype, rng, scale=2.0), random_host((hidden,), dtype, rng)
     x_buf, x = unaligned_view(x_host, dtype, kind, start, 8)
     w = to_device(w_host, dtype, kind)
@@ -421,15 +426,16 @@ def test_forward_wide_rows(rng, monkeypatch, kind, hidden, start, add, threads, 
         assert np.isnan(outside_rows(buf, start, hidden)).all(), "wrote outside"
 
 
-# The plain forward of 16-byte rows read twice (fp16/bf16 rows over 16384 elements) through the row cache
-# or read again from x: strided, in place and out of place (out= a view with NaN around it), rstd returned.
+# The plain forward of 16-byte rows read twice (fp16/bf16 rows over 32768 elements since v20; past the
+# planner's 64 KiB cap, raised here) through the row cache or read again from x: strided, in place and out
+# of place (out= a view with NaN around it), rstd returned.
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype,hidden", [("bfloat16", 32768), ("float16", 20000)])
+@pytest.mark.parametrize("dtype,hidden", [("bfloat16", 40000), ("float16", 36000)])
 @pytest.mark.parametrize("cache", [False, True])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_forward_row_cache(rng, monkeypatch, kind, dtype, hidden, cache, in_place):
     fresh_plans(monkeypatch)
-    monkeypatch.setattr(rmsnorm, "ROW_CACHE_MAX_BYTES", 64 * 1024 if cache else 0)
+    monkeypatch.setattr(rmsnorm, "ROW_CACHE_MAX_BYTES", 96 * 1024 if cache else 0)
     rows = 29
     x_host = random_host((rows, hidden), dtype, rng, scale=3.0)
     w_host = random_host((hidden,), dtype, rng)
