@@ -65,6 +65,10 @@ if "--wide" in sys.argv:  # fp32 rows that 512 threads hold in 8 chunks or not a
     SHAPES = [(r, 16384, torch.float32) for r in (512, 2048, 8192)] + [(8192, 12288, torch.float32)]
     SHAPES += [(8192, 9000, torch.float32), (2048, 32768, torch.float32), (4096, 24576, torch.float32)]
     SHAPES += [(8192, 12291, torch.float32), (4096, 16389, torch.float32)]  # shifted rows
+if "--wide16" in sys.argv:  # fp16/bf16 rows that 512 threads cannot hold in registers (FWD_MAX_WIDTH)
+    SHAPES = [(8192, 16384, torch.bfloat16), (4096, 24576, torch.bfloat16), (4096, 32768, torch.float16)]
+    SHAPES += [(r, 32768, torch.bfloat16) for r in (512, 2048, 4096)]
+    SHAPES += [(2048, 20001, torch.bfloat16), (4096, 16389, torch.bfloat16)]  # shifted rows
 if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]
