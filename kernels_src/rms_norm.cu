@@ -254,8 +254,8 @@ __device__ constexpr bool weight_early() {
 }
 
 // Launch bounds by register slots. Blocks have at most 512 threads (rmsnorm.py: MAX_WIDTH,
-// FWD_BLOCK_THREADS), but rows of 4+ slots may have 1024 (FWD_MAX_WIDTH: fp32 rows of 8K-16K
-// elements); those ask for half as many blocks, which leaves their register budget unchanged.
+// FWD_BLOCK_THREADS), but rows of 4+ slots may have 1024 (FWD_MAX_WIDTH: long rows); those ask for
+// half as many blocks, which leaves their register budget unchanged.
 static_assert(RMS_FWD_MIN_BLOCKS_4 % 2 == 0, "RMS_FWD_MIN_BLOCKS_4 counts 512-thread blocks: even");
 template <int NPT>
 struct FwdBounds {
