@@ -1,11 +1,11 @@
 // RMSNorm: y = x / sqrt(mean(x^2) + eps) * (w + offset), over the last dimension.
 //
 // Layout: a block holds ROWS_PER_BLOCK = blockDim.y rows, THREADS_PER_ROW = blockDim.x (a power of
-// two) threads per row. Thread `lane` owns chunks lane, lane + blockDim.x, ... of E elements
+// two up to a warp, else whole warps; up to 1024) threads per row. Thread `lane` owns chunks lane, lane + blockDim.x, ... of E elements
 // (E = 16 bytes when VEC, else 1). NPT > 0: the NPT chunks stay in registers between the reduction
 // and the output (one read, one write); NPT == 0: rows too large for registers are read twice (the
 // second read mostly hits L2), except where the launch gives the block's rows in dynamic shared memory
-// (the planner's row cache): the row (the fused add's rounded sums) waits there for the output pass.
+// (the planner's row cache): the row (with ADD, its rounded sums) waits there for the output pass.
 // SHIFT (VEC, NPT > 0; forward and backward): rows that are not 16-byte aligned (odd hidden sizes). Chunks follow
 // the 16-byte boundaries of memory, not the row: chunk c of a row that starts s elements past a
 // boundary covers columns c*E - s ... c*E - s + E - 1, so whole chunks move as one 16-byte access
@@ -261,10 +261,8 @@ template <int NPT>
 struct FwdBounds {
     static constexpr bool wide = NPT >= 4;
     static constexpr int threads = wide ? 1024 : 512;
-    static constexpr int min_blocks = NPT == 1   ? RMS_FWD_MIN_BLOCKS_1
-                                      : NPT == 2 ? RMS_FWD_MIN_BLOCKS_2
-                                      : wide     ? RMS_FWD_MIN_BLOCKS_4 / 2
-                                                 : RMS_FWD_MIN_BLOCKS_4;
+    static constexpr int min_blocks =
+        NPT == 1 ? RMS_FWD_MIN_BLOCKS_1 : NPT == 2 ? RMS_FWD_MIN_BLOCKS_2 : RMS_FWD_MIN_BLOCKS_4 / (wide ? 2 : 1);
 };
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
