@@ -48,12 +48,11 @@ FWD_MAX_WIDTH = {(False, 4): 1024, (True, 4): 1024, (False, 2): 1024, (True, 2):
 # odd rows of the plain forward (800 x 4 3% slower than 416 x 8 at hidden 12291), nor fp16/bf16 (1024 x 2
 # 13-20% slower than 512 x 4 at hidden 16384).
 FWD_WIDE_FIRST = {(False, 4): ("aligned",), (True, 4): ("aligned", "shifted")}
-# Rows read twice (slots 0) wait in shared memory for the output pass (the row cache) where the block's
-# rows take at most this many bytes, instead of being read again: the fused add's rounded sums (bf16
-# [4096, 32768] 85% -> 96% of copy bandwidth) and the plain forward's 16-byte rows (v18b: bf16 [4096, 32768]
-# 68% -> 87%; since v20 rows up to 32768 fp16/bf16 elements are held in registers on 1024 threads instead,
-# 99%, so only a raised cap gives the plain forward the cache; odd rows keep the second read, 1% faster).
-# Rows of 80-128 KiB (2 or 1 blocks an SM) measured up to 10% slower with it (docs/perf-notes.md v18).
+# The fused add's rows read twice (slots 0) keep their rounded sums in shared memory for the output pass
+# (the row cache) where the block's rows take at most this many bytes, instead of reading the new residual
+# again: bf16 [4096, 32768] 85% -> 96% of copy bandwidth. Rows of 80-128 KiB (2 or 1 blocks an SM) measured
+# up to 10% slower with it (docs/perf-notes.md v18). The plain forward had one too (v18b) until v20 held
+# every row it served in registers; it was removed in v21.
 ROW_CACHE_MAX_BYTES = 64 * 1024
 BWD_MAX_SLOTS = {(True, 4): 2, (True, 2): 2, (False, 4): 8, (False, 2): 8}
 SHARED_ACC_LIMIT = 160 * 1024  # bytes of per-block dweight sums kept in shared memory
@@ -193,9 +192,10 @@ def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_sl
     vectorized = impl != "scalar" and _vectorizable(arrays, row_strides, hidden, dtype)
     shifted = can_shift and not vectorized and impl != "scalar" and _shiftable(arrays[:-1], row_strides, hidden, dtype)
     if shifted:
-        # A shifted row must fit in registers (SHIFT has no two-pass loop).
+        # Rows read twice (slots 0) move in 16-byte chunks too, unless element by element holds them in
+        # registers (shifted rows span up to E - 1 more elements, in fewer slots).
         width, slots = shape(True, _shifted_span(hidden, itemsize), "shifted")
-        shifted = vectorized = slots > 0
+        shifted = vectorized = slots > 0 or not shape(False, hidden)[1]
     if impl == "vector" and not vectorized:
         raise ValueError("impl: 'vector' needs hidden a multiple of 16 bytes and 16-byte aligned rows")
     if not shifted:
@@ -327,10 +327,10 @@ def cap_grid(plan, max_blocks: int, rows: int, dtype) -> int:
     """The backward's grid: at most max_blocks (at least 1). Shifted rows: a rows slot that visits several
     rows (grid step of blocks x rows per block) keeps its columns' dweight sums in registers, so every row
     it visits must start at the same offset from a 16-byte boundary: the step becomes a multiple of the
-    elements in 16 bytes (the offset repeats with that period)."""
+    elements in 16 bytes (the offset repeats with that period). Rows read twice keep theirs by column."""
     grid = max(1, min(plan.grid, max_blocks))
     rows_per_block = plan.block[1]
-    if plan.shifted and grid * rows_per_block < rows:
+    if plan.shifted and plan.slots and grid * rows_per_block < rows:
         period = max(1, 16 // _arrays.ITEMSIZE[dtype] // rows_per_block)
         grid = max(period, grid // period * period)  # blocks past the last row add zero partials
     return grid
@@ -343,7 +343,7 @@ def all_variants():
                 size = (vec == "true", _arrays.ITEMSIZE[dtype])
                 for slots in (0, *REGISTER_SLOTS):
                     w = f"{CTYPE[dtype]}, {CTYPE[weight]}, {vec}, {slots}"
-                    shifts = ("false", "true") if vec == "true" and slots else ("false",)
+                    shifts = ("false", "true") if vec == "true" else ("false",)
                     if slots <= FWD_MAX_SLOTS[size]:
                         for add in ("false", "true"):
                             for shift in shifts:
@@ -506,8 +506,6 @@ def _plan_forward_call(xa, wa, oa, eps, offset, return_rstd, impl):
         strides = _row_strides([xa, ya], ["x", "out"])
         plan = plan_forward_for_device(xa, ya, None, wa, strides, rows, hidden, impl, xa.device)
         plan.out_layouts = _arrays.out_layouts(xa, oa)
-        if plan.vectorized:  # odd rows measured slower with the row cache in the plain forward
-            plan.shared_mem = row_cache_bytes(plan, hidden, xa.dtype, _shared_limit(xa.device))
         tail = _FWD_TAIL.pack(rows, hidden, strides[0], strides[1], 0, *_scalars(eps, offset, hidden))
         plan.launch = _launch.Launch(_kernel(plan, xa.device), plan.grid, plan.block, 5, tail, xa.device, xa.kind,
                                      plan.shared_mem)
@@ -540,9 +538,13 @@ def _plan_fused_add_call(xa, ra, wa, eps, offset, impl):
 
 
 def row_cache_bytes(plan, hidden: int, dtype, shared_limit: int) -> int:
-    """Dynamic shared memory of a forward or fused-add plan: its block's rows, where they are read twice
-    (slots 0) and fit (ROW_CACHE_MAX_BYTES, and what the GPU gives a block); else 0 (read again)."""
-    nbytes = plan.block[1] * hidden * _arrays.ITEMSIZE[dtype]
+    """Dynamic shared memory of a fused-add plan: its block's rows, where they are read twice (slots 0)
+    and fit (ROW_CACHE_MAX_BYTES, and what the GPU gives a block); else 0 (read again). A row takes its
+    chunks' span (shifted rows: from the 16-byte boundary before the row), rounded up to whole chunks."""
+    itemsize = _arrays.ITEMSIZE[dtype]
+    elems = 16 // itemsize if plan.vectorized else 1
+    span = _shifted_span(hidden, itemsize) if plan.shifted else hidden
+    nbytes = plan.block[1] * -(-span // elems) * elems * itemsize
     return nbytes if not plan.slots and nbytes <= min(ROW_CACHE_MAX_BYTES, shared_limit) else 0
 
 

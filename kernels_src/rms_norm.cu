@@ -4,9 +4,9 @@
 // two up to a warp, else whole warps; up to 1024) threads per row. Thread `lane` owns chunks lane, lane + blockDim.x, ... of E elements
 // (E = 16 bytes when VEC, else 1). NPT > 0: the NPT chunks stay in registers between the reduction
 // and the output (one read, one write); NPT == 0: rows too large for registers are read twice (the
-// second read mostly hits L2), except where the launch gives the block's rows in dynamic shared memory
-// (the planner's row cache): the row (with ADD, its rounded sums) waits there for the output pass.
-// SHIFT (VEC, NPT > 0; forward and backward): rows that are not 16-byte aligned (odd hidden sizes). Chunks follow
+// second read mostly hits L2), except for the fused add where the launch gives the block's rows in
+// dynamic shared memory (the planner's row cache): its rounded sums wait there for the output pass.
+// SHIFT (VEC; forward and backward): rows that are not 16-byte aligned (odd hidden sizes). Chunks follow
 // the 16-byte boundaries of memory, not the row: chunk c of a row that starts s elements past a
 // boundary covers columns c*E - s ... c*E - s + E - 1, so whole chunks move as one 16-byte access
 // and only the first and last chunk of a row go element by element. The planner checked that every
@@ -63,19 +63,6 @@ __device__ __forceinline__ float inverse_rms(float sum_sq, float inv_hidden, flo
     return rsqrtf(sum_sq * inv_hidden + eps);
 }
 
-template <typename T, bool VEC, int E, bool ADD>
-__device__ __forceinline__ Pack<T, E> load_input(const NormParams& p, i64 row, i64 col) {
-    Pack<T, E> v = load_pack<VEC, E>(static_cast<const T*>(p.x) + row * p.x_stride + col);
-    if constexpr (ADD) {
-        T* res = static_cast<T*>(p.residual) + row * p.residual_stride + col;
-        const Pack<T, E> r = load_pack<VEC, E>(res);
-#pragma unroll
-        for (int e = 0; e < E; ++e) v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(r.v[e]));
-        store_pack<VEC, E>(res, v);
-    }
-    return v;
-}
-
 template <typename T, typename W, bool VEC, int E, bool BY_SHIFT = false>
 __device__ __forceinline__ Pack<T, E> output(const NormParams& p, const Pack<T, E>& v, float rstd, const Pack<W, E>& w) {
     Pack<T, E> y;
@@ -83,12 +70,6 @@ __device__ __forceinline__ Pack<T, E> output(const NormParams& p, const Pack<T, 
     for (int e = 0; e < E; ++e)
         y.v[e] = from_float<T>(as_float<BY_SHIFT>(v.v[e]) * rstd * scale<W, E, BY_SHIFT>(p.weight, p.offset, w, e));
     return y;
-}
-
-template <typename T, typename W, bool VEC, int E>
-__device__ __forceinline__ void store_output(const NormParams& p, i64 row, i64 col, const Pack<T, E>& v, float rstd,
-                                             const Pack<W, E>& w) {
-    store_pack<VEC, E>(static_cast<T*>(p.y) + row * p.y_stride + col, output<T, W, VEC, E>(p, v, rstd, w));
 }
 
 // Vectorized fp16/bf16 rows of 2+ chunks a thread (not the fused add) hold each chunk as its four
@@ -143,53 +124,58 @@ template <bool HELD, typename P> __device__ __forceinline__ P* row_base(P* row) 
 }
 
 // Rows held in registers (NPT > 0) have at most 1024 threads x 8 slots x 8 elements, so their
-// column indices are ints: 64-bit indices cost a dozen extra instructions a chunk (wide multiplies
-// and compares, recomputed under each chunk's predicate), which every warp runs after its loads.
-// Columns col ... col + E - 1 of a row (SHIFT: col may be negative and the chunk may end past
-// `hidden`; the part outside the row reads as 0 and is never written).
-__device__ __forceinline__ bool inside(int col, int hidden) { return col >= 0 && col < hidden; }
+// column indices are ints (I = int): 64-bit indices cost a dozen extra instructions a chunk (wide
+// multiplies and compares, recomputed under each chunk's predicate), which every warp runs after its
+// loads. Rows read twice (NPT == 0) may be longer: i64. Columns col ... col + E - 1 of a row (SHIFT: col
+// may be negative and the chunk may end past `hidden`; the part outside the row reads as 0 and is
+// never written).
+template <typename I> __device__ __forceinline__ bool inside(I col, I hidden) { return col >= 0 && col < hidden; }
 
-// First column of thread `lane`'s first chunk; SHIFT: minus the elements from the row's start back to
-// the previous 16-byte boundary.
-template <bool SHIFT, int E, typename T>
-__device__ __forceinline__ int first_column(const T* row, int lane) {
-    return lane * E - (SHIFT ? (int)(reinterpret_cast<size_t>(row) / sizeof(T) % E) : 0);
+// Elements from a row's start back to the previous 16-byte boundary (SHIFT), else 0.
+template <bool SHIFT, int E, typename T> __device__ __forceinline__ int row_shift(const T* row) {
+    return SHIFT ? (int)(reinterpret_cast<size_t>(row) / sizeof(T) % E) : 0;
 }
 
-template <bool VEC, bool SHIFT, int E, typename T>
-__device__ __forceinline__ Pack<T, E> load_chunk(const T* row, int col, int hidden) {
+// First column of thread `lane`'s first chunk; SHIFT: minus the row's shift.
+template <bool SHIFT, int E, typename T>
+__device__ __forceinline__ int first_column(const T* row, int lane) {
+    return lane * E - row_shift<SHIFT, E>(row);
+}
+
+template <bool VEC, bool SHIFT, int E, typename T, typename I>
+__device__ __forceinline__ Pack<T, E> load_chunk(const T* row, I col, I hidden) {
     if constexpr (SHIFT) {
         if (col < 0 || col + E > hidden) {
             Pack<T, E> pk;
 #pragma unroll
-            for (int e = 0; e < E; ++e) pk.v[e] = inside(col + e, hidden) ? row[col + e] : from_float<T>(0.f);
+            for (int e = 0; e < E; ++e) pk.v[e] = inside<I>(col + e, hidden) ? row[col + e] : from_float<T>(0.f);
             return pk;
         }
     }
     return load_pack<VEC, E>(row + col);
 }
 
-template <bool VEC, bool SHIFT, int E, typename T>
-__device__ __forceinline__ void store_chunk(T* row, int col, int hidden, const Pack<T, E>& pk) {
+template <bool VEC, bool SHIFT, int E, typename T, typename I>
+__device__ __forceinline__ void store_chunk(T* row, I col, I hidden, const Pack<T, E>& pk) {
     if constexpr (SHIFT) {
         if (col < 0 || col + E > hidden) {
 #pragma unroll
             for (int e = 0; e < E; ++e)
-                if (inside(col + e, hidden)) row[col + e] = pk.v[e];
+                if (inside<I>(col + e, hidden)) row[col + e] = pk.v[e];
             return;
         }
     }
     store_pack<VEC, E>(row + col, pk);
 }
 
-template <typename W, bool VEC, bool SHIFT, int E>
-__device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, int col, int hidden) {
+template <typename W, bool VEC, bool SHIFT, int E, typename I>
+__device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I col, I hidden) {
     if constexpr (SHIFT) {  // the weight's own alignment is unrelated to the row's: element by element
         if (!weight) return load_weight<W, false, E>(weight, col);
         const W* w = static_cast<const W*>(weight);
         Pack<W, E> pk;
 #pragma unroll
-        for (int e = 0; e < E; ++e) pk.v[e] = inside(col + e, hidden) ? w[col + e] : from_float<W>(0.f);
+        for (int e = 0; e < E; ++e) pk.v[e] = inside<I>(col + e, hidden) ? w[col + e] : from_float<W>(0.f);
         return pk;
     }
     return load_weight<W, VEC, E>(weight, col);
@@ -267,7 +253,7 @@ struct FwdBounds {
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
 __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_blocks) rms_norm_fwd(const NormParams p) {
-    static_assert(!SHIFT || (VEC && NPT > 0), "SHIFT: vectorized rows held in registers");
+    static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     __shared__ float scratch[32];
     const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
@@ -395,13 +381,27 @@ __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_b
         }
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
     } else {
-        // The row cache: this row's values (ADD: the rounded sums), where the launch gave the block's rows.
+        // Rows read twice. SHIFT: 16-byte chunks from the boundary before the row, the first and last
+        // element by element (as above, with 64-bit columns). ADD: the new residual waits for the output
+        // pass in the row cache, where the launch gave the block's rows (rmsnorm.row_cache_bytes: each
+        // row slot's chunks from c * E, their span rounded up to E); else it is read back.
         extern __shared__ __align__(16) unsigned char row_cache_bytes[];
-        T* const row_cache = reinterpret_cast<T*>(row_cache_bytes) + threadIdx.y * p.hidden;
-        const bool cached = dynamic_shared_bytes() >= blockDim.y * p.hidden * sizeof(T);
-        for (i64 col = (i64)lane * E; active && col < p.hidden; col += step) {
-            const Pack<T, E> v = load_input<T, VEC, E, ADD>(p, row, col);
-            if (cached) store_pack<VEC, E>(row_cache + col, v);
+        const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+        T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
+        T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
+        const int shift = row_shift<SHIFT, E>(x_row);
+        const i64 first = (i64)lane * E - shift, cache_row = (p.hidden + (SHIFT ? E - 1 : 0) + E - 1) / E * E;
+        T* const row_cache = reinterpret_cast<T*>(row_cache_bytes) + threadIdx.y * cache_row + shift;
+        const bool cached = ADD && dynamic_shared_bytes() >= blockDim.y * cache_row * sizeof(T);
+        for (i64 col = first; active && col < p.hidden; col += step) {
+            Pack<T, E> v = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
+            if constexpr (ADD) {
+                const Pack<T, E> r = load_chunk<VEC, SHIFT, E>(res_row, col, p.hidden);
+#pragma unroll
+                for (int e = 0; e < E; ++e) v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(r.v[e]));
+                store_chunk<VEC, SHIFT, E>(res_row, col, p.hidden, v);
+                if (cached) store_pack<VEC, E>(row_cache + col, v);
+            }
 #pragma unroll
             for (int e = 0; e < E; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
         }
@@ -409,20 +409,21 @@ __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_b
         if (!active) return;
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
         // With ADD, the normalized values are the rounded sums this thread just stored in residual. The
-        // row cache holds what this thread read or summed: each thread reads back only its own columns,
-        // so no barrier. Its own loop: a pointer that may be shared or global would load generically.
+        // row cache holds what this thread summed: each thread reads back only its own columns, so no
+        // barrier. Its own loop: a pointer that may be shared or global would load generically.
         if (cached) {
-            for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
+            for (i64 col = first; col < p.hidden; col += step) {
                 const Pack<T, E> v = load_pack<VEC, E>(row_cache + col);
-                store_output<T, W, VEC, E>(p, row, col, v, rstd, load_weight<W, VEC, E>(p.weight, col));
+                const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, output<T, W, VEC, E>(p, v, rstd, w));
             }
             return;
         }
-        const T* src = ADD ? static_cast<const T*>(p.residual) : static_cast<const T*>(p.x);
-        const i64 src_stride = ADD ? p.residual_stride : p.x_stride;
-        for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
-            const Pack<T, E> v = load_pack<VEC, E>(src + row * src_stride + col);
-            store_output<T, W, VEC, E>(p, row, col, v, rstd, load_weight<W, VEC, E>(p.weight, col));
+        const T* const src = ADD ? res_row : x_row;
+        for (i64 col = first; col < p.hidden; col += step) {
+            const Pack<T, E> v = load_chunk<VEC, SHIFT, E>(src, col, p.hidden);
+            const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+            store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, output<T, W, VEC, E>(p, v, rstd, w));
         }
     }
 }
@@ -507,7 +508,7 @@ __device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, in
 template <typename T, typename W, bool VEC, int NPT, bool SHIFT>
 __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD_MIN_BLOCKS_2)
     rms_norm_bwd(const NormBwdParams p) {
-    static_assert(!SHIFT || (VEC && NPT > 0), "SHIFT: vectorized rows held in registers");
+    static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
@@ -569,10 +570,11 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
                     }
                 }
             }
-        } else {
-            for (i64 col = (i64)lane * E; active && col < p.hidden; col += step) {
-                const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
-                add_row_sums<T, W, E>(p, d, xx, load_weight<W, VEC, E>(p.weight, col), sum_sq, dot);
+        } else {  // SHIFT: this row's own shift (its dweight sums are kept by column)
+            for (i64 col = (i64)lane * E - row_shift<SHIFT, E>(x_row); active && col < p.hidden; col += step) {
+                const Pack<T, E> d = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
+                const Pack<T, E> xx = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
+                add_row_sums<T, W, E>(p, d, xx, load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden), sum_sq, dot);
             }
         }
         Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
@@ -595,12 +597,15 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
                     }
                 }
             } else {
-                for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
-                    const Pack<T, E> d = load_pack<VEC, E>(dy_row + col), xx = load_pack<VEC, E>(x_row + col);
-                    Pack<float, E> acc = p.weight ? load_pack<VEC, E>(my_acc + col) : zeros<E>();
-                    store_pack<VEC, E>(dx_row + col,
-                                       bwd_chunk<T, W, E>(p, d, xx, load_weight<W, VEC, E>(p.weight, col), rstd, coef, acc));
-                    if (p.weight) store_pack<VEC, E>(my_acc + col, acc);
+                // SHIFT: the float sums of a chunk are off 16-byte boundaries, moved one by one.
+                constexpr bool ACC_VEC = VEC && !SHIFT;
+                for (i64 col = (i64)lane * E - row_shift<SHIFT, E>(x_row); col < p.hidden; col += step) {
+                    const Pack<T, E> d = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
+                    const Pack<T, E> xx = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
+                    const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                    Pack<float, E> acc = p.weight ? load_chunk<ACC_VEC, SHIFT, E>(my_acc, col, p.hidden) : zeros<E>();
+                    store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden, bwd_chunk<T, W, E>(p, d, xx, w, rstd, coef, acc));
+                    if (p.weight) store_chunk<ACC_VEC, SHIFT, E>(my_acc, col, p.hidden, acc);
                 }
             }
         }

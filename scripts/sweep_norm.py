@@ -1,6 +1,6 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long] [--half|--f32] SETTING ...
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long|--odd] [--half|--f32] SETTING ...
 --add times fused_add_rms_norm (in place; no peers) instead of the forward and backward.
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
 or entries of their tables, e.g. "FWD_MAX_SLOTS[True:2]=8", and NVRTC=... for kernel knobs of that
@@ -69,6 +69,15 @@ if "--wide16" in sys.argv:  # fp16/bf16 rows that 512 threads cannot hold in reg
     SHAPES = [(8192, 16384, torch.bfloat16), (4096, 24576, torch.bfloat16), (4096, 32768, torch.float16)]
     SHAPES += [(r, 32768, torch.bfloat16) for r in (512, 2048, 4096)]
     SHAPES += [(2048, 20001, torch.bfloat16), (4096, 16389, torch.bfloat16)]  # shifted rows
+if "--odd" in sys.argv:  # rows read twice (v21): odd ones in shifted 16-byte chunks; aligned ones as before
+    SHAPES = [(2048, 40001, torch.bfloat16), (2048, 36001, torch.float16), (2048, 33001, torch.float32),
+              (8192, 8191, torch.bfloat16), (4096, 12289, torch.bfloat16), (2048, 20001, torch.bfloat16),
+              (4096, 16387, torch.float32), (1024, 45001, torch.bfloat16)]
+    SHAPES += [(2048, 65536, torch.bfloat16), (1024, 65536, torch.float32), (4096, 32768, torch.bfloat16)]
+    if "--add" in sys.argv:
+        SHAPES = [(4096, 20001, torch.bfloat16), (2048, 24577, torch.float16), (2048, 40001, torch.bfloat16),
+                  (2048, 33001, torch.float32), (4096, 32768, torch.bfloat16), (2048, 65536, torch.bfloat16),
+                  (2048, 20000, torch.float32)]
 if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cupyrope._arrays import Array
-from cupyrope import rmsnorm
+from cupyrope import _arrays, rmsnorm
 from cupyrope.rmsnorm import cap_grid, plan_backward, plan_forward, row_shape
 from cupyrope.rope import plan_rope
 
@@ -207,6 +207,33 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
     assert b.shifted and b.name.endswith("float, 1, 3, true, false>") and b.block == (160, 1)
 
 
+@pytest.mark.parametrize("dtype,hidden,add", [
+    ("bfloat16", 40001, False), ("float16", 32763, False), ("float32", 33001, False),
+    ("bfloat16", 20001, True), ("float32", 33001, True), ("bfloat16", 65535, True)])
+def test_rms_norm_long_odd_rows_are_read_twice_in_shifted_chunks(dtype, hidden, add):
+    # Odd rows that registers cannot hold (v21): the two-pass loop in 16-byte chunks, forward, fused add
+    # and backward, 512 threads a row; element by element where x's and out's offsets differ.
+    x, y = arr((64, hidden), dtype), arr((64, hidden), dtype, ptr=BASE + 2**36)
+    residual = arr((64, hidden), dtype, ptr=BASE + 2**37) if add else None
+    weight, strides = arr((hidden,), "float32", ptr=BASE + 2**38 + 4), (hidden,) * (3 if add else 2)
+    p = plan_forward(x, y, residual, weight, strides, 64, hidden)
+    assert (p.block, p.slots, p.vectorized, p.shifted) == ((512, 1), 0, True, True), p
+    assert p.name.endswith(f"{str(add).lower()}, true>") and p.name in {n for _, n in rmsnorm.all_variants()}
+    other = arr((64, hidden), dtype, ptr=BASE + 2**36 + _arrays.ITEMSIZE[dtype])
+    assert not plan_forward(x, other, residual, weight, strides, 64, hidden).vectorized
+    b = plan_backward(x, x, y, weight, (hidden,) * 3, 4096, hidden, n_sm=132)
+    assert (b.block, b.slots, b.shifted, b.staged) == ((512, 1), 0, True, False) and b.name.endswith(", 0, true>"), b
+    assert b.grid == 4 * 132  # no rounding: rows read twice keep their dweight sums by column
+
+
+def test_rms_norm_odd_rows_held_element_by_element_stay_there():
+    # fp32 rows of 4095: 16-byte chunks need 4097 elements, past the backward's 512 x 2 x 4 in registers;
+    # element by element, 512 x 8 hold them: those stay in registers rather than being read twice.
+    x = arr((64, 4095), "float32")
+    b = plan_backward(x, x, arr((64, 4095), "float32", ptr=BASE + 2**36), None, (4095,) * 3, 64, 4095, n_sm=132)
+    assert (b.vectorized, b.slots) == (False, 8), b
+
+
 @pytest.mark.parametrize("n_sm, rows, hidden, dtype, cap, grid", [
     (132, 8192, 1027, "bfloat16", None, 1584),  # 160-thread blocks: 132 x 12, a multiple of 8 rows already
     (132, 8192, 1027, "bfloat16", 132 * 3, 392),  # 3 blocks an SM (occupancy): 396 -> a multiple of 8
@@ -330,26 +357,21 @@ def test_rms_norm_backward_lean_rule():
             assert plan is None or not rmsnorm.STAGED_LEAN_MAX_ROWS[plan.slots] or plan.name in names
 
 
-def test_fused_add_row_cache_plan(monkeypatch):
+def test_fused_add_row_cache_plan():
     # Rows read twice (slots 0) keep their sums in shared memory where the block's rows fit; rows held in
-    # registers, and rows past the cap or past what the GPU gives a block, take none.
+    # registers, and rows past the cap or past what the GPU gives a block, take none. Shifted rows (odd
+    # hidden sizes, v21) take their chunks' span: from the 16-byte boundary before the row, whole chunks.
     def cache(hidden, dtype, shared_limit=227 * 1024 - 1024):
         x = arr((64, hidden), dtype)
         plan = plan_forward(x, x, x, arr((hidden,), "float32"), (hidden,) * 3, 64, hidden)
-        return plan.slots, rmsnorm.row_cache_bytes(plan, hidden, dtype, shared_limit)
+        return plan.slots, plan.shifted, rmsnorm.row_cache_bytes(plan, hidden, dtype, shared_limit)
 
-    assert cache(32768, "bfloat16") == (0, 65536)
-    assert cache(20001, "float16") == (0, 40002)
-    assert cache(16384, "float32") == (4, 0) and cache(16384, "bfloat16")[1] == 0  # in registers
-    assert cache(20000, "float32") == (0, 0) and cache(33001, "float32") == (0, 0)  # past 64 KiB
-    assert cache(32768, "bfloat16", shared_limit=48 * 1024) == (0, 0)  # past what the GPU gives a block
-    # The plain forward's two-pass rows too (the launcher gives vectorized ones the cache): since v20 only
-    # rows past 32768 fp16/bf16 elements, past the cap.
-    x = arr((64, 40000), "bfloat16")
-    fwd = plan_forward(x, x, None, arr((40000,), "bfloat16"), (40000,) * 2, 64, 40000)
-    assert fwd.slots == 0 and rmsnorm.row_cache_bytes(fwd, 40000, "bfloat16", 226 * 1024) == 0
-    monkeypatch.setattr(rmsnorm, "ROW_CACHE_MAX_BYTES", 96 * 1024)
-    assert rmsnorm.row_cache_bytes(fwd, 40000, "bfloat16", 226 * 1024) == 80000
+    assert cache(32768, "bfloat16") == (0, False, 65536)
+    assert cache(20001, "float16") == (0, True, 20008 * 2) and cache(32761, "bfloat16") == (0, True, 65536)
+    assert cache(32762, "bfloat16") == (0, True, 0)  # its span, 32776 elements, is past 64 KiB
+    assert cache(16384, "float32")[::2] == (4, 0) and cache(16384, "bfloat16")[2] == 0  # in registers
+    assert cache(20000, "float32") == (0, False, 0) and cache(33001, "float32") == (0, True, 0)  # past 64 KiB
+    assert cache(32768, "bfloat16", shared_limit=48 * 1024) == (0, False, 0)  # past what the GPU gives a block
 
 
 @pytest.mark.parametrize("dtype,hidden,add,threads,slots,shifted", [
@@ -388,7 +410,6 @@ def test_rms_norm_backward_plans_fit_the_gpus_shared_memory(optin_kib, dtype):
 
 def test_output_allocates_or_checks_the_callers_out():
     torch = pytest.importorskip("torch")
-    from cupyrope import _arrays
 
     def wrap(t):  # what describe() gives for a tensor (CPU here: the host-side logic only)
         return Array(t, "torch", t.data_ptr(), str(t.dtype).removeprefix("torch."), t.shape, t.stride(), 0)

@@ -360,29 +360,42 @@ def test_fused_add_chunks(rng, monkeypatch, kind, dtype, hidden, start):
         assert np.isnan(outside_rows(buf, start, hidden)).all(), "wrote outside"
 
 
+def two_pass_cache_bytes(dtype, hidden, impl):
+    """The row cache of a two-pass fused-add row: its chunks' span (odd rows in 16-byte chunks: from the
+    boundary before the row), in whole chunks."""
+    itemsize = _arrays.ITEMSIZE[dtype]
+    elems = 16 // itemsize if impl == "auto" else 1
+    span = hidden + (elems - 1 if hidden % elems else 0)
+    return -(-span // elems) * elems * itemsize
+
+
 # The fused add of rows read twice (the two-pass loop, slots 0), its rounded sums kept for the output
 # pass in the row cache (shared memory, up to 136 KiB here: past the planner's cap) or read back from
-# residual: aligned rows (16-byte chunks) and odd ones (element by element), strided, NaN around the rows.
+# residual: aligned rows, odd ones in shifted 16-byte chunks (v21; every row at another shift) and element
+# by element (impl="scalar"), strided, NaN around the rows.
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype,hidden", [("float32", 20000), ("bfloat16", 32768), ("float16", 20001),
-                                          ("float32", 33001)])
+@pytest.mark.parametrize("dtype,hidden,start,impl", [("float32", 20000, 0, "auto"), ("bfloat16", 32768, 0, "auto"),
+                                                     ("float16", 20001, 0, "auto"), ("bfloat16", 20001, 3, "auto"),
+                                                     ("float32", 33001, 1, "auto"), ("float16", 20001, 3, "scalar")])
 @pytest.mark.parametrize("cache", [False, True])
-def test_fused_add_row_cache(rng, monkeypatch, kind, dtype, hidden, cache):
+def test_fused_add_row_cache(rng, monkeypatch, kind, dtype, hidden, start, impl, cache):
     fresh_plans(monkeypatch)
     monkeypatch.setattr(rmsnorm, "ROW_CACHE_MAX_BYTES", 136 * 1024 if cache else 0)
     rows = 37
     x_host, r_host = random_host((rows, hidden), dtype, rng, scale=2.0), random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), "float32", rng)
-    x_buf, x = unaligned_view(x_host, dtype, kind, 0, 8)
-    r_buf, r = unaligned_view(r_host, dtype, kind, 0, 8)
-    cupyrope.fused_add_rms_norm(x, r, to_device(w_host, "float32", kind), 1e-6, offset=0.25)
+    x_buf, x = unaligned_view(x_host, dtype, kind, start, 8)
+    r_buf, r = unaligned_view(r_host, dtype, kind, start, 8)
+    cupyrope.fused_add_rms_norm(x, r, to_device(w_host, "float32", kind), 1e-6, offset=0.25, impl=impl)
     plan = planned("add")
-    assert plan.slots == 0 and plan.shared_mem == (hidden * _arrays.ITEMSIZE[dtype] if cache else 0), plan
+    shifted = impl == "auto" and hidden * _arrays.ITEMSIZE[dtype] % 16 != 0
+    assert plan.slots == 0 and plan.shifted == shifted, plan
+    assert plan.shared_mem == (two_pass_cache_bytes(dtype, hidden, impl) if cache else 0), plan
     ref_y, ref_r = reference.fused_add_rms_norm(x_host, r_host, w_host, 1e-6, 0.25, dtype=dtype)
     np.testing.assert_array_equal(to_host(r), ref_r)
     assert_matches(to_host(x), ref_y, dtype, scale=2.0)
     for buf in (x_buf, r_buf):
-        assert np.isnan(outside_rows(buf, 0, hidden)).all(), "wrote outside"
+        assert np.isnan(outside_rows(buf, start, hidden)).all(), "wrote outside"
 
 
 # Rows on more than 512 threads (rmsnorm.FWD_MAX_WIDTH, v19, v20): fp32 aligned rows of 4 and 8 chunks a
@@ -426,27 +439,58 @@ def test_forward_wide_rows(rng, monkeypatch, kind, dtype, hidden, start, add, th
         assert np.isnan(outside_rows(buf, start, hidden)).all(), "wrote outside"
 
 
-# The plain forward of 16-byte rows read twice (fp16/bf16 rows over 32768 elements since v20; past the
-# planner's 64 KiB cap, raised here) through the row cache or read again from x: strided, in place and out
-# of place (out= a view with NaN around it), rstd returned.
+# The plain forward of rows read twice (fp16/bf16 over 32768 elements, fp32 over 32768): aligned rows, odd
+# ones in shifted 16-byte chunks (v21) and element by element (impl="scalar"); strided, in place and out of
+# place (out= a view with NaN around it), rstd returned.
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype,hidden", [("bfloat16", 40000), ("float16", 36000)])
-@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("dtype,hidden,start,impl", [("bfloat16", 40000, 0, "auto"), ("float16", 36001, 5, "auto"),
+                                                     ("float32", 33001, 1, "auto"), ("bfloat16", 40001, 3, "scalar")])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_forward_row_cache(rng, monkeypatch, kind, dtype, hidden, cache, in_place):
+def test_forward_two_pass_rows(rng, monkeypatch, kind, dtype, hidden, start, impl, in_place):
     fresh_plans(monkeypatch)
-    monkeypatch.setattr(rmsnorm, "ROW_CACHE_MAX_BYTES", 96 * 1024 if cache else 0)
     rows = 29
     x_host = random_host((rows, hidden), dtype, rng, scale=3.0)
     w_host = random_host((hidden,), dtype, rng)
-    x_buf, x = unaligned_view(x_host, dtype, kind, 0, 8)
-    out_buf, out = (x_buf, x) if in_place else unaligned_view(np.full((rows, hidden), np.nan), dtype, kind, 0, 8)
-    y, rstd = cupyrope.rms_norm(x, to_device(w_host, dtype, kind), 1e-5, offset=0.5, out=out, return_rstd=True)
+    x_buf, x = unaligned_view(x_host, dtype, kind, start, 8)
+    out_buf, out = (x_buf, x) if in_place else unaligned_view(np.full((rows, hidden), np.nan), dtype, kind, start, 8)
+    y, rstd = cupyrope.rms_norm(x, to_device(w_host, dtype, kind), 1e-5, offset=0.5, out=out, return_rstd=True,
+                                impl=impl)
     plan = planned("fwd")
-    assert plan.slots == 0 and plan.vectorized and plan.shared_mem == (hidden * 2 if cache else 0), plan
+    shifted = impl == "auto" and hidden * _arrays.ITEMSIZE[dtype] % 16 != 0
+    assert plan.slots == 0 and plan.vectorized == (impl == "auto") and plan.shifted == shifted, plan
+    assert plan.shared_mem == 0, plan
     assert_matches(to_host(y), reference.rms_norm(x_host, w_host, 1e-5, 0.5), dtype, scale=3.0)
     np.testing.assert_allclose(to_host(rstd), reference.rms_norm(x_host, None, 1e-5, return_rstd=True)[1], rtol=2e-6)
-    assert np.isnan(outside_rows(out_buf, 0, hidden)).all(), "wrote outside"
+    assert np.isnan(outside_rows(out_buf, start, hidden)).all(), "wrote outside"
+
+
+# The backward of odd rows read twice in shifted 16-byte chunks (v21: bf16/fp16 from ~8190 elements, fp32
+# from ~16380): dweight sums by column in shared memory, or in the block's partial row past 160 KiB (bf16
+# 45001); more rows than blocks, every row at another shift; inputs are views with NaN around the rows;
+# dweight bitwise equal over two runs.
+@pytest.mark.parametrize("dtype,hidden,start", [("bfloat16", 8191, 5), ("float16", 16389, 0), ("float32", 16387, 3),
+                                                ("bfloat16", 45001, 1)])
+def test_backward_two_pass_shifted_rows(rng, monkeypatch, dtype, hidden, start):
+    fresh_plans(monkeypatch)
+    rows = 1201 if hidden < 40000 else 700
+    x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), "float32", rng)
+    _, x = unaligned_view(x_host, dtype, "cupy", start, 8)
+    _, dy = unaligned_view(dy_host, dtype, "cupy", start, 8)
+    w = to_device(w_host, "float32", "cupy")
+    fill_next_allocation_with_nan((rows, hidden), dtype, "cupy")
+    dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
+    plan = planned("bwd")
+    assert plan.shifted and plan.slots == 0 and plan.shared_acc == (hidden * 4 <= rmsnorm.SHARED_ACC_LIMIT), plan
+    assert plan.grid < rows, plan  # rows are revisited
+    ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host, offset=0.25)
+    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
+    scale = np.abs(dy_host * (w_host + 0.25) * rstd_ref[:, None]).max()
+    assert_matches(to_host(dx), ref_dx, dtype, scale=scale, what="dx")  # every row
+    terms = np.abs(dy_host * x_host * rstd_ref[:, None]).sum(0)
+    err = np.abs(to_host(dw) - ref_dw)
+    assert np.all(err <= 4e-6 * terms), f"dweight: worst {err.max():.3g}"
+    np.testing.assert_array_equal(to_host(cupyrope.rms_norm_backward(dy, x, w, offset=0.25)[1]), to_host(dw))
 
 
 @pytest.mark.parametrize("kind", KINDS)
