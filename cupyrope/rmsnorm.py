@@ -308,7 +308,10 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     # (one slot, the sums kept in the partial row), or more than this GPU lets a block have (GPUs other
     # than A100/H100 allow 64-99 KiB).
     rows_slots = plan.block[1]
-    plan.shared_mem = rows_slots * hidden * 4 if weight is not None else 0
+    # Shifted rows read twice keep their sums from the row's shift: their chunks' span, whole chunks.
+    elems = 16 // _arrays.ITEMSIZE[x.dtype]
+    span = -(-_shifted_span(hidden, _arrays.ITEMSIZE[x.dtype]) // elems) * elems if plan.shifted and not plan.slots else hidden
+    plan.shared_mem = rows_slots * span * 4 if weight is not None else 0
     if plan.shared_mem > min(SHARED_ACC_LIMIT, shared_limit) or (plan.slots and rows_slots == 1):
         plan.shared_mem = 0
     plan.shared_acc = plan.shared_mem > 0
@@ -325,12 +328,13 @@ def lean_staged(plan, rows: int) -> bool:
 
 def cap_grid(plan, max_blocks: int, rows: int, dtype) -> int:
     """The backward's grid: at most max_blocks (at least 1). Shifted rows: a rows slot that visits several
-    rows (grid step of blocks x rows per block) keeps its columns' dweight sums in registers, so every row
-    it visits must start at the same offset from a 16-byte boundary: the step becomes a multiple of the
-    elements in 16 bytes (the offset repeats with that period). Rows read twice keep theirs by column."""
+    rows (grid step of blocks x rows per block) keeps its columns' dweight sums in registers (rows read
+    twice: in shared memory, from the row's shift), so every row it visits must start at the same offset
+    from a 16-byte boundary: the step becomes a multiple of the elements in 16 bytes (the offset repeats
+    with that period)."""
     grid = max(1, min(plan.grid, max_blocks))
     rows_per_block = plan.block[1]
-    if plan.shifted and plan.slots and grid * rows_per_block < rows:
+    if plan.shifted and grid * rows_per_block < rows:
         period = max(1, 16 // _arrays.ITEMSIZE[dtype] // rows_per_block)
         grid = max(period, grid // period * period)  # blocks past the last row add zero partials
     return grid

@@ -432,9 +432,9 @@ __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_b
 // dx = rstd * g - x * rstd^3 * mean(g * x), g = dy * (w + offset); dweight = sum over rows of
 // dy * x * rstd. Each block walks rows blockIdx.x*rpb + ty, + gridDim.x*rpb, ... and sums dweight
 // over them in a fixed order: NPT > 0 in registers (a thread owns the same columns in every row it
-// visits; SHIFT too: the planner makes the row step gridDim.x*rpb a multiple of E whenever a rows
-// slot visits more than one row, so all its rows share one shift); NPT == 0 in shared memory, or
-// for rows too long for it in the block's partial row. The rows slots (ty) are then added in order
+// visits); NPT == 0 in shared memory, or for rows too long for it in the block's partial row. SHIFT:
+// the planner makes the row step gridDim.x*rpb a multiple of E whenever a rows slot visits more than
+// one row, so all its rows share one shift. The rows slots (ty) are then added in order
 // into partial[blockIdx.x, :] (through shared memory when blockDim.y > 1), and rms_norm_dw adds the
 // partials in a fixed order: bitwise deterministic.
 
@@ -517,13 +517,21 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
     const int step = width * E, hidden = (int)p.hidden;  // hidden: for NPT > 0 (see first_column)
     const i64 rows_per_pass = (i64)gridDim.x * blockDim.y;
     float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
-    // This rows slot's dweight sums: NPT == 0 per column in here; NPT > 0 in registers, stored here at the end.
-    float* const my_acc = p.shared_acc ? dw_acc + threadIdx.y * p.hidden : my_partial;
+    // This rows slot's dweight sums: NPT == 0 per column in here; NPT > 0 in registers, stored here at the
+    // end. SHIFT with NPT == 0 in shared memory: from the slot's shift (that of every row it visits, see
+    // above), so that a row's chunks are whole 16-byte chunks of the sums too (acc_row: the chunks' span,
+    // rounded up to whole chunks).
+    const bool acc_shifted = SHIFT && NPT == 0 && p.shared_acc;
+    const i64 acc_row = acc_shifted ? (p.hidden + 2 * E - 2) / E * E : p.hidden;
+    const int acc_shift = acc_shifted ? row_shift<SHIFT, E>(static_cast<const T*>(p.x) +
+                                                            ((i64)blockIdx.x * blockDim.y + threadIdx.y) * p.x_stride)
+                                      : 0;
+    float* const my_acc = p.shared_acc ? dw_acc + threadIdx.y * acc_row : my_partial;
     Pack<float, E> dw[SLOTS];  // NPT > 0: a thread owns the same columns in every row it visits
 #pragma unroll
     for (int i = 0; i < SLOTS; ++i) dw[i] = zeros<E>();
     if (NPT == 0 && p.weight) {  // without shared_acc, blockDim.y == 1: the partial row is ours
-        for (i64 col = lane; col < p.hidden; col += width) my_acc[col] = 0.f;
+        for (i64 col = lane; col < acc_row; col += width) my_acc[col] = 0.f;
         __syncthreads();
     }
 
@@ -570,8 +578,8 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
                     }
                 }
             }
-        } else {  // SHIFT: this row's own shift (its dweight sums are kept by column)
-            for (i64 col = (i64)lane * E - row_shift<SHIFT, E>(x_row); active && col < p.hidden; col += step) {
+        } else {
+            for (i64 col = first; active && col < p.hidden; col += step) {
                 const Pack<T, E> d = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
                 const Pack<T, E> xx = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
                 add_row_sums<T, W, E>(p, d, xx, load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden), sum_sq, dot);
@@ -597,15 +605,21 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
                     }
                 }
             } else {
-                // SHIFT: the float sums of a chunk are off 16-byte boundaries, moved one by one.
-                constexpr bool ACC_VEC = VEC && !SHIFT;
-                for (i64 col = (i64)lane * E - row_shift<SHIFT, E>(x_row); col < p.hidden; col += step) {
+                // SHIFT: sums in the partial row (rows too long for shared memory) are by column, off
+                // 16-byte boundaries: one by one. Chunks past the row's ends add 0 to the shifted sums.
+                const bool by_column = SHIFT && !p.shared_acc;
+                float* const acc_at = my_acc + acc_shift;
+                for (i64 col = first; col < p.hidden; col += step) {
                     const Pack<T, E> d = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
                     const Pack<T, E> xx = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
                     const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-                    Pack<float, E> acc = p.weight ? load_chunk<ACC_VEC, SHIFT, E>(my_acc, col, p.hidden) : zeros<E>();
+                    Pack<float, E> acc = zeros<E>();
+                    if (p.weight)
+                        acc = by_column ? load_chunk<false, true, E>(my_acc, col, p.hidden) : load_pack<VEC, E>(acc_at + col);
                     store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden, bwd_chunk<T, W, E>(p, d, xx, w, rstd, coef, acc));
-                    if (p.weight) store_chunk<ACC_VEC, SHIFT, E>(my_acc, col, p.hidden, acc);
+                    if (!p.weight) continue;
+                    if (by_column) store_chunk<false, true, E>(my_acc, col, p.hidden, acc);
+                    else store_pack<VEC, E>(acc_at + col, acc);
                 }
             }
         }
@@ -633,7 +647,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
     // partial[block, col] = sum over the block's rows slots, in order.
     for (i64 col = threadIdx.y * width + lane; col < p.hidden; col += width * blockDim.y) {
         float total = 0.f;
-        for (int r = 0; r < (int)blockDim.y; ++r) total += dw_acc[r * p.hidden + col];
+        for (int r = 0; r < (int)blockDim.y; ++r) total += dw_acc[r * acc_row + acc_shift + col];
         my_partial[col] = total;
     }
 }

@@ -212,7 +212,8 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
     ("bfloat16", 20001, True), ("float32", 33001, True), ("bfloat16", 65535, True)])
 def test_rms_norm_long_odd_rows_are_read_twice_in_shifted_chunks(dtype, hidden, add):
     # Odd rows that registers cannot hold (v21): the two-pass loop in 16-byte chunks, forward, fused add
-    # and backward, 512 threads a row; element by element where x's and out's offsets differ.
+    # and backward, 512 threads a row; element by element where x's and out's offsets differ. The backward
+    # keeps its dweight sums in shared memory up to SHARED_ACC_LIMIT, else in the partial row.
     x, y = arr((64, hidden), dtype), arr((64, hidden), dtype, ptr=BASE + 2**36)
     residual = arr((64, hidden), dtype, ptr=BASE + 2**37) if add else None
     weight, strides = arr((hidden,), "float32", ptr=BASE + 2**38 + 4), (hidden,) * (3 if add else 2)
@@ -221,9 +222,12 @@ def test_rms_norm_long_odd_rows_are_read_twice_in_shifted_chunks(dtype, hidden, 
     assert p.name.endswith(f"{str(add).lower()}, true>") and p.name in {n for _, n in rmsnorm.all_variants()}
     other = arr((64, hidden), dtype, ptr=BASE + 2**36 + _arrays.ITEMSIZE[dtype])
     assert not plan_forward(x, other, residual, weight, strides, 64, hidden).vectorized
-    b = plan_backward(x, x, y, weight, (hidden,) * 3, 4096, hidden, n_sm=132)
+    b = plan_backward(x, x, y, weight, (hidden,) * 3, 4096, hidden, n_sm=131)
     assert (b.block, b.slots, b.shifted, b.staged) == ((512, 1), 0, True, False) and b.name.endswith(", 0, true>"), b
-    assert b.grid == 4 * 132  # no rounding: rows read twice keep their dweight sums by column
+    elems = 16 // _arrays.ITEMSIZE[dtype]
+    assert b.grid == 4 * 131 // elems * elems  # one shift a block: its dweight sums sit from it in shared memory
+    span = -(-(hidden + elems - 1) // elems) * elems
+    assert b.shared_mem == (span * 4 if span * 4 <= rmsnorm.SHARED_ACC_LIMIT else 0), b
 
 
 def test_rms_norm_odd_rows_held_element_by_element_stay_there():
