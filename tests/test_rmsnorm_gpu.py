@@ -467,22 +467,22 @@ def test_forward_two_pass_rows(rng, monkeypatch, kind, dtype, hidden, start, imp
 # The backward of odd rows read twice in shifted 16-byte chunks (v21: bf16/fp16 from ~8190 elements, fp32
 # from ~4095): dweight sums in shared memory from the block's shift, or by column in the block's partial
 # row past 160 KiB (bf16 45001); more rows than blocks (a block's rows share one shift; the rows of a call
-# have every shift); inputs are views with NaN around the rows; dweight bitwise equal over two runs.
-@pytest.mark.parametrize("dtype,hidden,start", [("bfloat16", 8191, 5), ("float16", 16389, 0), ("float32", 16387, 3),
-                                                ("bfloat16", 45001, 1)])
-def test_backward_two_pass_shifted_rows(rng, monkeypatch, dtype, hidden, start):
+# have every shift: contiguous, as dx is, whose rows must share dy's and x's offsets); every row checked;
+# dweight bitwise equal over two runs.
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,hidden", [("bfloat16", 8191), ("float16", 16389), ("float32", 16387),
+                                          ("bfloat16", 45001)])
+def test_backward_two_pass_shifted_rows(rng, monkeypatch, kind, dtype, hidden):
     fresh_plans(monkeypatch)
     rows = 1201 if hidden < 40000 else 700
     x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), "float32", rng)
-    _, x = unaligned_view(x_host, dtype, "cupy", start, 8)
-    _, dy = unaligned_view(dy_host, dtype, "cupy", start, 8)
-    w = to_device(w_host, "float32", "cupy")
-    fill_next_allocation_with_nan((rows, hidden), dtype, "cupy")
+    x, dy, w = to_device(x_host, dtype, kind), to_device(dy_host, dtype, kind), to_device(w_host, "float32", kind)
+    fill_next_allocation_with_nan((rows, hidden), dtype, kind)
     dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
     plan = planned("bwd")
     assert plan.shifted and plan.slots == 0 and plan.shared_acc == (hidden < 40000), plan
-    assert plan.grid < rows, plan  # rows are revisited
+    assert plan.grid < rows and plan.grid % (16 // _arrays.ITEMSIZE[dtype]) == 0, plan  # rows revisited
     ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host, offset=0.25)
     rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
     scale = np.abs(dy_host * (w_host + 0.25) * rstd_ref[:, None]).max()
