@@ -213,6 +213,13 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I co
 #ifndef RMS_FWD_HELD
 #define RMS_FWD_HELD 1
 #endif
+// Chunks a thread loads at once in the loops over rows read twice (NPT == 0), forward and backward.
+#ifndef RMS_FWD_TWO_PASS_CHUNKS
+#define RMS_FWD_TWO_PASS_CHUNKS 2
+#endif
+#ifndef RMS_BWD_TWO_PASS_CHUNKS
+#define RMS_BWD_TWO_PASS_CHUNKS 1
+#endif
 #ifndef RMS_BWD_MIN_BLOCKS_1
 #define RMS_BWD_MIN_BLOCKS_1 2
 #endif
@@ -393,37 +400,56 @@ __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_b
         const i64 first = (i64)lane * E - shift, cache_row = (p.hidden + (SHIFT ? E - 1 : 0) + E - 1) / E * E;
         T* const row_cache = reinterpret_cast<T*>(row_cache_bytes) + threadIdx.y * cache_row + shift;
         const bool cached = ADD && dynamic_shared_bytes() >= blockDim.y * cache_row * sizeof(T);
-        for (i64 col = first; active && col < p.hidden; col += step) {
-            Pack<T, E> v = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
-            if constexpr (ADD) {
-                const Pack<T, E> r = load_chunk<VEC, SHIFT, E>(res_row, col, p.hidden);
+        // U chunks a thread at a time: their loads issued together, then their arithmetic and stores.
+        constexpr int U = RMS_FWD_TWO_PASS_CHUNKS;
+        for (i64 base = first; active && base < p.hidden; base += U * step) {
+            Pack<T, E> v[U], r[ADD ? U : 1];
 #pragma unroll
-                for (int e = 0; e < E; ++e) v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(r.v[e]));
-                store_chunk<VEC, SHIFT, E>(res_row, col, p.hidden, v);
-                if (cached) store_pack<VEC, E>(row_cache + col, v);
+            for (int u = 0; u < U; ++u) {
+                const i64 col = base + u * step;
+                if (col >= p.hidden) break;
+                v[u] = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
+                if constexpr (ADD) r[ADD ? u : 0] = load_chunk<VEC, SHIFT, E>(res_row, col, p.hidden);
             }
 #pragma unroll
-            for (int e = 0; e < E; ++e) sum_sq += to_float(v.v[e]) * to_float(v.v[e]);
+            for (int u = 0; u < U; ++u) {
+                const i64 col = base + u * step;
+                if (col >= p.hidden) break;
+                if constexpr (ADD) {
+#pragma unroll
+                    for (int e = 0; e < E; ++e)
+                        v[u].v[e] = from_float<T>(to_float(v[u].v[e]) + to_float(r[ADD ? u : 0].v[e]));
+                    store_chunk<VEC, SHIFT, E>(res_row, col, p.hidden, v[u]);
+                    if (cached) store_pack<VEC, E>(row_cache + col, v[u]);
+                }
+#pragma unroll
+                for (int e = 0; e < E; ++e) sum_sq += to_float(v[u].v[e]) * to_float(v[u].v[e]);
+            }
         }
         const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
         if (!active) return;
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
         // With ADD, the normalized values are the rounded sums this thread just stored in residual. The
         // row cache holds what this thread summed: each thread reads back only its own columns, so no
-        // barrier. Its own loop: a pointer that may be shared or global would load generically.
-        if (cached) {
-            for (i64 col = first; col < p.hidden; col += step) {
-                const Pack<T, E> v = load_pack<VEC, E>(row_cache + col);
-                const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-                store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, output<T, W, VEC, E>(p, v, rstd, w));
-            }
-            return;
-        }
+        // barrier.
         const T* const src = ADD ? res_row : x_row;
-        for (i64 col = first; col < p.hidden; col += step) {
-            const Pack<T, E> v = load_chunk<VEC, SHIFT, E>(src, col, p.hidden);
-            const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-            store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, output<T, W, VEC, E>(p, v, rstd, w));
+        for (i64 base = first; base < p.hidden; base += U * step) {
+            Pack<T, E> v[U];
+            Pack<W, E> w[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const i64 col = base + u * step;
+                if (col >= p.hidden) break;
+                w[u] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                if (cached) v[u] = load_pack<VEC, E>(row_cache + col);
+                else v[u] = load_chunk<VEC, SHIFT, E>(src, col, p.hidden);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const i64 col = base + u * step;
+                if (col >= p.hidden) break;
+                store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, output<T, W, VEC, E>(p, v[u], rstd, w[u]));
+            }
         }
     }
 }
@@ -510,7 +536,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
     rms_norm_bwd(const NormBwdParams p) {
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
-    constexpr int SLOTS = NPT > 0 ? NPT : 1;
+    constexpr int SLOTS = NPT > 0 ? NPT : 1, U = RMS_BWD_TWO_PASS_CHUNKS;
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
     extern __shared__ __align__(16) float dw_acc[];  // [blockDim.y][hidden] when shared_acc
     const int lane = threadIdx.x, width = blockDim.x;
@@ -578,11 +604,23 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
                     }
                 }
             }
-        } else {
-            for (i64 col = first; active && col < p.hidden; col += step) {
-                const Pack<T, E> d = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
-                const Pack<T, E> xx = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
-                add_row_sums<T, W, E>(p, d, xx, load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden), sum_sq, dot);
+        } else {  // U chunks of dy and x at a time, as in the forward; the weight (cached) as it is used
+            for (i64 base = first; active && base < p.hidden; base += U * step) {
+                Pack<T, E> d[U], xx[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const i64 col = base + u * step;
+                    if (col >= p.hidden) break;
+                    d[u] = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
+                    xx[u] = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const i64 col = base + u * step;
+                    if (col >= p.hidden) break;
+                    const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                    add_row_sums<T, W, E>(p, d[u], xx[u], w, sum_sq, dot);
+                }
             }
         }
         Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
@@ -609,17 +647,28 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
                 // 16-byte boundaries: one by one. Chunks past the row's ends add 0 to the shifted sums.
                 const bool by_column = SHIFT && !p.shared_acc;
                 float* const acc_at = my_acc + acc_shift;
-                for (i64 col = first; col < p.hidden; col += step) {
-                    const Pack<T, E> d = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
-                    const Pack<T, E> xx = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
-                    const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-                    Pack<float, E> acc = zeros<E>();
-                    if (p.weight)
-                        acc = by_column ? load_chunk<false, true, E>(my_acc, col, p.hidden) : load_pack<VEC, E>(acc_at + col);
-                    store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden, bwd_chunk<T, W, E>(p, d, xx, w, rstd, coef, acc));
-                    if (!p.weight) continue;
-                    if (by_column) store_chunk<false, true, E>(my_acc, col, p.hidden, acc);
-                    else store_pack<VEC, E>(acc_at + col, acc);
+                for (i64 base = first; base < p.hidden; base += U * step) {
+                    Pack<T, E> d[U], xx[U];
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const i64 col = base + u * step;
+                        if (col >= p.hidden) break;
+                        d[u] = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
+                        xx[u] = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
+                    }
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const i64 col = base + u * step;
+                        if (col >= p.hidden) break;
+                        const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                        Pack<float, E> acc = zeros<E>();
+                        if (p.weight)
+                            acc = by_column ? load_chunk<false, true, E>(my_acc, col, p.hidden) : load_pack<VEC, E>(acc_at + col);
+                        store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden, bwd_chunk<T, W, E>(p, d[u], xx[u], w, rstd, coef, acc));
+                        if (!p.weight) continue;
+                        if (by_column) store_chunk<false, true, E>(my_acc, col, p.hidden, acc);
+                        else store_pack<VEC, E>(acc_at + col, acc);
+                    }
                 }
             }
         }
