@@ -200,6 +200,9 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I co
 #endif
 // Resident 512-thread blocks per SM asked of the compiler (register budget) by register slots:
 // occupancy mattered more than keeping everything in registers in every measurement so far.
+#ifndef RMS_FWD_MIN_BLOCKS_0
+#define RMS_FWD_MIN_BLOCKS_0 2
+#endif
 #ifndef RMS_FWD_MIN_BLOCKS_1
 #define RMS_FWD_MIN_BLOCKS_1 4
 #endif
@@ -255,7 +258,8 @@ struct FwdBounds {
     static constexpr bool wide = NPT >= 4;
     static constexpr int threads = wide ? 1024 : 512;
     static constexpr int min_blocks =
-        NPT == 1 ? RMS_FWD_MIN_BLOCKS_1 : NPT == 2 ? RMS_FWD_MIN_BLOCKS_2 : RMS_FWD_MIN_BLOCKS_4 / (wide ? 2 : 1);
+        NPT == 0 ? RMS_FWD_MIN_BLOCKS_0 : NPT == 1 ? RMS_FWD_MIN_BLOCKS_1 : NPT == 2 ? RMS_FWD_MIN_BLOCKS_2
+                                                                     : RMS_FWD_MIN_BLOCKS_4 / (wide ? 2 : 1);
 };
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
@@ -435,20 +439,19 @@ __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_b
         const T* const src = ADD ? res_row : x_row;
         for (i64 base = first; base < p.hidden; base += U * step) {
             Pack<T, E> v[U];
-            Pack<W, E> w[U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const i64 col = base + u * step;
                 if (col >= p.hidden) break;
-                w[u] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
                 if (cached) v[u] = load_pack<VEC, E>(row_cache + col);
                 else v[u] = load_chunk<VEC, SHIFT, E>(src, col, p.hidden);
             }
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
+            for (int u = 0; u < U; ++u) {  // the weight (cached) as it is used: fewer registers held
                 const i64 col = base + u * step;
                 if (col >= p.hidden) break;
-                store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, output<T, W, VEC, E>(p, v[u], rstd, w[u]));
+                const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, output<T, W, VEC, E>(p, v[u], rstd, w));
             }
         }
     }
