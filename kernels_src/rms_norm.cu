@@ -534,6 +534,19 @@ __device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, in
     }
 }
 
+// The U chunks of dy and x from column base on, step apart, of a row read twice (none past the row).
+template <bool VEC, bool SHIFT, typename T, int E, int U>
+__device__ __forceinline__ void load_bwd_chunks(const T* dy_row, const T* x_row, i64 base, int step, i64 hidden,
+                                                Pack<T, E> (&d)[U], Pack<T, E> (&xx)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const i64 col = base + u * step;
+        if (col >= hidden) break;
+        d[u] = load_chunk<VEC, SHIFT, E>(dy_row, col, hidden);
+        xx[u] = load_chunk<VEC, SHIFT, E>(x_row, col, hidden);
+    }
+}
+
 template <typename T, typename W, bool VEC, int NPT, bool SHIFT>
 __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD_MIN_BLOCKS_2)
     rms_norm_bwd(const NormBwdParams p) {
@@ -610,13 +623,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
         } else {  // U chunks of dy and x at a time, as in the forward; the weight (cached) as it is used
             for (i64 base = first; active && base < p.hidden; base += U * step) {
                 Pack<T, E> d[U], xx[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const i64 col = base + u * step;
-                    if (col >= p.hidden) break;
-                    d[u] = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
-                    xx[u] = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
-                }
+                load_bwd_chunks<VEC, SHIFT>(dy_row, x_row, base, step, p.hidden, d, xx);
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const i64 col = base + u * step;
@@ -652,13 +659,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
                 float* const acc_at = my_acc + acc_shift;
                 for (i64 base = first; base < p.hidden; base += U * step) {
                     Pack<T, E> d[U], xx[U];
-#pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        const i64 col = base + u * step;
-                        if (col >= p.hidden) break;
-                        d[u] = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
-                        xx[u] = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
-                    }
+                    load_bwd_chunks<VEC, SHIFT>(dy_row, x_row, base, step, p.hidden, d, xx);
 #pragma unroll
                     for (int u = 0; u < U; ++u) {
                         const i64 col = base + u * step;

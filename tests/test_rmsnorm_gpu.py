@@ -163,6 +163,19 @@ def fill_next_allocation_with_nan(shape, dtype, kind):
     poison(to_device(np.zeros(shape), dtype, kind))
 
 
+def assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype):
+    """rms_norm_backward(dy, x, w, offset=0.25) = (dx, dw): every row of dx against float64, dweight within
+    its terms' sum, and bitwise the same dweight from a second call."""
+    ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host, offset=0.25)
+    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
+    scale = np.abs(dy_host * (w_host + 0.25) * rstd_ref[:, None]).max()
+    assert_matches(to_host(dx), ref_dx, dtype, scale=scale, what="dx")
+    terms = np.abs(dy_host * x_host * rstd_ref[:, None]).sum(0)
+    err = np.abs(to_host(dw) - ref_dw)
+    assert np.all(err <= 4e-6 * terms), f"dweight: worst {err.max():.3g}"
+    np.testing.assert_array_equal(to_host(cupyrope.rms_norm_backward(dy, x, w, offset=0.25)[1]), to_host(dw))
+
+
 def force_lean(monkeypatch, lean):
     """The staged backward's LEAN variant wherever it applies, or nowhere."""
     limits = {slots: math.inf if lean and limit else 0 for slots, limit in rmsnorm.STAGED_LEAN_MAX_ROWS.items()}
@@ -295,14 +308,7 @@ def test_backward_shifted_rows_revisited(rng, monkeypatch, dtype, hidden, thread
     dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
     plan = planned("bwd")
     assert plan.shifted and plan.grid * plan.block[1] < rows, plan  # rows are revisited
-    ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host, offset=0.25)
-    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
-    scale = np.abs(dy_host * (w_host + 0.25) * rstd_ref[:, None]).max()
-    assert_matches(to_host(dx), ref_dx, dtype, scale=scale, what="dx")  # every row
-    terms = np.abs(dy_host * x_host * rstd_ref[:, None]).sum(0)
-    err = np.abs(to_host(dw) - ref_dw)
-    assert np.all(err <= 4e-6 * terms), f"dweight: worst {err.max():.3g}"
-    np.testing.assert_array_equal(to_host(cupyrope.rms_norm_backward(dy, x, w, offset=0.25)[1]), to_host(dw))
+    assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype)
 
 
 @pytest.mark.parametrize("hidden", [4096, 1027])  # dweight sums in registers: aligned / shifted rows
@@ -483,14 +489,7 @@ def test_backward_two_pass_shifted_rows(rng, monkeypatch, kind, dtype, hidden):
     plan = planned("bwd")
     assert plan.shifted and plan.slots == 0 and plan.shared_acc == (hidden < 40000), plan
     assert plan.grid < rows and plan.grid % (16 // _arrays.ITEMSIZE[dtype]) == 0, plan  # rows revisited
-    ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host, offset=0.25)
-    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
-    scale = np.abs(dy_host * (w_host + 0.25) * rstd_ref[:, None]).max()
-    assert_matches(to_host(dx), ref_dx, dtype, scale=scale, what="dx")  # every row
-    terms = np.abs(dy_host * x_host * rstd_ref[:, None]).sum(0)
-    err = np.abs(to_host(dw) - ref_dw)
-    assert np.all(err <= 4e-6 * terms), f"dweight: worst {err.max():.3g}"
-    np.testing.assert_array_equal(to_host(cupyrope.rms_norm_backward(dy, x, w, offset=0.25)[1]), to_host(dw))
+    assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype)
 
 
 @pytest.mark.parametrize("kind", KINDS)
