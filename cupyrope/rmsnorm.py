@@ -33,7 +33,7 @@ LONG_ROW_BYTES = 8192
 FWD_MAX_SLOTS = {(True, 4): 8, (True, 2): 4, (False, 4): 8, (False, 2): 8}
 # The fp32 fused add of 8 chunks a thread spills (ptxas: 132-180 bytes); its two-pass loop, which reads
 # the new residual back from the L2, measured faster: [8192, 16384] 982 -> 831 us, [512, 16384] 66 -> 56
-# (docs/perf-notes.md v15). Shifted rows have no two-pass loop and keep FWD_MAX_SLOTS.
+# (docs/perf-notes.md v15). Shifted rows keep FWD_MAX_SLOTS.
 FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 4): 4}
 # Threads a 16-byte row may have, by (fused add, element size), where MAX_WIDTH threads cannot hold it in
 # registers (else the two-pass loop; the kernel allows 1024 for 4+ slots: FwdBounds); one block an SM.
@@ -178,6 +178,13 @@ def _shifted_span(hidden: int, itemsize: int) -> int:
     return hidden + 16 // itemsize - 1
 
 
+def _chunks_span(hidden: int, itemsize: int, shifted: bool) -> int:
+    """Elements a 16-byte row's chunks cover (shifted: from the boundary before the row), in whole chunks:
+    a row of the row cache or of the shifted backward's shared dweight sums (the kernel's chunks_span)."""
+    elems = 16 // itemsize
+    return -(-(_shifted_span(hidden, itemsize) if shifted else hidden) // elems) * elems
+
+
 def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread, block_threads,
           extra, impl, can_shift=False, max_width=MAX_WIDTH, wide_first=()):
     """can_shift: the kernel takes a last SHIFT parameter; arrays[-1] is the weight. max_width, wide_first
@@ -308,9 +315,8 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     # (one slot, the sums kept in the partial row), or more than this GPU lets a block have (GPUs other
     # than A100/H100 allow 64-99 KiB).
     rows_slots = plan.block[1]
-    # Shifted rows read twice keep their sums from the row's shift: their chunks' span, whole chunks.
-    elems = 16 // _arrays.ITEMSIZE[x.dtype]
-    span = -(-_shifted_span(hidden, _arrays.ITEMSIZE[x.dtype]) // elems) * elems if plan.shifted and not plan.slots else hidden
+    # Shifted rows read twice keep their sums from the row's shift: their chunks' span.
+    span = _chunks_span(hidden, _arrays.ITEMSIZE[x.dtype], True) if plan.shifted and not plan.slots else hidden
     plan.shared_mem = rows_slots * span * 4 if weight is not None else 0
     if plan.shared_mem > min(SHARED_ACC_LIMIT, shared_limit) or (plan.slots and rows_slots == 1):
         plan.shared_mem = 0
@@ -546,9 +552,8 @@ def row_cache_bytes(plan, hidden: int, dtype, shared_limit: int) -> int:
     and fit (ROW_CACHE_MAX_BYTES, and what the GPU gives a block); else 0 (read again). A row takes its
     chunks' span (shifted rows: from the 16-byte boundary before the row), rounded up to whole chunks."""
     itemsize = _arrays.ITEMSIZE[dtype]
-    elems = 16 // itemsize if plan.vectorized else 1
-    span = _shifted_span(hidden, itemsize) if plan.shifted else hidden
-    nbytes = plan.block[1] * -(-span // elems) * elems * itemsize
+    span = _chunks_span(hidden, itemsize, plan.shifted) if plan.vectorized else hidden
+    nbytes = plan.block[1] * span * itemsize
     return nbytes if not plan.slots and nbytes <= min(ROW_CACHE_MAX_BYTES, shared_limit) else 0
 
 

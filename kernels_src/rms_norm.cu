@@ -136,6 +136,13 @@ template <bool SHIFT, int E, typename T> __device__ __forceinline__ int row_shif
     return SHIFT ? (int)(reinterpret_cast<size_t>(row) / sizeof(T) % E) : 0;
 }
 
+// Elements a row's chunks cover from the 16-byte boundary at or before its start (SHIFT: up to E - 1
+// before it), in whole chunks: a row of the row cache or of the shifted backward's shared dweight sums.
+// Mirrored by rmsnorm.py's _chunks_span.
+template <bool SHIFT, int E> __device__ __forceinline__ i64 chunks_span(i64 hidden) {
+    return (hidden + (SHIFT ? E - 1 : 0) + E - 1) / E * E;
+}
+
 // First column of thread `lane`'s first chunk; SHIFT: minus the row's shift.
 template <bool SHIFT, int E, typename T>
 __device__ __forceinline__ int first_column(const T* row, int lane) {
@@ -200,9 +207,6 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I co
 #endif
 // Resident 512-thread blocks per SM asked of the compiler (register budget) by register slots:
 // occupancy mattered more than keeping everything in registers in every measurement so far.
-#ifndef RMS_FWD_MIN_BLOCKS_0
-#define RMS_FWD_MIN_BLOCKS_0 2
-#endif
 #ifndef RMS_FWD_MIN_BLOCKS_1
 #define RMS_FWD_MIN_BLOCKS_1 4
 #endif
@@ -216,12 +220,10 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I co
 #ifndef RMS_FWD_HELD
 #define RMS_FWD_HELD 1
 #endif
-// Chunks a thread loads at once in the loops over rows read twice (NPT == 0), forward and backward.
+// Chunks a thread loads at once in the forward's loops over rows read twice (NPT == 0). The backward's
+// take one: two spill at its 64 registers and measured up to 3x slower (docs/perf-notes.md v21).
 #ifndef RMS_FWD_TWO_PASS_CHUNKS
 #define RMS_FWD_TWO_PASS_CHUNKS 2
-#endif
-#ifndef RMS_BWD_TWO_PASS_CHUNKS
-#define RMS_BWD_TWO_PASS_CHUNKS 1
 #endif
 #ifndef RMS_BWD_MIN_BLOCKS_1
 #define RMS_BWD_MIN_BLOCKS_1 2
@@ -258,8 +260,7 @@ struct FwdBounds {
     static constexpr bool wide = NPT >= 4;
     static constexpr int threads = wide ? 1024 : 512;
     static constexpr int min_blocks =
-        NPT == 0 ? RMS_FWD_MIN_BLOCKS_0 : NPT == 1 ? RMS_FWD_MIN_BLOCKS_1 : NPT == 2 ? RMS_FWD_MIN_BLOCKS_2
-                                                                     : RMS_FWD_MIN_BLOCKS_4 / (wide ? 2 : 1);
+        NPT == 1 ? RMS_FWD_MIN_BLOCKS_1 : NPT == 2 ? RMS_FWD_MIN_BLOCKS_2 : RMS_FWD_MIN_BLOCKS_4 / (wide ? 2 : 1);
 };
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
@@ -395,13 +396,13 @@ __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_b
         // Rows read twice. SHIFT: 16-byte chunks from the boundary before the row, the first and last
         // element by element (as above, with 64-bit columns). ADD: the new residual waits for the output
         // pass in the row cache, where the launch gave the block's rows (rmsnorm.row_cache_bytes: each
-        // row slot's chunks from c * E, their span rounded up to E); else it is read back.
+        // row slot's chunks from c * E, chunks_span); else it is read back.
         extern __shared__ __align__(16) unsigned char row_cache_bytes[];
         const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
         T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
         const int shift = row_shift<SHIFT, E>(x_row);
-        const i64 first = (i64)lane * E - shift, cache_row = (p.hidden + (SHIFT ? E - 1 : 0) + E - 1) / E * E;
+        const i64 first = (i64)lane * E - shift, cache_row = chunks_span<SHIFT, E>(p.hidden);
         T* const row_cache = reinterpret_cast<T*>(row_cache_bytes) + threadIdx.y * cache_row + shift;
         const bool cached = ADD && dynamic_shared_bytes() >= blockDim.y * cache_row * sizeof(T);
         // U chunks a thread at a time: their loads issued together, then their arithmetic and stores.
@@ -534,37 +535,23 @@ __device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, in
     }
 }
 
-// The U chunks of dy and x from column base on, step apart, of a row read twice (none past the row).
-template <bool VEC, bool SHIFT, typename T, int E, int U>
-__device__ __forceinline__ void load_bwd_chunks(const T* dy_row, const T* x_row, i64 base, int step, i64 hidden,
-                                                Pack<T, E> (&d)[U], Pack<T, E> (&xx)[U]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const i64 col = base + u * step;
-        if (col >= hidden) break;
-        d[u] = load_chunk<VEC, SHIFT, E>(dy_row, col, hidden);
-        xx[u] = load_chunk<VEC, SHIFT, E>(x_row, col, hidden);
-    }
-}
-
 template <typename T, typename W, bool VEC, int NPT, bool SHIFT>
 __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD_MIN_BLOCKS_2)
     rms_norm_bwd(const NormBwdParams p) {
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
-    constexpr int SLOTS = NPT > 0 ? NPT : 1, U = RMS_BWD_TWO_PASS_CHUNKS;
+    constexpr int SLOTS = NPT > 0 ? NPT : 1;
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
-    extern __shared__ __align__(16) float dw_acc[];  // [blockDim.y][hidden] when shared_acc
+    extern __shared__ __align__(16) float dw_acc[];  // [blockDim.y][acc_row] when shared_acc
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;  // hidden: for NPT > 0 (see first_column)
     const i64 rows_per_pass = (i64)gridDim.x * blockDim.y;
     float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
     // This rows slot's dweight sums: NPT == 0 per column in here; NPT > 0 in registers, stored here at the
     // end. SHIFT with NPT == 0 in shared memory: from the slot's shift (that of every row it visits, see
-    // above), so that a row's chunks are whole 16-byte chunks of the sums too (acc_row: the chunks' span,
-    // rounded up to whole chunks).
+    // above), so that a row's chunks are whole 16-byte chunks of the sums too (acc_row: chunks_span).
     const bool acc_shifted = SHIFT && NPT == 0 && p.shared_acc;
-    const i64 acc_row = acc_shifted ? (p.hidden + 2 * E - 2) / E * E : p.hidden;
+    const i64 acc_row = acc_shifted ? chunks_span<true, E>(p.hidden) : p.hidden;
     const int acc_shift = acc_shifted ? row_shift<SHIFT, E>(static_cast<const T*>(p.x) +
                                                             ((i64)blockIdx.x * blockDim.y + threadIdx.y) * p.x_stride)
                                       : 0;
@@ -620,17 +607,11 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
                     }
                 }
             }
-        } else {  // U chunks of dy and x at a time, as in the forward; the weight (cached) as it is used
-            for (i64 base = first; active && base < p.hidden; base += U * step) {
-                Pack<T, E> d[U], xx[U];
-                load_bwd_chunks<VEC, SHIFT>(dy_row, x_row, base, step, p.hidden, d, xx);
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const i64 col = base + u * step;
-                    if (col >= p.hidden) break;
-                    const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-                    add_row_sums<T, W, E>(p, d[u], xx[u], w, sum_sq, dot);
-                }
+        } else {
+            for (i64 col = first; active && col < p.hidden; col += step) {
+                const Pack<T, E> d = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
+                const Pack<T, E> xx = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
+                add_row_sums<T, W, E>(p, d, xx, load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden), sum_sq, dot);
             }
         }
         Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
@@ -657,22 +638,17 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
                 // 16-byte boundaries: one by one. Chunks past the row's ends add 0 to the shifted sums.
                 const bool by_column = SHIFT && !p.shared_acc;
                 float* const acc_at = my_acc + acc_shift;
-                for (i64 base = first; base < p.hidden; base += U * step) {
-                    Pack<T, E> d[U], xx[U];
-                    load_bwd_chunks<VEC, SHIFT>(dy_row, x_row, base, step, p.hidden, d, xx);
-#pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        const i64 col = base + u * step;
-                        if (col >= p.hidden) break;
-                        const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-                        Pack<float, E> acc = zeros<E>();
-                        if (p.weight)
-                            acc = by_column ? load_chunk<false, true, E>(my_acc, col, p.hidden) : load_pack<VEC, E>(acc_at + col);
-                        store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden, bwd_chunk<T, W, E>(p, d[u], xx[u], w, rstd, coef, acc));
-                        if (!p.weight) continue;
-                        if (by_column) store_chunk<false, true, E>(my_acc, col, p.hidden, acc);
-                        else store_pack<VEC, E>(acc_at + col, acc);
-                    }
+                for (i64 col = first; col < p.hidden; col += step) {
+                    const Pack<T, E> d = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
+                    const Pack<T, E> xx = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
+                    const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                    Pack<float, E> acc = zeros<E>();
+                    if (p.weight)
+                        acc = by_column ? load_chunk<false, true, E>(my_acc, col, p.hidden) : load_pack<VEC, E>(acc_at + col);
+                    store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden, bwd_chunk<T, W, E>(p, d, xx, w, rstd, coef, acc));
+                    if (!p.weight) continue;
+                    if (by_column) store_chunk<false, true, E>(my_acc, col, p.hidden, acc);
+                    else store_pack<VEC, E>(acc_at + col, acc);
                 }
             }
         }
