@@ -81,6 +81,12 @@ STAGED_STAGES = (1, 2, 3)
 # bf16; fp32 rows of 4 chunks faster at every length measured; 8 chunks no faster (session 20).
 STAGED_LEAN_MAX_ROWS = {1: 48, 2: 48, 4: math.inf, 8: 0}
 STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMaxThreads<NPT, true>
+# Aligned rows past those (fp16/bf16 over 16384 elements, fp32 over 16384) whose stage fits in shared memory:
+# the REREAD variant, the current row read twice from its stage and only the dweight sums in registers, by
+# element size: REREAD_SLOTS chunks a thread on up to REREAD_MAX_THREADS (mirrors StagedMaxThreads).
+# Before it, these rows took rms_norm_bwd's two-pass loop (rows read twice from global memory).
+REREAD_SLOTS = {4: 8, 2: 4}
+REREAD_MAX_THREADS = 1024
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -100,7 +106,7 @@ def _scalars(eps, offset, hidden) -> tuple[float, float, float]:
 
 class NormPlan:
     __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "small", "slots", "extents", "shared_mem",
-                 "shared_acc", "out_layouts", "launch", "dw_launch", "new_output", "new_rstd", "new_dx", "new_dweight",
+                 "shared_acc", "reread", "out_layouts", "launch", "dw_launch", "new_output", "new_rstd", "new_dx", "new_dweight",
                  "new_partial")
 
     def __init__(self, name, grid, block, vectorized, slots):
@@ -112,6 +118,7 @@ class NormPlan:
         self.shared_mem = 0
         self.shared_acc = False  # backward: dynamic shared memory holds the rows slots' dweight sums
         self.staged = False
+        self.reread = False  # staged backward: the REREAD variant
         self.small = False  # forward: planned as a small input (FWD_SMALL_ELEMS_PER_THREAD)
 
     def __repr__(self):
@@ -273,21 +280,24 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
     if shifted:
         limits = {1: limits[1]}
     slots = next((s for s, limit in limits.items() if s * limit >= chunks), None)
-    if slots is None:
+    reread = slots is None and not shifted and REREAD_SLOTS[itemsize] * REREAD_MAX_THREADS >= chunks
+    if reread:
+        slots = REREAD_SLOTS[itemsize]
+    elif slots is None:
         return None
     # Several chunks a thread: a power of two of threads. Fewer threads measured +5% at bf16 [8192, 5120]
     # (320 x 2) but -10% at fp32 [8192, 5120] (640 x 2, whose 3 stages leave one block an SM).
     per_thread = -(-chunks // slots)
-    width = row_threads(per_thread) if slots == 1 else _next_pow2(per_thread)
-    lean = lean and width <= STAGED_LEAN_MAX_THREADS[slots]
+    width = row_threads(per_thread) if slots == 1 or reread else _next_pow2(per_thread)
+    lean = lean and not reread and width <= STAGED_LEAN_MAX_THREADS[slots]
     stage_bytes = 2 * slots * width * 16
     stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
     if stages < 1:
         return None
-    flags = ", ".join("true" if f else "false" for f in (shifted, lean))
+    flags = ", ".join("true" if f else "false" for f in (shifted, lean, reread))
     plan = NormPlan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}, {flags}>",
                     rows, (width, 1), True, slots)
-    plan.shifted, plan.staged = shifted, True
+    plan.shifted, plan.staged, plan.reread = shifted, True, reread
     plan.shared_mem = stages * stage_bytes
     return plan
 
@@ -328,7 +338,7 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
 def lean_staged(plan, rows: int) -> bool:
     """Whether a staged plan whose grid is its resident blocks should take the LEAN variant: each block
     walking at most STAGED_LEAN_MAX_ROWS rows, on at most STAGED_LEAN_MAX_THREADS (by chunks a thread)."""
-    return (plan.staged and rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid
+    return (plan.staged and not plan.reread and rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid
             and plan.block[0] <= STAGED_LEAN_MAX_THREADS[plan.slots])
 
 
@@ -367,7 +377,10 @@ def all_variants():
                     leans = ("false", "true") if STAGED_LEAN_MAX_ROWS[slots] else ("false",)
                     for shift, lean in itertools.product(shifts, leans):
                         yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
-                                       f"{stages}, {shift}, {lean}>")
+                                       f"{stages}, {shift}, {lean}, false>")
+            for stages in STAGED_STAGES:
+                yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, "
+                               f"{REREAD_SLOTS[_arrays.ITEMSIZE[dtype]]}, {stages}, false, false, true>")
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 
 

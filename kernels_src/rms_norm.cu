@@ -701,13 +701,17 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
 // 8192] 20%) and 2-16% with fp32 rows of 4 chunks (hidden 5120-8192, any length), but 5% slower at bf16
 // [32768, 4096] (124 rows a block): there the longer chain stays (a sensitivity to the L2's dirty lines
 // left by the previous call, not to instructions; docs/perf-notes.md, session 19).
+// REREAD (rows the registers cannot hold with their dweight sums: fp16/bf16 rows of 4 chunks a thread,
+// fp32 rows of 8, on up to 1024 threads; aligned, not LEAN): the current row stays in its stage and is
+// read from shared memory twice, for the row sums and for dx; registers hold only the dweight sums. The
+// stage is refilled once the second read has consumed it.
 // Launch bound: 1 chunk a thread, and 2 with the long chain, fit the 64 registers of 1024-thread blocks
 // (2 spill 4-12 bytes); LEAN at 2 chunks (92-102 registers: it spilled at 64 and was up to 25% slower),
-// 4 and 8 chunks take the 512-thread bound (128 registers). Mirrored by rmsnorm.py's STAGED_MAX_THREADS
-// and STAGED_LEAN_MAX_THREADS.
-template <int NPT, bool LEAN>
+// 4 and 8 chunks take the 512-thread bound (128 registers), REREAD's 32 sums the 1024-thread bound.
+// Mirrored by rmsnorm.py's STAGED_MAX_THREADS, STAGED_LEAN_MAX_THREADS and REREAD_MAX_THREADS.
+template <int NPT, bool LEAN, bool REREAD>
 struct StagedMaxThreads {
-    static constexpr int value = NPT == 1 || (NPT == 2 && !LEAN) ? 1024 : 512;
+    static constexpr int value = REREAD || NPT == 1 || (NPT == 2 && !LEAN) ? 1024 : 512;
 };
 
 template <int NPT>
@@ -778,8 +782,10 @@ __device__ __forceinline__ Pack<W, E> staged_weight(const NormBwdParams& p, cons
     return HOLD ? wv[HOLD ? i : 0] : load_weight<W, true, E>(p.weight, col);
 }
 
-template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN>
-__global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN, bool REREAD>
+__global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN, REREAD>::value, 1)
+    rms_norm_bwd_staged(const NormBwdParams p) {
+    static_assert(!REREAD || (!SHIFT && !LEAN), "REREAD: aligned rows, the long chain");
     constexpr int E = 16 / sizeof(T);
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
@@ -811,7 +817,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
         const float given_rstd = next_rstd;  // loaded a row ahead: not on this row's critical path
         if (p.rstd && row + row_step < p.rows) next_rstd = p.rstd[row + row_step];
         copy_async_wait<STAGES - 1>();  // this row's group is complete
-        Pack<T, E> dyv[NPT], xv[NPT];
+        Pack<T, E> dyv[NPT], xv[NPT];  // REREAD: dead after the row sums (the row stays in its stage)
         float sum_sq = 0.f, dot = 0.f;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
@@ -823,10 +829,12 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
                 add_row_sums<T, W, E>(p, dyv[i], xv[i], w, sum_sq, dot);
             }
         }
-        // The shared reads above precede this refill in program order, and a copy's write lands
-        // only after its global read: the slot is free.
-        stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
-        stage = stage + 1 == STAGES ? 0 : stage + 1;
+        // The shared reads above (REREAD: in the dx loop below) precede this refill in program order,
+        // and a copy's write lands only after its global read: the slot is free.
+        if constexpr (!REREAD) {
+            stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
+            stage = stage + 1 == STAGES ? 0 : stage + 1;
+        }
         const float2 sums = row_sum2<LEAN>(sum_sq, dot, width, scratch);
         // Not LEAN: IEEE division and sqrt, and the loop over the warps' partials (row_sum2<false>): the
         // shorter chain of rms_norm_bwd (rsqrt, shuffle tree, int columns) made this kernel 3-11% slower
@@ -841,11 +849,20 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
             if (col < p.hidden) {
                 const Pack<W, E> w = staged_weight<HOLD, E>(p, wv, i, col);
-                if constexpr (SHIFT)
+                if constexpr (SHIFT) {
                     store_chunk<true, true, E>(dx_row, col, hidden, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i]));
-                else
+                } else if constexpr (REREAD) {
+                    const Pack<T, E> d = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT>(staged, stage, 0, i)));
+                    const Pack<T, E> xx = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT>(staged, stage, 1, i)));
+                    store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, d, xx, w, rstd, coef, dw[i]));
+                } else {
                     store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i]));
+                }
             }
+        }
+        if constexpr (REREAD) {
+            stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
+            stage = stage + 1 == STAGES ? 0 : stage + 1;
         }
     }
     copy_async_wait<0>();  // no copy may outlive the block

@@ -1,7 +1,7 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long|--odd] [--half|--f32] SETTING ...
---add times fused_add_rms_norm (in place; no peers) instead of the forward and backward.
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--bwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long|--odd|--reread] [--half|--f32] SETTING ...
+--add times fused_add_rms_norm (in place; no peers) instead of the forward and backward; --fwd and --bwd one of them.
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
 or entries of their tables, e.g. "FWD_MAX_SLOTS[True:2]=8", and NVRTC=... for kernel knobs of that
 setting alone (e.g. "NVRTC=-DRMS_BWD_KEEP_WEIGHT=1")
@@ -69,6 +69,10 @@ if "--wide16" in sys.argv:  # fp16/bf16 rows that 512 threads cannot hold in reg
     SHAPES = [(8192, 16384, torch.bfloat16), (4096, 24576, torch.bfloat16), (4096, 32768, torch.float16)]
     SHAPES += [(r, 32768, torch.bfloat16) for r in (512, 2048, 4096)]
     SHAPES += [(2048, 20001, torch.bfloat16), (4096, 16389, torch.bfloat16)]  # shifted rows
+if "--reread" in sys.argv:  # aligned backward rows past the registers: the staged REREAD variant (v22)
+    SHAPES = [(8192, 18432, torch.bfloat16), (4096, 24576, torch.bfloat16), (4096, 32768, torch.bfloat16),
+              (1024, 32768, torch.bfloat16), (4096, 32768, torch.float16), (4096, 20480, torch.float32),
+              (2048, 28672, torch.float32), (8192, 16384, torch.bfloat16), (8192, 16384, torch.float32)]
 if "--odd" in sys.argv:  # rows read twice (v21): odd ones in shifted 16-byte chunks; aligned ones as before
     SHAPES = [(2048, 40001, torch.bfloat16), (2048, 36001, torch.float16), (2048, 33001, torch.float32),
               (8192, 8191, torch.bfloat16), (4096, 12289, torch.bfloat16), (2048, 20001, torch.bfloat16),
@@ -172,7 +176,8 @@ def check_add(x, w, r):
 
 def main():
     settings = [a for a in sys.argv[1:] if not a.startswith("--")] or [""]
-    ops = ("fwd",) if "--fwd" in sys.argv else ("add",) if "--add" in sys.argv else ("fwd", "bwd")
+    ops = ("fwd",) if "--fwd" in sys.argv else ("add",) if "--add" in sys.argv else ("bwd",) if "--bwd" in sys.argv \
+        else ("fwd", "bwd")
     with_peers = "--no-peers" not in sys.argv and "add" not in ops
     bw = bench.copy_bandwidth_gbps(torch)
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; % of it below; options "
@@ -197,11 +202,13 @@ def main():
                 continue
             grads = cupyrope.rms_norm_backward(dy, x, w) if "bwd" in ops else None  # --fwd: no backward
             check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), grads)
-            results["fwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm(x, w, 1e-6)), copies))
+            if "fwd" in ops:
+                results["fwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm(x, w, 1e-6)), copies))
             if "bwd" in ops:
                 results["bwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm_backward(dy, x, w)), copies))
         for fwd, bwd in peers().values() if with_peers else ():
-            results["fwd"].append(time_us(fwd, copies))
+            if "fwd" in ops:
+                results["fwd"].append(time_us(fwd, copies))
             if "bwd" in ops:
                 results["bwd"].append(time_us(bwd, copies, capture=False))
         for op, times in results.items():

@@ -186,7 +186,7 @@ def force_lean(monkeypatch, lean):
 def assert_lean(plan, lean):
     lean = (lean and rmsnorm.STAGED_LEAN_MAX_ROWS[plan.slots] > 0
             and plan.block[0] <= rmsnorm.STAGED_LEAN_MAX_THREADS[plan.slots])
-    assert plan.staged and plan.name.endswith(", true>" if lean else ", false>"), plan
+    assert plan.staged and plan.name.endswith(", true, false>" if lean else ", false, false>"), plan
 
 
 # The staged backward (rows copied ahead into shared memory, one row per block): 1, 2 or 4 slots, 128 to
@@ -222,6 +222,37 @@ def test_backward_staged_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad, 
         terms = np.abs(dy_host * x_host * rstd_ref[:, None]).sum(0)
         err = np.abs(to_host(dw) - ref_dw)
         assert np.all(err <= 4e-6 * terms + ulp(ref_dw, dtype)), f"dweight: worst {err.max():.3g}"
+
+
+# The staged backward's REREAD variant (rows the registers cannot hold with their dweight sums: fp16/bf16
+# of 16K-32K elements, fp32 of 16K-~29K; the row read twice from its stage): 1 to 3 stages (a larger
+# lookahead), whole warps, strided rows, a last thread with a part of its chunks, more rows than blocks;
+# given rstd, no weight; every row checked, dweight bitwise equal over two runs.
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,hidden,rows,pad,lookahead,stages", [
+    ("bfloat16", 32768, 301, 0, None, 1), ("float16", 24576, 133, 8, None, 1), ("float32", 20480, 257, 0, None, 1),
+    ("bfloat16", 18432, 700, 16, 1 << 20, 3), ("bfloat16", 24576, 290, 0, 1 << 20, 2), ("float32", 17000, 99, 4, None, 1)])
+def test_backward_reread_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad, lookahead, stages):
+    fresh_plans(monkeypatch)
+    if lookahead:
+        monkeypatch.setattr(rmsnorm, "STAGED_LOOKAHEAD_BYTES", lookahead)
+    x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), "float32", rng)
+    x = strided_rows(x_host, dtype, kind, pad) if pad else to_device(x_host, dtype, kind)
+    dy = strided_rows(dy_host, dtype, kind, pad) if pad else to_device(dy_host, dtype, kind)
+    w = to_device(w_host, "float32", kind)
+    fill_next_allocation_with_nan((rows, hidden), dtype, kind)
+    dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
+    plan = planned("bwd")
+    assert plan.reread and plan.name.endswith(f", {stages}, false, false, true>") and plan.grid < rows, plan
+    assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype)
+    _, rstd = cupyrope.rms_norm(x, None, return_rstd=True)
+    fill_next_allocation_with_nan((rows, hidden), dtype, kind)
+    dx, dw = cupyrope.rms_norm_backward(dy, x, None, rstd=rstd)
+    ref_dx, _ = reference.rms_norm_backward(dy_host, x_host, None)
+    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
+    assert dw is None
+    assert_matches(to_host(dx), ref_dx, dtype, scale=np.abs(dy_host * rstd_ref[:, None]).max(), what="dx")
 
 
 # Forward rows of 2 and 4 chunks a thread: fp16/bf16 held as 32-bit words (shifted rows v14, aligned
