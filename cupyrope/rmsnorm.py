@@ -82,11 +82,13 @@ STAGED_STAGES = (1, 2, 3)
 STAGED_LEAN_MAX_ROWS = {1: 48, 2: 48, 4: math.inf, 8: 0}
 STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMaxThreads<NPT, true>
 # Aligned rows past those (fp16/bf16 over 16384 elements, fp32 over 16384) whose stage fits in shared memory:
-# the REREAD variant, the current row read twice from its stage and only the dweight sums in registers, by
-# element size: REREAD_SLOTS chunks a thread on up to REREAD_MAX_THREADS (mirrors StagedMaxThreads).
-# Before it, these rows took rms_norm_bwd's two-pass loop (rows read twice from global memory).
+# rms_norm_bwd_reread (the current row read twice from its stage, only the dweight sums in registers), by
+# element size: REREAD_SLOTS chunks a thread on whole warps, up to REREAD_MAX_THREADS (its launch bound).
+# Before it, these rows took rms_norm_bwd's two-pass loop (rows read twice from global memory). Lookahead
+# as the staged kernel's; the weight goes to shared memory too where it fits (REREAD_SHARED_WEIGHT).
 REREAD_SLOTS = {4: 8, 2: 4}
 REREAD_MAX_THREADS = 1024
+REREAD_SHARED_WEIGHT = 1
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -118,7 +120,7 @@ class NormPlan:
         self.shared_mem = 0
         self.shared_acc = False  # backward: dynamic shared memory holds the rows slots' dweight sums
         self.staged = False
-        self.reread = False  # staged backward: the REREAD variant
+        self.reread = False  # backward: rms_norm_bwd_reread (staged too: one row a block, rows copied ahead)
         self.small = False  # forward: planned as a small input (FWD_SMALL_ELEMS_PER_THREAD)
 
     def __repr__(self):
@@ -280,25 +282,41 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
     if shifted:
         limits = {1: limits[1]}
     slots = next((s for s, limit in limits.items() if s * limit >= chunks), None)
-    reread = slots is None and not shifted and REREAD_SLOTS[itemsize] * REREAD_MAX_THREADS >= chunks
-    if reread:
-        slots = REREAD_SLOTS[itemsize]
-    elif slots is None:
-        return None
+    if slots is None:
+        return None if shifted else _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit)
     # Several chunks a thread: a power of two of threads. Fewer threads measured +5% at bf16 [8192, 5120]
     # (320 x 2) but -10% at fp32 [8192, 5120] (640 x 2, whose 3 stages leave one block an SM).
     per_thread = -(-chunks // slots)
-    width = row_threads(per_thread) if slots == 1 or reread else _next_pow2(per_thread)
-    lean = lean and not reread and width <= STAGED_LEAN_MAX_THREADS[slots]
+    width = row_threads(per_thread) if slots == 1 else _next_pow2(per_thread)
+    lean = lean and width <= STAGED_LEAN_MAX_THREADS[slots]
     stage_bytes = 2 * slots * width * 16
     stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
     if stages < 1:
         return None
-    flags = ", ".join("true" if f else "false" for f in (shifted, lean, reread))
+    flags = ", ".join("true" if f else "false" for f in (shifted, lean))
     plan = NormPlan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}, {flags}>",
                     rows, (width, 1), True, slots)
-    plan.shifted, plan.staged, plan.reread = shifted, True, reread
+    plan.shifted, plan.staged = shifted, True
     plan.shared_mem = stages * stage_bytes
+    return plan
+
+
+def _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit):
+    """The plan of rms_norm_bwd_reread for an aligned row (see REREAD_SLOTS), or None where it does not fit."""
+    itemsize = _arrays.ITEMSIZE[dtype]
+    slots, chunks = REREAD_SLOTS[itemsize], hidden * itemsize // 16
+    width = row_threads(-(-chunks // slots))
+    stage_bytes = 2 * slots * width * 16
+    stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
+    if width > REREAD_MAX_THREADS or stages < 1:
+        return None
+    plan = NormPlan(f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}>",
+                    rows, (width, 1), True, slots)
+    plan.shifted, plan.staged, plan.reread = False, True, True
+    plan.shared_mem = stages * stage_bytes
+    weight_bytes = hidden * _arrays.ITEMSIZE[weight_dtype]
+    if REREAD_SHARED_WEIGHT and plan.shared_mem + weight_bytes <= shared_limit:
+        plan.shared_mem += weight_bytes  # the kernel keeps the weight after the stages
     return plan
 
 
@@ -377,10 +395,10 @@ def all_variants():
                     leans = ("false", "true") if STAGED_LEAN_MAX_ROWS[slots] else ("false",)
                     for shift, lean in itertools.product(shifts, leans):
                         yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
-                                       f"{stages}, {shift}, {lean}, false>")
+                                       f"{stages}, {shift}, {lean}>")
             for stages in STAGED_STAGES:
-                yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, "
-                               f"{REREAD_SLOTS[_arrays.ITEMSIZE[dtype]]}, {stages}, false, false, true>")
+                yield SOURCE, (f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight]}, "
+                               f"{REREAD_SLOTS[_arrays.ITEMSIZE[dtype]]}, {stages}>")
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 
 

@@ -237,6 +237,9 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I co
 #ifndef RMS_BWD_SHIFT_WEIGHT_ONCE  // 1: the shifted backward keeps its weights in registers for all its rows
 #define RMS_BWD_SHIFT_WEIGHT_ONCE 1
 #endif
+#ifndef RMS_BWD_REREAD_TREE  // 1: rms_norm_bwd_reread adds the warps' partials by a shuffle tree; 0: a loop
+#define RMS_BWD_REREAD_TREE 1
+#endif
 #ifndef RMS_BWD_KEEP_WEIGHT  // 1: the backward keeps the weight from its first pass; 0: loads it again
 #define RMS_BWD_KEEP_WEIGHT 0
 #endif
@@ -701,17 +704,13 @@ __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD
 // 8192] 20%) and 2-16% with fp32 rows of 4 chunks (hidden 5120-8192, any length), but 5% slower at bf16
 // [32768, 4096] (124 rows a block): there the longer chain stays (a sensitivity to the L2's dirty lines
 // left by the previous call, not to instructions; docs/perf-notes.md, session 19).
-// REREAD (rows the registers cannot hold with their dweight sums: fp16/bf16 rows of 4 chunks a thread,
-// fp32 rows of 8, on up to 1024 threads; aligned, not LEAN): the current row stays in its stage and is
-// read from shared memory twice, for the row sums and for dx; registers hold only the dweight sums. The
-// stage is refilled once the second read has consumed it.
 // Launch bound: 1 chunk a thread, and 2 with the long chain, fit the 64 registers of 1024-thread blocks
 // (2 spill 4-12 bytes); LEAN at 2 chunks (92-102 registers: it spilled at 64 and was up to 25% slower),
-// 4 and 8 chunks take the 512-thread bound (128 registers), REREAD's 32 sums the 1024-thread bound.
-// Mirrored by rmsnorm.py's STAGED_MAX_THREADS, STAGED_LEAN_MAX_THREADS and REREAD_MAX_THREADS.
-template <int NPT, bool LEAN, bool REREAD>
+// 4 and 8 chunks take the 512-thread bound (128 registers). Mirrored by rmsnorm.py's STAGED_MAX_THREADS
+// and STAGED_LEAN_MAX_THREADS.
+template <int NPT, bool LEAN>
 struct StagedMaxThreads {
-    static constexpr int value = REREAD || NPT == 1 || (NPT == 2 && !LEAN) ? 1024 : 512;
+    static constexpr int value = NPT == 1 || (NPT == 2 && !LEAN) ? 1024 : 512;
 };
 
 template <int NPT>
@@ -782,10 +781,8 @@ __device__ __forceinline__ Pack<W, E> staged_weight(const NormBwdParams& p, cons
     return HOLD ? wv[HOLD ? i : 0] : load_weight<W, true, E>(p.weight, col);
 }
 
-template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN, bool REREAD>
-__global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN, REREAD>::value, 1)
-    rms_norm_bwd_staged(const NormBwdParams p) {
-    static_assert(!REREAD || (!SHIFT && !LEAN), "REREAD: aligned rows, the long chain");
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN>
+__global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
     constexpr int E = 16 / sizeof(T);
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
@@ -817,7 +814,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN, REREAD>::value, 1)
         const float given_rstd = next_rstd;  // loaded a row ahead: not on this row's critical path
         if (p.rstd && row + row_step < p.rows) next_rstd = p.rstd[row + row_step];
         copy_async_wait<STAGES - 1>();  // this row's group is complete
-        Pack<T, E> dyv[NPT], xv[NPT];  // REREAD: dead after the row sums (the row stays in its stage)
+        Pack<T, E> dyv[NPT], xv[NPT];
         float sum_sq = 0.f, dot = 0.f;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
@@ -829,12 +826,10 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN, REREAD>::value, 1)
                 add_row_sums<T, W, E>(p, dyv[i], xv[i], w, sum_sq, dot);
             }
         }
-        // The shared reads above (REREAD: in the dx loop below) precede this refill in program order,
-        // and a copy's write lands only after its global read: the slot is free.
-        if constexpr (!REREAD) {
-            stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
-            stage = stage + 1 == STAGES ? 0 : stage + 1;
-        }
+        // The shared reads above precede this refill in program order, and a copy's write lands
+        // only after its global read: the slot is free.
+        stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
         const float2 sums = row_sum2<LEAN>(sum_sq, dot, width, scratch);
         // Not LEAN: IEEE division and sqrt, and the loop over the warps' partials (row_sum2<false>): the
         // shorter chain of rms_norm_bwd (rsqrt, shuffle tree, int columns) made this kernel 3-11% slower
@@ -849,20 +844,11 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN, REREAD>::value, 1)
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
             if (col < p.hidden) {
                 const Pack<W, E> w = staged_weight<HOLD, E>(p, wv, i, col);
-                if constexpr (SHIFT) {
+                if constexpr (SHIFT)
                     store_chunk<true, true, E>(dx_row, col, hidden, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i]));
-                } else if constexpr (REREAD) {
-                    const Pack<T, E> d = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT>(staged, stage, 0, i)));
-                    const Pack<T, E> xx = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT>(staged, stage, 1, i)));
-                    store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, d, xx, w, rstd, coef, dw[i]));
-                } else {
+                else
                     store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i]));
-                }
             }
-        }
-        if constexpr (REREAD) {
-            stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
-            stage = stage + 1 == STAGES ? 0 : stage + 1;
         }
     }
     copy_async_wait<0>();  // no copy may outlive the block
@@ -875,6 +861,99 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN, REREAD>::value, 1)
             if constexpr (SHIFT) store_chunk<false, true, E>(my_partial, col, hidden, dw[i]);
             else store_pack<true, E>(my_partial + col, dw[i]);
         }
+    }
+}
+
+// ------------------------------------------------------------------ backward, rows read twice from shared
+// Aligned rows that rms_norm_bwd_staged cannot hold in registers with their dweight sums (fp16/bf16 rows of
+// 16K-32K elements: 4 chunks a thread; fp32 of 16K-~29K: 8), on up to 1024 threads. One row per block and
+// STAGES rows copied ahead, as in rms_norm_bwd_staged, but the current row stays in its stage and is read
+// twice from it: for the row sums, then for dx. Registers hold only the dweight sums (a thread owns the same
+// columns in every row). Each chunk (its dy and x) is its own cp.async group: the first pass takes a chunk
+// as soon as it has landed, and the dx pass refills each chunk's slot with the row STAGES ahead as soon as
+// it has consumed it. The weight: in shared memory after the stages where the launch gave the room (each
+// thread copies, and reads, its own columns: no barrier), else loaded per row (L1).
+// Starts copying chunk i (column col) of row `row`'s dy and x into `stage`, as one commit group (an empty
+// one past the last row or the row's end, so that every thread's group count stays the same).
+template <typename T, int NPT>
+__device__ __forceinline__ void stage_reread_chunk(const NormBwdParams& p, uint4* staged, i64 row, int stage, int i,
+                                                   int col) {
+    if (row < p.rows && col < p.hidden) {
+        copy_async16(stage_slot<NPT>(staged, stage, 0, i), static_cast<const T*>(p.dy) + row * p.dy_stride + col);
+        copy_async16(stage_slot<NPT>(staged, stage, 1, i), static_cast<const T*>(p.x) + row * p.x_stride + col);
+    }
+    copy_async_commit();
+}
+
+template <typename T, int NPT, int E = 16 / sizeof(T)>
+__device__ __forceinline__ Pack<T, E> staged_pack(uint4* staged, int stage, int tensor, int i) {
+    return load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT>(staged, stage, tensor, i)));
+}
+
+template <typename T, typename W, int NPT, int STAGES>
+__global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdParams p) {
+    constexpr int E = 16 / sizeof(T);
+    __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
+    extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x], then the weight
+    const int lane = threadIdx.x, width = blockDim.x;
+    const int step = width * E, hidden = (int)p.hidden;
+    const i64 row_step = gridDim.x;
+    W* const weight_cache = reinterpret_cast<W*>(staged + STAGES * 2 * NPT * width);
+    const bool cached = p.weight && dynamic_shared_bytes() >= (STAGES * 2 * NPT * width) * 16u + hidden * sizeof(W);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s)
+#pragma unroll
+        for (int i = 0; i < NPT; ++i)
+            stage_reread_chunk<T, NPT>(p, staged, blockIdx.x + s * row_step, s, i, lane * E + i * step);
+    Pack<float, E> dw[NPT];
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        dw[i] = zeros<E>();
+        const int col = lane * E + i * step;
+        if (cached && col < hidden) store_pack<true, E>(weight_cache + col, load_weight<W, true, E>(p.weight, col));
+    }
+    const auto weight_at = [&](int col) {
+        return cached ? load_pack<true, E>(weight_cache + col) : load_weight<W, true, E>(p.weight, col);
+    };
+    float next_rstd = p.rstd && blockIdx.x < p.rows ? p.rstd[blockIdx.x] : 0.f;
+    int stage = 0;
+    // The loop bound is uniform across the block (one row per block; the reduction has barriers).
+#pragma unroll 1
+    for (i64 row = blockIdx.x; row < p.rows; row += row_step) {
+        const float given_rstd = next_rstd;  // loaded a row ahead: not on this row's critical path
+        if (p.rstd && row + row_step < p.rows) next_rstd = p.rstd[row + row_step];
+        float sum_sq = 0.f, dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const int col = lane * E + i * step;
+            copy_async_wait_upto<STAGES * NPT - 1>((STAGES - 1) * NPT + NPT - 1 - i);  // chunk i has landed
+            if (col < hidden)
+                add_row_sums<T, W, E>(p, staged_pack<T, NPT>(staged, stage, 0, i), staged_pack<T, NPT>(staged, stage, 1, i),
+                                      weight_at(col), sum_sq, dot);
+        }
+        const float2 sums = row_sum2<RMS_BWD_REREAD_TREE>(sum_sq, dot, width, scratch);
+        const float rstd = p.rstd ? given_rstd : inverse_rms(sums.x, p.inv_hidden, p.eps);
+        const float coef = rstd * rstd * rstd * (sums.y * p.inv_hidden);
+        T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const int col = lane * E + i * step;
+            if (col < hidden)
+                store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, staged_pack<T, NPT>(staged, stage, 0, i),
+                                                                     staged_pack<T, NPT>(staged, stage, 1, i),
+                                                                     weight_at(col), rstd, coef, dw[i]));
+            // The slot's values are consumed (dx stored): refill it with the row STAGES ahead.
+            stage_reread_chunk<T, NPT>(p, staged, row + STAGES * row_step, stage, i, col);
+        }
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
+    }
+    copy_async_wait<0>();  // no copy may outlive the block
+    if (!p.weight) return;
+    float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        const int col = lane * E + i * step;
+        if (col < hidden) store_pack<true, E>(my_partial + col, dw[i]);
     }
 }
 

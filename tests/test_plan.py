@@ -204,7 +204,7 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
     # The backward shifts too (the staged kernel: see test_rms_norm_backward_plans); one rows slot a
     # block: its dweight sums stay in registers.
     b = plan_backward(odd, odd, out, weight, (1027,) * 3, 7, 1027, n_sm=132)
-    assert b.shifted and b.name.endswith("float, 1, 3, true, false, false>") and b.block == (160, 1)
+    assert b.shifted and b.name.endswith("float, 1, 3, true, false>") and b.block == (160, 1)
 
 
 @pytest.mark.parametrize("dtype,hidden,add", [
@@ -283,7 +283,7 @@ def test_rms_norm_backward_plans():
     x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
     b = plan_backward(x, x, y, arr((4096,), "float32"), (4096,) * 3, 8192, 4096, n_sm=132)
     # Aligned bf16 rows are staged: 512 threads x one 16-byte chunk, 3 rows ahead (3 x 16 KiB of dy and x).
-    assert b.staged and b.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, false, false, false>"
+    assert b.staged and b.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, false, false>"
     assert b.block == (512, 1) and b.shared_mem == 3 * 2 * 8192 and b.grid <= 132 * 4
     # fp32 rows of up to 8 elements a thread keep rms_norm_bwd's register prefetch.
     f = arr((8192, 4096), "float32")
@@ -293,10 +293,10 @@ def test_rms_norm_backward_plans():
     # fp32 [*, 16384]: 512 threads x 8 chunks, one row ahead (128 KiB); fp32 [*, 8192]: 512 x 4, two ahead.
     wide = arr((64, 16384), "float32")
     w = plan_backward(wide, wide, wide, arr((16384,), "float32"), (16384,) * 3, 64, 16384, n_sm=132)
-    assert w.name.endswith("<float, float, 8, 1, false, false, false>") and w.block == (512, 1) and w.shared_mem == 128 * 1024
+    assert w.name.endswith("<float, float, 8, 1, false, false>") and w.block == (512, 1) and w.shared_mem == 128 * 1024
     mid = arr((64, 8192), "float32")
     m = plan_backward(mid, mid, mid, None, (8192,) * 3, 64, 8192, n_sm=132)
-    assert m.name.endswith("<float, float, 4, 2, false, false, false>") and m.block == (512, 1) and m.grid == 64
+    assert m.name.endswith("<float, float, 4, 2, false, false>") and m.block == (512, 1) and m.grid == 64
     # Less shared memory than a stage: not staged.
     n = plan_backward(wide, wide, wide, None, (16384,) * 3, 64, 16384, n_sm=132, shared_limit=100 * 1024)
     assert not n.staged and n.slots == 0
@@ -305,7 +305,7 @@ def test_rms_norm_backward_plans():
     # all rows of a block share one shift. fp32 ones keep the register prefetch; longer odd rows rms_norm_bwd.
     odd = arr((8192, 1027))
     o = plan_backward(odd, odd, odd, arr((1027,), "float32"), (1027,) * 3, 8192, 1027, n_sm=132)
-    assert o.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, true, false, false>" and o.shifted
+    assert o.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, true, false>" and o.shifted
     assert o.block == (160, 1) and o.grid % 8 == 0 and o.shared_mem == 3 * 2 * 160 * 16
     odd32 = arr((8192, 1027), "float32")
     o32 = plan_backward(odd32, odd32, odd32, None, (1027,) * 3, 8192, 1027, n_sm=132)
@@ -331,14 +331,14 @@ def test_rms_norm_backward_lean_rule():
     b.grid -= 1  # a block would walk more rows than the limit
     assert not rmsnorm.lean_staged(b, 8192)
     lean = plan_backward(x, x, x, arr((4096,)), (4096,) * 3, 8192, 4096, n_sm=132, lean=True)
-    assert lean.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, __nv_bfloat16, 1, 3, false, true, false>"
+    assert lean.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, __nv_bfloat16, 1, 3, false, true>"
     assert lean.block == b.block and lean.shared_mem == b.shared_mem
     # Two chunks a thread on up to 512 threads too (LEAN's launch bound), not on 1024; nor the unstaged kernel.
     wide = arr((64, 8192))
     two = plan_backward(wide, wide, wide, None, (8192,) * 3, 64, 8192, n_sm=132)
     assert two.staged and two.slots == 2 and two.block == (512, 1) and rmsnorm.lean_staged(two, 64)
     two_lean = plan_backward(wide, wide, wide, None, (8192,) * 3, 64, 8192, n_sm=132, lean=True)
-    assert two_lean.name.endswith(", 2, 3, false, true, false>") and two_lean.block == (512, 1)
+    assert two_lean.name.endswith(", 2, 3, false, true>") and two_lean.block == (512, 1)
     wider = arr((64, 16384))
     two = plan_backward(wider, wider, wider, None, (16384,) * 3, 64, 16384, n_sm=132)
     assert two.staged and two.slots == 2 and two.block == (1024, 1) and not rmsnorm.lean_staged(two, 64)
@@ -363,21 +363,23 @@ def test_rms_norm_backward_lean_rule():
 
 def test_rms_norm_backward_reread_plans():
     # Aligned rows past what the staged kernel holds in registers with their dweight sums (fp16/bf16 over
-    # 16384 elements, fp32 over 16384) take its REREAD variant where a stage fits in shared memory: 4 (8 for
-    # fp32) chunks a thread on whole warps up to 1024 threads, the row read twice from its stage.
+    # 16384 elements, fp32 over 16384) take rms_norm_bwd_reread where a stage fits in shared memory: 4 (8 for
+    # fp32) chunks a thread on whole warps up to 1024 threads, the row read twice from its stage; the weight
+    # after the stages where it fits.
     names = {name for _, name in rmsnorm.all_variants()}
 
-    def plan(hidden, dtype="bfloat16", **kw):
+    def plan(hidden, dtype="bfloat16", weight="float32", **kw):
         x = arr((8192, hidden), dtype)
-        return plan_backward(x, x, x, arr((hidden,), "float32"), (hidden,) * 3, 8192, hidden, n_sm=132, **kw)
+        return plan_backward(x, x, x, arr((hidden,), weight), (hidden,) * 3, 8192, hidden, n_sm=132, **kw)
 
-    p = plan(32768)
-    assert p.reread and p.staged and p.name.endswith("<__nv_bfloat16, float, 4, 1, false, false, true>"), p
+    p = plan(32768)  # 1024 x 4, one 128 KiB stage; an fp32 weight does not fit beside it
+    assert p.reread and p.staged and p.name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, float, 4, 1>", p
     assert p.block == (1024, 1) and p.shared_mem == 128 * 1024 and p.name in names
     assert not rmsnorm.lean_staged(p, 8192) and plan(32768, lean=True).name == p.name  # never LEAN
-    p = plan(18432, "float16")  # 2304 chunks: 576 threads x 4, one 72 KiB stage
-    assert p.reread and p.block == (576, 1) and p.shared_mem == 72 * 1024 and p.name in names, p
-    p = plan(20480, "float32")  # 5120 chunks: 640 x 8
+    assert plan(32768, weight="bfloat16").shared_mem == 128 * 1024 + 64 * 1024  # a bf16 weight does
+    p = plan(18432, "float16")  # 2304 chunks: 576 threads x 4, one 72 KiB stage and the weight
+    assert p.reread and p.block == (576, 1) and p.shared_mem == 72 * 1024 * 2 and p.name in names, p
+    p = plan(20480, "float32")  # 5120 chunks: 640 x 8, one 160 KiB stage
     assert p.reread and p.block == (640, 1) and p.shared_mem == 160 * 1024 and p.name in names, p
     assert plan(16384).slots == 2 and not plan(16384).reread  # 1024 x 2 in registers
     assert plan(16384, "float32").slots == 8 and not plan(16384, "float32").reread  # 512 x 8
