@@ -237,6 +237,12 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I co
 #ifndef RMS_BWD_SHIFT_WEIGHT_ONCE  // 1: the shifted backward keeps its weights in registers for all its rows
 #define RMS_BWD_SHIFT_WEIGHT_ONCE 1
 #endif
+#ifndef RMS_BWD_REREAD_GROUP  // chunks a thread per cp.async group in rms_norm_bwd_reread (at most its NPT)
+#define RMS_BWD_REREAD_GROUP 1
+#endif
+#ifndef RMS_BWD_REREAD_SHARED_WEIGHT  // 0: rms_norm_bwd_reread reads the weight from global memory only
+#define RMS_BWD_REREAD_SHARED_WEIGHT 1
+#endif
 #ifndef RMS_BWD_REREAD_TREE  // 1: rms_norm_bwd_reread adds the warps' partials by a shuffle tree; 0: a loop
 #define RMS_BWD_REREAD_TREE 1
 #endif
@@ -869,12 +875,19 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 // 16K-32K elements: 4 chunks a thread; fp32 of 16K-~29K: 8), on up to 1024 threads. One row per block and
 // STAGES rows copied ahead, as in rms_norm_bwd_staged, but the current row stays in its stage and is read
 // twice from it: for the row sums, then for dx. Registers hold only the dweight sums (a thread owns the same
-// columns in every row). Each chunk (its dy and x) is its own cp.async group: the first pass takes a chunk
-// as soon as it has landed, and the dx pass refills each chunk's slot with the row STAGES ahead as soon as
-// it has consumed it. The weight: in shared memory after the stages where the launch gave the room (each
+// columns in every row). Each chunk (its dy and x), or RMS_BWD_REREAD_GROUP of them, is a cp.async group:
+// the first pass takes a chunk as soon as its group has landed, and the dx pass refills each chunk's slot
+// with the row STAGES ahead as soon as it has consumed it. The weight: in shared memory after the stages where the launch gave the room (each
 // thread copies, and reads, its own columns: no barrier), else loaded per row (L1).
-// Starts copying chunk i (column col) of row `row`'s dy and x into `stage`, as one commit group (an empty
-// one past the last row or the row's end, so that every thread's group count stays the same).
+// Chunks a thread per cp.async group: G; a row's chunks make NPT / G groups.
+template <int NPT>
+struct RereadGroup {
+    static constexpr int value = RMS_BWD_REREAD_GROUP < NPT ? RMS_BWD_REREAD_GROUP : NPT;
+};
+
+// Starts copying chunk i (column col) of row `row`'s dy and x into `stage`; the last chunk of a group
+// commits it (nothing is copied past the last row or the row's end, but every group is committed, so that
+// every thread's group count stays the same).
 template <typename T, int NPT>
 __device__ __forceinline__ void stage_reread_chunk(const NormBwdParams& p, uint4* staged, i64 row, int stage, int i,
                                                    int col) {
@@ -882,7 +895,7 @@ __device__ __forceinline__ void stage_reread_chunk(const NormBwdParams& p, uint4
         copy_async16(stage_slot<NPT>(staged, stage, 0, i), static_cast<const T*>(p.dy) + row * p.dy_stride + col);
         copy_async16(stage_slot<NPT>(staged, stage, 1, i), static_cast<const T*>(p.x) + row * p.x_stride + col);
     }
-    copy_async_commit();
+    if ((i + 1) % RereadGroup<NPT>::value == 0) copy_async_commit();
 }
 
 template <typename T, int NPT, int E = 16 / sizeof(T)>
@@ -899,7 +912,8 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
     const int step = width * E, hidden = (int)p.hidden;
     const i64 row_step = gridDim.x;
     W* const weight_cache = reinterpret_cast<W*>(staged + STAGES * 2 * NPT * width);
-    const bool cached = p.weight && dynamic_shared_bytes() >= (STAGES * 2 * NPT * width) * 16u + hidden * sizeof(W);
+    const bool cached = RMS_BWD_REREAD_SHARED_WEIGHT && p.weight &&
+                        dynamic_shared_bytes() >= (STAGES * 2 * NPT * width) * 16u + hidden * sizeof(W);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s)
 #pragma unroll
@@ -926,7 +940,8 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = lane * E + i * step;
-            copy_async_wait_upto<STAGES * NPT - 1>((STAGES - 1) * NPT + NPT - 1 - i);  // chunk i has landed
+            constexpr int G = RereadGroup<NPT>::value, GROUPS = NPT / G;  // chunk i's group has landed:
+            if (i % G == 0) copy_async_wait_upto<STAGES * GROUPS - 1>((STAGES - 1) * GROUPS + GROUPS - 1 - i / G);
             if (col < hidden)
                 add_row_sums<T, W, E>(p, staged_pack<T, NPT>(staged, stage, 0, i), staged_pack<T, NPT>(staged, stage, 1, i),
                                       weight_at(col), sum_sq, dot);
