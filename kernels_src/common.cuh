@@ -155,15 +155,6 @@ __device__ __forceinline__ void copy_async_wait() {
 #endif
 }
 
-// copy_async_wait<pending>() for a pending count (at most MAX) that is a constant only after unrolling.
-template <int MAX>
-__device__ __forceinline__ void copy_async_wait_upto(int pending) {
-    if constexpr (MAX > 0) {
-        if (pending < MAX) return copy_async_wait_upto<MAX - 1>(pending);
-    }
-    copy_async_wait<MAX>();
-}
-
 // N elements to and from fp32, through load_pack / store_pack (VEC: 16-byte accesses at a
 // pack-aligned address; otherwise element by element, valid at any element address).
 template <bool VEC, int N, typename T>

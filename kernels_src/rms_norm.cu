@@ -237,15 +237,6 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I co
 #ifndef RMS_BWD_SHIFT_WEIGHT_ONCE  // 1: the shifted backward keeps its weights in registers for all its rows
 #define RMS_BWD_SHIFT_WEIGHT_ONCE 1
 #endif
-#ifndef RMS_BWD_REREAD_GROUP  // chunks a thread per cp.async group in rms_norm_bwd_reread (at most its NPT)
-#define RMS_BWD_REREAD_GROUP 1
-#endif
-#ifndef RMS_BWD_REREAD_SHARED_WEIGHT  // 0: rms_norm_bwd_reread reads the weight from global memory only
-#define RMS_BWD_REREAD_SHARED_WEIGHT 1
-#endif
-#ifndef RMS_BWD_REREAD_TREE  // 1: rms_norm_bwd_reread adds the warps' partials by a shuffle tree; 0: a loop
-#define RMS_BWD_REREAD_TREE 1
-#endif
 #ifndef RMS_BWD_KEEP_WEIGHT  // 1: the backward keeps the weight from its first pass; 0: loads it again
 #define RMS_BWD_KEEP_WEIGHT 0
 #endif
@@ -873,31 +864,12 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 // ------------------------------------------------------------------ backward, rows read twice from shared
 // Aligned rows that rms_norm_bwd_staged cannot hold in registers with their dweight sums (fp16/bf16 rows of
 // 16K-32K elements: 4 chunks a thread; fp32 of 16K-~29K: 8), on up to 1024 threads. One row per block and
-// STAGES rows copied ahead, as in rms_norm_bwd_staged, but the current row stays in its stage and is read
-// twice from it: for the row sums, then for dx. Registers hold only the dweight sums (a thread owns the same
-// columns in every row). Each chunk (its dy and x), or RMS_BWD_REREAD_GROUP of them, is a cp.async group:
-// the first pass takes a chunk as soon as its group has landed, and the dx pass refills each chunk's slot
-// with the row STAGES ahead as soon as it has consumed it. The weight: in shared memory after the stages where the launch gave the room (each
-// thread copies, and reads, its own columns: no barrier), else loaded per row (L1).
-// Chunks a thread per cp.async group: G; a row's chunks make NPT / G groups.
-template <int NPT>
-struct RereadGroup {
-    static constexpr int value = RMS_BWD_REREAD_GROUP < NPT ? RMS_BWD_REREAD_GROUP : NPT;
-};
-
-// Starts copying chunk i (column col) of row `row`'s dy and x into `stage`; the last chunk of a group
-// commits it (nothing is copied past the last row or the row's end, but every group is committed, so that
-// every thread's group count stays the same).
-template <typename T, int NPT>
-__device__ __forceinline__ void stage_reread_chunk(const NormBwdParams& p, uint4* staged, i64 row, int stage, int i,
-                                                   int col) {
-    if (row < p.rows && col < p.hidden) {
-        copy_async16(stage_slot<NPT>(staged, stage, 0, i), static_cast<const T*>(p.dy) + row * p.dy_stride + col);
-        copy_async16(stage_slot<NPT>(staged, stage, 1, i), static_cast<const T*>(p.x) + row * p.x_stride + col);
-    }
-    if ((i + 1) % RereadGroup<NPT>::value == 0) copy_async_commit();
-}
-
+// STAGES rows copied ahead, as in rms_norm_bwd_staged (same stages, same copies), but the current row stays
+// in its stage and is read twice from it: for the row sums, then for dx; the stage is refilled after that.
+// Registers hold only the dweight sums (a thread owns the same columns in every row). The weight goes to
+// shared memory after the stages where the launch gave the room (each thread copies, and reads, its own
+// columns: no barrier), else it is loaded per row (L1): with the stages filling shared memory, the L1 is
+// too small to keep it (docs/perf-notes.md v22).
 template <typename T, int NPT, int E = 16 / sizeof(T)>
 __device__ __forceinline__ Pack<T, E> staged_pack(uint4* staged, int stage, int tensor, int i) {
     return load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT>(staged, stage, tensor, i)));
@@ -912,13 +884,9 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
     const int step = width * E, hidden = (int)p.hidden;
     const i64 row_step = gridDim.x;
     W* const weight_cache = reinterpret_cast<W*>(staged + STAGES * 2 * NPT * width);
-    const bool cached = RMS_BWD_REREAD_SHARED_WEIGHT && p.weight &&
-                        dynamic_shared_bytes() >= (STAGES * 2 * NPT * width) * 16u + hidden * sizeof(W);
+    const bool cached = p.weight && dynamic_shared_bytes() >= (STAGES * 2 * NPT * width) * 16u + hidden * sizeof(W);
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s)
-#pragma unroll
-        for (int i = 0; i < NPT; ++i)
-            stage_reread_chunk<T, NPT>(p, staged, blockIdx.x + s * row_step, s, i, lane * E + i * step);
+    for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, false>(p, staged, blockIdx.x + s * row_step, s, 0);
     Pack<float, E> dw[NPT];
 #pragma unroll
     for (int i = 0; i < NPT; ++i) {
@@ -936,17 +904,16 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
     for (i64 row = blockIdx.x; row < p.rows; row += row_step) {
         const float given_rstd = next_rstd;  // loaded a row ahead: not on this row's critical path
         if (p.rstd && row + row_step < p.rows) next_rstd = p.rstd[row + row_step];
+        copy_async_wait<STAGES - 1>();  // this row's group is complete
         float sum_sq = 0.f, dot = 0.f;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = lane * E + i * step;
-            constexpr int G = RereadGroup<NPT>::value, GROUPS = NPT / G;  // chunk i's group has landed:
-            if (i % G == 0) copy_async_wait_upto<STAGES * GROUPS - 1>((STAGES - 1) * GROUPS + GROUPS - 1 - i / G);
             if (col < hidden)
                 add_row_sums<T, W, E>(p, staged_pack<T, NPT>(staged, stage, 0, i), staged_pack<T, NPT>(staged, stage, 1, i),
                                       weight_at(col), sum_sq, dot);
         }
-        const float2 sums = row_sum2<RMS_BWD_REREAD_TREE>(sum_sq, dot, width, scratch);
+        const float2 sums = row_sum2(sum_sq, dot, width, scratch);
         const float rstd = p.rstd ? given_rstd : inverse_rms(sums.x, p.inv_hidden, p.eps);
         const float coef = rstd * rstd * rstd * (sums.y * p.inv_hidden);
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
@@ -957,9 +924,10 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
                 store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, staged_pack<T, NPT>(staged, stage, 0, i),
                                                                      staged_pack<T, NPT>(staged, stage, 1, i),
                                                                      weight_at(col), rstd, coef, dw[i]));
-            // The slot's values are consumed (dx stored): refill it with the row STAGES ahead.
-            stage_reread_chunk<T, NPT>(p, staged, row + STAGES * row_step, stage, i, col);
         }
+        // The shared reads above precede this refill in program order, and a copy's write lands only after
+        // its global read: the stage is free.
+        stage_row<T, NPT, false>(p, staged, row + STAGES * row_step, stage, 0);
         stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
     copy_async_wait<0>();  // no copy may outlive the block
