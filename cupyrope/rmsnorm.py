@@ -84,13 +84,10 @@ STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMax
 # Aligned rows past those (fp16/bf16 over 16384 elements, fp32 over 16384) whose stage fits in shared memory:
 # rms_norm_bwd_reread (the current row read twice from its stage, only the dweight sums in registers), by
 # element size: REREAD_SLOTS chunks a thread on whole warps, up to REREAD_MAX_THREADS (its launch bound).
-# Before it, these rows took rms_norm_bwd's two-pass loop (rows read twice from global memory). Lookahead
-# of about REREAD_LOOKAHEAD_BYTES, at most 3 rows; the weight goes to shared memory too where it fits
-# (REREAD_SHARED_WEIGHT), before more stages.
+# Before it, these rows took rms_norm_bwd's two-pass loop (rows read twice from global memory). Lookahead as
+# the staged kernel's (one row at these sizes: more stages measured 4-7% slower, docs/perf-notes.md v22).
 REREAD_SLOTS = {4: 8, 2: 4}
 REREAD_MAX_THREADS = 1024
-REREAD_LOOKAHEAD_BYTES = 128 * 1024
-REREAD_SHARED_WEIGHT = 1
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -309,19 +306,13 @@ def _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit):
     slots, chunks = REREAD_SLOTS[itemsize], hidden * itemsize // 16
     width = row_threads(-(-chunks // slots))
     stage_bytes = 2 * slots * width * 16
-    weight_bytes = hidden * _arrays.ITEMSIZE[weight_dtype] if REREAD_SHARED_WEIGHT else shared_limit
-    stages = min(STAGED_STAGES[-1], max(1, REREAD_LOOKAHEAD_BYTES // stage_bytes))
-    while stages > 1 and stages * stage_bytes + weight_bytes > shared_limit:
-        stages -= 1  # the weight in shared memory before more stages
-    if stages * stage_bytes + weight_bytes > shared_limit:
-        weight_bytes = 0  # the kernel reads it from global memory (L1)
-        stages = min(stages, shared_limit // stage_bytes)
+    stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
     if width > REREAD_MAX_THREADS or stages < 1:
         return None
     plan = NormPlan(f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}>",
                     rows, (width, 1), True, slots)
     plan.shifted, plan.staged, plan.reread = False, True, True
-    plan.shared_mem = stages * stage_bytes + weight_bytes  # the kernel keeps the weight after the stages
+    plan.shared_mem = stages * stage_bytes
     return plan
 
 

@@ -225,9 +225,9 @@ def test_backward_staged_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad, 
 
 
 # rms_norm_bwd_reread (rows the registers cannot hold with their dweight sums: fp16/bf16 of 16K-32K
-# elements, fp32 of 16K-~29K; the row read twice from its stage): 1 to 3 stages (a larger lookahead), the
-# weight in shared memory or not, whole warps, strided rows, a last thread with a part of its chunks, more
-# rows than blocks; given rstd, no weight; every row checked, dweight bitwise equal over two runs.
+# elements, fp32 of 16K-~29K; the row read twice from its stage): 1 to 3 stages (a larger lookahead), whole
+# warps, strided rows, a last thread with a part of its chunks, more rows than blocks; given rstd, no
+# weight; every row checked, dweight bitwise equal over two runs.
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hidden,rows,pad,lookahead,stages", [
     ("bfloat16", 32768, 301, 0, None, 1), ("float16", 24576, 133, 8, None, 1), ("float32", 20480, 257, 0, None, 1),
