@@ -85,7 +85,8 @@ STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMax
 # rms_norm_bwd_reread (the current row read twice from its stage, only the dweight sums in registers), by
 # element size: REREAD_SLOTS chunks a thread on whole warps, up to REREAD_MAX_THREADS (its launch bound).
 # Before it, these rows took rms_norm_bwd's two-pass loop (rows read twice from global memory). Lookahead as
-# the staged kernel's (one row at these sizes: more stages measured 4-7% slower, docs/perf-notes.md v22).
+# the staged kernel's (one row at these sizes; 2-3 stages measured 7-12% slower at bf16 18432, the same at
+# 24576 and 32768: docs/perf-notes.md v22).
 REREAD_SLOTS = {4: 8, 2: 4}
 REREAD_MAX_THREADS = 1024
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)

@@ -759,6 +759,19 @@ __device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged,
     copy_async_commit();
 }
 
+// The given rstd (p.rstd; 0 without) of the rows a block walks one at a time (blockIdx.x, + row_step, ...),
+// each loaded a row ahead so that it is not on its row's critical path.
+struct RstdAhead {
+    float next;
+    __device__ __forceinline__ explicit RstdAhead(const NormBwdParams& p)
+        : next(p.rstd && blockIdx.x < p.rows ? p.rstd[blockIdx.x] : 0.f) {}
+    __device__ __forceinline__ float take(const NormBwdParams& p, i64 row, i64 row_step) {  // once a row, in order
+        const float current = next;
+        if (p.rstd && row + row_step < p.rows) next = p.rstd[row + row_step];
+        return current;
+    }
+};
+
 // A staged chunk back from shared memory; SHIFT: its columns outside the row read as 0.
 template <bool SHIFT, typename T, int E>
 __device__ __forceinline__ Pack<T, E> unstage_chunk(const uint4* slot, int col, int hidden) {
@@ -803,13 +816,12 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, blockIdx.x + s * row_step, s, first);
-    float next_rstd = p.rstd && blockIdx.x < p.rows ? p.rstd[blockIdx.x] : 0.f;
+    RstdAhead given(p);
     int stage = 0;
     // The loop bound is uniform across the block (one row per block; the reduction has barriers).
 #pragma unroll 1
     for (i64 row = blockIdx.x; row < p.rows; row += row_step) {
-        const float given_rstd = next_rstd;  // loaded a row ahead: not on this row's critical path
-        if (p.rstd && row + row_step < p.rows) next_rstd = p.rstd[row + row_step];
+        const float given_rstd = given.take(p, row, row_step);
         copy_async_wait<STAGES - 1>();  // this row's group is complete
         Pack<T, E> dyv[NPT], xv[NPT];
         float sum_sq = 0.f, dot = 0.f;
@@ -867,8 +879,8 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 // STAGES rows copied ahead, as in rms_norm_bwd_staged (same stages, same copies), but the current row stays
 // in its stage and is read twice from it: for the row sums, then for dx; the stage is refilled after that.
 // Registers hold only the dweight sums (a thread owns the same columns in every row); the weight is loaded
-// per row (L1). The row's chain is LEAN's (rsqrt, shuffle tree): 3-12% faster than the staged kernel's
-// long one here (docs/perf-notes.md v22).
+// per row (L1). The row's chain is LEAN's (rsqrt, shuffle tree); a first version inside the staged kernel,
+// with its long chain, was 4-17% slower (docs/perf-notes.md v22).
 template <typename T, int NPT, int E = 16 / sizeof(T)>
 __device__ __forceinline__ Pack<T, E> staged_pack(uint4* staged, int stage, int tensor, int i) {
     return load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT>(staged, stage, tensor, i)));
@@ -887,13 +899,12 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
     Pack<float, E> dw[NPT];
 #pragma unroll
     for (int i = 0; i < NPT; ++i) dw[i] = zeros<E>();
-    float next_rstd = p.rstd && blockIdx.x < p.rows ? p.rstd[blockIdx.x] : 0.f;
+    RstdAhead given(p);
     int stage = 0;
     // The loop bound is uniform across the block (one row per block; the reduction has barriers).
 #pragma unroll 1
     for (i64 row = blockIdx.x; row < p.rows; row += row_step) {
-        const float given_rstd = next_rstd;  // loaded a row ahead: not on this row's critical path
-        if (p.rstd && row + row_step < p.rows) next_rstd = p.rstd[row + row_step];
+        const float given_rstd = given.take(p, row, row_step);
         copy_async_wait<STAGES - 1>();  // this row's group is complete
         float sum_sq = 0.f, dot = 0.f;
 #pragma unroll
