@@ -289,16 +289,9 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
     per_thread = -(-chunks // slots)
     width = row_threads(per_thread) if slots == 1 else _next_pow2(per_thread)
     lean = lean and width <= STAGED_LEAN_MAX_THREADS[slots]
-    stage_bytes = 2 * slots * width * 16
-    stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
-    if stages < 1:
-        return None
     flags = ", ".join("true" if f else "false" for f in (shifted, lean))
-    plan = NormPlan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}, {flags}>",
-                    rows, (width, 1), True, slots)
-    plan.shifted, plan.staged = shifted, True
-    plan.shared_mem = stages * stage_bytes
-    return plan
+    return _staged_plan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, "
+                        f"{flags}>", rows, width, slots, shared_limit, shifted)
 
 
 def _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit):
@@ -306,13 +299,25 @@ def _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit):
     itemsize = _arrays.ITEMSIZE[dtype]
     slots, chunks = REREAD_SLOTS[itemsize], hidden * itemsize // 16
     width = row_threads(-(-chunks // slots))
+    if width > REREAD_MAX_THREADS:
+        return None
+    plan = _staged_plan(f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}>",
+                        rows, width, slots, shared_limit, False)
+    if plan:
+        plan.reread = True
+    return plan
+
+
+def _staged_plan(name, rows, width, slots, shared_limit, shifted):
+    """A plan of a staged kernel (one row per block, the next rows' dy and x in shared memory), `name` with
+    `{stages}` where its stage count goes: about STAGED_LOOKAHEAD_BYTES of rows ahead, at most
+    STAGED_STAGES[-1] and what shared memory holds; None where not even one stage fits."""
     stage_bytes = 2 * slots * width * 16
     stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
-    if width > REREAD_MAX_THREADS or stages < 1:
+    if stages < 1:
         return None
-    plan = NormPlan(f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {stages}>",
-                    rows, (width, 1), True, slots)
-    plan.shifted, plan.staged, plan.reread = False, True, True
+    plan = NormPlan(name.format(stages=stages), rows, (width, 1), True, slots)
+    plan.shifted, plan.staged = shifted, True
     plan.shared_mem = stages * stage_bytes
     return plan
 

@@ -881,11 +881,6 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 // Registers hold only the dweight sums (a thread owns the same columns in every row); the weight is loaded
 // per row (L1). The row's chain is LEAN's (rsqrt, shuffle tree); a first version inside the staged kernel,
 // with its long chain, was 4-17% slower (docs/perf-notes.md v22).
-template <typename T, int NPT, int E = 16 / sizeof(T)>
-__device__ __forceinline__ Pack<T, E> staged_pack(uint4* staged, int stage, int tensor, int i) {
-    return load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT>(staged, stage, tensor, i)));
-}
-
 template <typename T, typename W, int NPT, int STAGES>
 __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdParams p) {
     constexpr int E = 16 / sizeof(T);
@@ -911,7 +906,8 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
         for (int i = 0; i < NPT; ++i) {
             const int col = lane * E + i * step;
             if (col < hidden)
-                add_row_sums<T, W, E>(p, staged_pack<T, NPT>(staged, stage, 0, i), staged_pack<T, NPT>(staged, stage, 1, i),
+                add_row_sums<T, W, E>(p, unstage_chunk<false, T, E>(stage_slot<NPT>(staged, stage, 0, i), col, hidden),
+                                      unstage_chunk<false, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden),
                                       load_weight<W, true, E>(p.weight, col), sum_sq, dot);
         }
         const float2 sums = row_sum2(sum_sq, dot, width, scratch);
@@ -922,10 +918,10 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
         for (int i = 0; i < NPT; ++i) {
             const int col = lane * E + i * step;
             if (col < hidden)
-                store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, staged_pack<T, NPT>(staged, stage, 0, i),
-                                                                     staged_pack<T, NPT>(staged, stage, 1, i),
-                                                                     load_weight<W, true, E>(p.weight, col), rstd,
-                                                                     coef, dw[i]));
+                store_pack<true, E>(dx_row + col,
+                                    bwd_chunk<T, W, E>(p, unstage_chunk<false, T, E>(stage_slot<NPT>(staged, stage, 0, i), col, hidden),
+                                                       unstage_chunk<false, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden),
+                                                       load_weight<W, true, E>(p.weight, col), rstd, coef, dw[i]));
         }
         // The shared reads above precede this refill in program order, and a copy's write lands only after
         // its global read: the stage is free.
