@@ -89,6 +89,7 @@ STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMax
 # 24576 and 32768: docs/perf-notes.md v22).
 REREAD_SLOTS = {4: 8, 2: 4}
 REREAD_MAX_THREADS = 1024
+REREAD_SHIFTED_MIN_THREADS = {4: 192, 2: 0}
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -283,7 +284,7 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
         limits = {1: limits[1]}
     slots = next((s for s, limit in limits.items() if s * limit >= chunks), None)
     if slots is None:
-        return None if shifted else _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit)
+        return _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit, shifted)
     # Several chunks a thread: a power of two of threads. Fewer threads measured +5% at bf16 [8192, 5120]
     # (320 x 2) but -10% at fp32 [8192, 5120] (640 x 2, whose 3 stages leave one block an SM).
     per_thread = -(-chunks // slots)
@@ -294,17 +295,21 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
                         f"{flags}>", rows, width, slots, shared_limit, shifted)
 
 
-def _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit):
-    """The plan of rms_norm_bwd_reread for an aligned row (see REREAD_SLOTS), or None where it does not fit."""
+def _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False):
+    """The plan of rms_norm_bwd_reread (see REREAD_SLOTS), or None where it does not fit. Shifted rows keep
+    a copy of the weight after the stages (from the block's shift: the chunks' span)."""
     itemsize = _arrays.ITEMSIZE[dtype]
-    slots, chunks = REREAD_SLOTS[itemsize], hidden * itemsize // 16
+    slots = REREAD_SLOTS[itemsize]
+    chunks = -(-(_shifted_span(hidden, itemsize) if shifted else hidden) * itemsize // 16)
     width = row_threads(-(-chunks // slots))
-    if width > REREAD_MAX_THREADS:
+    if width > REREAD_MAX_THREADS or (shifted and width < REREAD_SHIFTED_MIN_THREADS[itemsize]):
         return None
-    plan = _staged_plan(f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}>",
-                        rows, width, slots, shared_limit, False)
+    weight_bytes = _chunks_span(hidden, itemsize, True) * _arrays.ITEMSIZE[weight_dtype] if shifted else 0
+    plan = _staged_plan(f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, "
+                        f"{'true' if shifted else 'false'}>", rows, width, slots, shared_limit - weight_bytes, shifted)
     if plan:
         plan.reread = True
+        plan.shared_mem += weight_bytes
     return plan
 
 
@@ -398,9 +403,9 @@ def all_variants():
                     for shift, lean in itertools.product(shifts, leans):
                         yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
                                        f"{stages}, {shift}, {lean}>")
-            for stages in STAGED_STAGES:
+            for stages, shift in itertools.product(STAGED_STAGES, ("false", "true")):
                 yield SOURCE, (f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight]}, "
-                               f"{REREAD_SLOTS[_arrays.ITEMSIZE[dtype]]}, {stages}>")
+                               f"{REREAD_SLOTS[_arrays.ITEMSIZE[dtype]]}, {stages}, {shift}>")
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 
 

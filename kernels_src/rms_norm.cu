@@ -874,23 +874,47 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 }
 
 // ------------------------------------------------------------------ backward, rows read twice from shared
-// Aligned rows that rms_norm_bwd_staged cannot hold in registers with their dweight sums (fp16/bf16 rows of
-// 16K-32K elements: 4 chunks a thread; fp32 of 16K-~29K: 8), on up to 1024 threads. One row per block and
-// STAGES rows copied ahead, as in rms_norm_bwd_staged (same stages, same copies), but the current row stays
-// in its stage and is read twice from it: for the row sums, then for dx; the stage is refilled after that.
-// Registers hold only the dweight sums (a thread owns the same columns in every row); the weight is loaded
-// per row (L1). The row's chain is LEAN's (rsqrt, shuffle tree); a first version inside the staged kernel,
-// with its long chain, was 4-17% slower (docs/perf-notes.md v22).
-template <typename T, typename W, int NPT, int STAGES>
+// Rows that rms_norm_bwd_staged cannot hold in registers with their dweight sums (aligned fp16/bf16 rows of
+// 16K-32K elements: 4 chunks a thread; fp32 of 16K-~29K: 8; SHIFT: odd ones from 512 chunks), on up to 1024
+// threads. One row per block and STAGES rows copied ahead, as in rms_norm_bwd_staged (same stages, same
+// copies), but the current row stays in its stage and is read twice from it: for the row sums, then for dx;
+// the stage is refilled after that. Registers hold only the dweight sums (a thread owns the same columns in
+// every row); the weight is loaded per row (L1). The row's chain is LEAN's (rsqrt, shuffle tree); a first
+// version inside the staged kernel, with its long chain, was 4-17% slower (docs/perf-notes.md v22).
+// SHIFT: every row of the block starts at the same offset from a 16-byte boundary (planner), and the weight is
+// copied once into shared memory after the stages, from that offset, so that each chunk's weights are one
+// aligned read there instead of E element loads from global memory (registers cannot hold them: spills).
+template <bool SHIFT, typename W, int E>
+__device__ __forceinline__ Pack<W, E> reread_weight(const NormBwdParams& p, const W* shifted_weight, int col, int shift) {
+    if constexpr (SHIFT) {
+        if (p.weight) return load_pack<true, E>(shifted_weight + col + shift);
+    }
+    return load_weight<W, true, E>(p.weight, col);
+}
+
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT>
 __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdParams p) {
     constexpr int E = 16 / sizeof(T);
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
-    extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
+    extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]; SHIFT: then the weight
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
     const i64 row_step = gridDim.x;
+    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + (i64)blockIdx.x * p.x_stride);
+    const int first = SHIFT ? lane * E - shift : 0;  // aligned rows: the expressions of v22 (same SASS)
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, false>(p, staged, blockIdx.x + s * row_step, s, 0);
+    for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, blockIdx.x + s * row_step, s, first);
+    // SHIFT: column c's weight at c + shift. A thread copies only its own chunks' weights, which only it reads
+    // (no barrier), all loads at once (a strided loop over the row left 25-30 loads in a row to wait for).
+    W* const shifted_weight = reinterpret_cast<W*>(staged + STAGES * 2 * NPT * width);
+    if (SHIFT && p.weight) {
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const int col = staged_column<SHIFT, E>(first, lane, i, step);
+            if (col < hidden)
+                store_pack<true, E>(shifted_weight + col + shift, load_weight_chunk<W, true, true, E>(p.weight, col, hidden));
+        }
+    }
     Pack<float, E> dw[NPT];
 #pragma unroll
     for (int i = 0; i < NPT; ++i) dw[i] = zeros<E>();
@@ -904,11 +928,11 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
         float sum_sq = 0.f, dot = 0.f;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const int col = lane * E + i * step;
+            const int col = staged_column<SHIFT, E>(first, lane, i, step);
             if (col < hidden)
-                add_row_sums<T, W, E>(p, unstage_chunk<false, T, E>(stage_slot<NPT>(staged, stage, 0, i), col, hidden),
-                                      unstage_chunk<false, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden),
-                                      load_weight<W, true, E>(p.weight, col), sum_sq, dot);
+                add_row_sums<T, W, E>(p, unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 0, i), col, hidden),
+                                      unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden),
+                                      reread_weight<SHIFT, W, E>(p, shifted_weight, col, shift), sum_sq, dot);
         }
         const float2 sums = row_sum2(sum_sq, dot, width, scratch);
         const float rstd = p.rstd ? given_rstd : inverse_rms(sums.x, p.inv_hidden, p.eps);
@@ -916,25 +940,38 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const int col = lane * E + i * step;
-            if (col < hidden)
-                store_pack<true, E>(dx_row + col,
-                                    bwd_chunk<T, W, E>(p, unstage_chunk<false, T, E>(stage_slot<NPT>(staged, stage, 0, i), col, hidden),
-                                                       unstage_chunk<false, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden),
-                                                       load_weight<W, true, E>(p.weight, col), rstd, coef, dw[i]));
+            const int col = staged_column<SHIFT, E>(first, lane, i, step);
+            if (col < hidden) {
+                // bwd_chunk's result passed straight to the store: through a local variable (or a helper that
+                // takes it), ptxas scheduled the aligned kernel differently; v22's SASS is kept.
+                const uint4 *dy_slot = stage_slot<NPT>(staged, stage, 0, i), *x_slot = stage_slot<NPT>(staged, stage, 1, i);
+                if constexpr (SHIFT)
+                    store_chunk<true, true, E>(dx_row, col, hidden,
+                                               bwd_chunk<T, W, E>(p, unstage_chunk<SHIFT, T, E>(dy_slot, col, hidden),
+                                                                  unstage_chunk<SHIFT, T, E>(x_slot, col, hidden),
+                                                                  reread_weight<SHIFT, W, E>(p, shifted_weight, col, shift),
+                                                                  rstd, coef, dw[i]));
+                else
+                    store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, unstage_chunk<SHIFT, T, E>(dy_slot, col, hidden),
+                                                                         unstage_chunk<SHIFT, T, E>(x_slot, col, hidden),
+                                                                         load_weight<W, true, E>(p.weight, col), rstd, coef, dw[i]));
+            }
         }
         // The shared reads above precede this refill in program order, and a copy's write lands only after
         // its global read: the stage is free.
-        stage_row<T, NPT, false>(p, staged, row + STAGES * row_step, stage, 0);
+        stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
         stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
     copy_async_wait<0>();  // no copy may outlive the block
     if (!p.weight) return;
     float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
 #pragma unroll
-    for (int i = 0; i < NPT; ++i) {
-        const int col = lane * E + i * step;
-        if (col < hidden) store_pack<true, E>(my_partial + col, dw[i]);
+    for (int i = 0; i < NPT; ++i) {  // SHIFT: float columns off 16-byte boundaries, one by one
+        const int col = staged_column<SHIFT, E>(first, lane, i, step);
+        if (col < hidden) {
+            if constexpr (SHIFT) store_chunk<false, true, E>(my_partial, col, hidden, dw[i]);
+            else store_pack<true, E>(my_partial + col, dw[i]);
+        }
     }
 }
 

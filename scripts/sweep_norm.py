@@ -1,6 +1,6 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--bwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long|--odd|--reread] [--half|--f32] SETTING ...
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--bwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long|--odd|--oddbwd|--reread] [--half|--f32] SETTING ...
 --add times fused_add_rms_norm (in place; no peers) instead of the forward and backward; --fwd and --bwd one of them.
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
 or entries of their tables, e.g. "FWD_MAX_SLOTS[True:2]=8", and NVRTC=... for kernel knobs of that
@@ -73,7 +73,13 @@ if "--reread" in sys.argv:  # aligned backward rows past the registers: the stag
     SHAPES = [(8192, 18432, torch.bfloat16), (4096, 24576, torch.bfloat16), (4096, 32768, torch.bfloat16),
               (1024, 32768, torch.bfloat16), (4096, 32768, torch.float16), (4096, 20480, torch.float32),
               (2048, 28672, torch.float32), (8192, 16384, torch.bfloat16), (8192, 16384, torch.float32)]
-if "--odd" in sys.argv:  # rows read twice (v21): odd ones in shifted 16-byte chunks; aligned ones as before
+if "--oddbwd" in sys.argv:  # odd backward rows past the staged kernel's one chunk a thread: reread, SHIFT (v23)
+    SHAPES = [(8192, h, torch.bfloat16) for h in (4099, 6151, 8191)]
+    SHAPES += [(4096, 12289, torch.bfloat16), (4096, 16389, torch.bfloat16), (2048, 20001, torch.bfloat16),
+               (2048, 28001, torch.bfloat16), (4096, 16389, torch.float16), (8192, 4099, torch.float32),
+               (8192, 6151, torch.float32), (4096, 8191, torch.float32), (4096, 16387, torch.float32),
+               (8192, 18432, torch.bfloat16)]
+elif "--odd" in sys.argv:  # rows read twice (v21): odd ones in shifted 16-byte chunks; aligned ones as before
     SHAPES = [(2048, 40001, torch.bfloat16), (2048, 36001, torch.float16), (2048, 33001, torch.float32),
               (8192, 8191, torch.bfloat16), (4096, 12289, torch.bfloat16), (2048, 20001, torch.bfloat16),
               (4096, 16387, torch.float32), (1024, 45001, torch.bfloat16)]

@@ -163,16 +163,17 @@ def fill_next_allocation_with_nan(shape, dtype, kind):
     poison(to_device(np.zeros(shape), dtype, kind))
 
 
-def assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype):
+def assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype="float32"):
     """rms_norm_backward(dy, x, w, offset=0.25) = (dx, dw): every row of dx against float64, dweight within
-    its terms' sum, and bitwise the same dweight from a second call."""
+    its terms' sum (and one rounding to a 16-bit weight's dtype), and bitwise the same dweight from a second call."""
     ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host, offset=0.25)
     rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
     scale = np.abs(dy_host * (w_host + 0.25) * rstd_ref[:, None]).max()
     assert_matches(to_host(dx), ref_dx, dtype, scale=scale, what="dx")
     terms = np.abs(dy_host * x_host * rstd_ref[:, None]).sum(0)
     err = np.abs(to_host(dw) - ref_dw)
-    assert np.all(err <= 4e-6 * terms), f"dweight: worst {err.max():.3g}"
+    tol = 4e-6 * terms + (0 if weight_dtype == "float32" else ulp(ref_dw, weight_dtype))
+    assert np.all(err <= tol), f"dweight: worst {err.max():.3g}"
     np.testing.assert_array_equal(to_host(cupyrope.rms_norm_backward(dy, x, w, offset=0.25)[1]), to_host(dw))
 
 
@@ -244,8 +245,45 @@ def test_backward_reread_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad, 
     fill_next_allocation_with_nan((rows, hidden), dtype, kind)
     dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
     plan = planned("bwd")
-    assert plan.reread and plan.name.endswith(f", {stages}>") and plan.grid < rows, plan
+    assert plan.reread and plan.name.endswith(f", {stages}, false>") and plan.grid < rows, plan
     assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype)
+    _, rstd = cupyrope.rms_norm(x, None, return_rstd=True)
+    fill_next_allocation_with_nan((rows, hidden), dtype, kind)
+    dx, dw = cupyrope.rms_norm_backward(dy, x, None, rstd=rstd)
+    ref_dx, _ = reference.rms_norm_backward(dy_host, x_host, None)
+    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
+    assert dw is None
+    assert_matches(to_host(dx), ref_dx, dtype, scale=np.abs(dy_host * rstd_ref[:, None]).max(), what="dx")
+
+
+# rms_norm_bwd_reread of odd rows (SHIFT, v23: fp16/bf16 from ~8190 elements, fp32 from ~8190; up to what a
+# stage and the weight's copy hold): every row starts at another offset from a 16-byte boundary, a block's
+# rows share one (its grid step a multiple of E), and the weight waits in shared memory from that offset. NaN
+# around the rows (views into a wider buffer) shows any column outside a row that gets into the sums; 1 to 3
+# stages, more rows than blocks and fewer, a weight in x's dtype, fp32 or none, given rstd.
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,hidden,rows,start,weight_dtype,lookahead,stages", [
+    ("bfloat16", 8191, 700, 8, "float32", None, 3), ("float16", 12289, 301, 0, "float16", None, 2),
+    ("bfloat16", 20001, 199, 8, "bfloat16", None, 1), ("bfloat16", 28001, 150, 0, "float32", None, 1),
+    ("bfloat16", 12289, 5, 0, "float32", 1 << 20, 3), ("float16", 10001, 1001, 8, "float32", None, 3),
+    ("float32", 8191, 1001, 4, "float32", None, 1), ("float32", 16389, 133, 8, "float32", None, 1),
+    ("float32", 8191, 257, 0, "float32", 1 << 20, 2)])
+def test_backward_reread_shifted_rows(rng, monkeypatch, kind, dtype, hidden, rows, start, weight_dtype, lookahead,
+                                      stages):
+    fresh_plans(monkeypatch)
+    if lookahead:
+        monkeypatch.setattr(rmsnorm, "STAGED_LOOKAHEAD_BYTES", lookahead)
+    x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), weight_dtype, rng)
+    _, x = unaligned_view(x_host, dtype, kind, start, 16)
+    _, dy = unaligned_view(dy_host, dtype, kind, start, 16)
+    w = to_device(w_host, weight_dtype, kind)
+    fill_next_allocation_with_nan((rows, hidden), dtype, kind)
+    dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
+    plan = planned("bwd")
+    assert plan.reread and plan.shifted and plan.name.endswith(f", {stages}, true>"), plan
+    assert plan.grid < rows or rows < 132, plan
+    assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
     _, rstd = cupyrope.rms_norm(x, None, return_rstd=True)
     fill_next_allocation_with_nan((rows, hidden), dtype, kind)
     dx, dw = cupyrope.rms_norm_backward(dy, x, None, rstd=rstd)
@@ -289,7 +327,8 @@ def test_forward_register_chunks(rng, monkeypatch, kind, dtype, hidden, start, s
 # into a wider buffer; row stride and start a multiple of 16 bytes away from dx's, so the rows shift like dx's)
 # shows any column outside a row that gets into the sums, and any write outside dx's rows.
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("hidden,rows,start", [(1027, 3001, 8), (1027, 5, 0), (3071, 700, 8), (2053, 133, 0)])
+@pytest.mark.parametrize("hidden,rows,start", [(1027, 3001, 8), (1027, 5, 0), (3071, 700, 8), (2053, 133, 0),
+                                               (6151, 301, 8)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lean", [False, True])
 def test_backward_staged_shifted_rows(rng, monkeypatch, kind, dtype, hidden, rows, start, lean):
