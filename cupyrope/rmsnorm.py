@@ -84,12 +84,14 @@ STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMax
 # Aligned rows past those (fp16/bf16 over 16384 elements, fp32 over 16384) whose stage fits in shared memory:
 # rms_norm_bwd_reread (the current row read twice from its stage, only the dweight sums in registers), by
 # element size: REREAD_SLOTS chunks a thread on whole warps, up to REREAD_MAX_THREADS (its launch bound).
-# Before it, these rows took rms_norm_bwd's two-pass loop (rows read twice from global memory). Lookahead as
-# the staged kernel's (one row at these sizes; 2-3 stages measured 7-12% slower at bf16 18432, the same at
-# 24576 and 32768: docs/perf-notes.md v22).
+# Before it, these rows took rms_norm_bwd's two-pass loop (rows read twice from global memory). One row
+# ahead (REREAD_STAGES): 2-3 stages measured 7-12% slower at bf16 18432 and the same at 24576 and 32768
+# (v22), and up to 24% slower for odd rows (bf16 8191: fewer blocks fit an SM; v23).
+# Odd rows (v23, SHIFT) past the staged kernel's one chunk a thread take it too, the weight copied into shared
+# memory after the stage (fp16/bf16 from ~4090 elements, fp32 from ~4095, which rms_norm_bwd's registers held).
 REREAD_SLOTS = {4: 8, 2: 4}
 REREAD_MAX_THREADS = 1024
-REREAD_SHIFTED_MIN_THREADS = {4: 192, 2: 0}
+REREAD_STAGES = 1
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -302,23 +304,24 @@ def _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False)
     slots = REREAD_SLOTS[itemsize]
     chunks = -(-(_shifted_span(hidden, itemsize) if shifted else hidden) * itemsize // 16)
     width = row_threads(-(-chunks // slots))
-    if width > REREAD_MAX_THREADS or (shifted and width < REREAD_SHIFTED_MIN_THREADS[itemsize]):
+    if width > REREAD_MAX_THREADS:
         return None
     weight_bytes = _chunks_span(hidden, itemsize, True) * _arrays.ITEMSIZE[weight_dtype] if shifted else 0
     plan = _staged_plan(f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, "
-                        f"{'true' if shifted else 'false'}>", rows, width, slots, shared_limit - weight_bytes, shifted)
+                        f"{'true' if shifted else 'false'}>", rows, width, slots, shared_limit - weight_bytes, shifted,
+                        REREAD_STAGES)
     if plan:
         plan.reread = True
         plan.shared_mem += weight_bytes
     return plan
 
 
-def _staged_plan(name, rows, width, slots, shared_limit, shifted):
+def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=None):
     """A plan of a staged kernel (one row per block, the next rows' dy and x in shared memory), `name` with
-    `{stages}` where its stage count goes: about STAGED_LOOKAHEAD_BYTES of rows ahead, at most
-    STAGED_STAGES[-1] and what shared memory holds; None where not even one stage fits."""
+    `{stages}` where its stage count goes: about STAGED_LOOKAHEAD_BYTES of rows ahead, at most max_stages
+    (default STAGED_STAGES[-1]) and what shared memory holds; None where not even one stage fits."""
     stage_bytes = 2 * slots * width * 16
-    stages = min(STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
+    stages = min(max_stages or STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
     if stages < 1:
         return None
     plan = NormPlan(name.format(stages=stages), rows, (width, 1), True, slots)
@@ -403,9 +406,9 @@ def all_variants():
                     for shift, lean in itertools.product(shifts, leans):
                         yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
                                        f"{stages}, {shift}, {lean}>")
-            for stages, shift in itertools.product(STAGED_STAGES, ("false", "true")):
+            for shift in ("false", "true"):
                 yield SOURCE, (f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight]}, "
-                               f"{REREAD_SLOTS[_arrays.ITEMSIZE[dtype]]}, {stages}, {shift}>")
+                               f"{REREAD_SLOTS[_arrays.ITEMSIZE[dtype]]}, {REREAD_STAGES}, {shift}>")
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 
 

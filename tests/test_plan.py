@@ -223,6 +223,9 @@ def test_rms_norm_long_odd_rows_are_read_twice_in_shifted_chunks(dtype, hidden, 
     other = arr((64, hidden), dtype, ptr=BASE + 2**36 + _arrays.ITEMSIZE[dtype])
     assert not plan_forward(x, other, residual, weight, strides, 64, hidden).vectorized
     b = plan_backward(x, x, y, weight, (hidden,) * 3, 4096, hidden, n_sm=131)
+    if (dtype, hidden) == ("bfloat16", 20001):  # stage and weight fit in shared memory (v23)
+        assert b.reread and b.shifted, b
+        return
     assert (b.block, b.slots, b.shifted, b.staged) == ((512, 1), 0, True, False) and b.name.endswith(", 0, true>"), b
     elems = 16 // _arrays.ITEMSIZE[dtype]
     assert b.grid == 4 * 131 // elems * elems  # one shift a block: its dweight sums sit from it in shared memory
@@ -241,7 +244,7 @@ def test_rms_norm_odd_rows_held_element_by_element_stay_there():
 @pytest.mark.parametrize("n_sm, rows, hidden, dtype, cap, grid", [
     (132, 8192, 1027, "bfloat16", None, 1584),  # 160-thread blocks: 132 x 12, a multiple of 8 rows already
     (132, 8192, 1027, "bfloat16", 132 * 3, 392),  # 3 blocks an SM (occupancy): 396 -> a multiple of 8
-    (131, 8192, 4099, "bfloat16", None, 912),  # 288-thread rows: 131 x 7 = 917 -> 912
+    (131, 8192, 4099, "bfloat16", None, 1568),  # rms_norm_bwd_reread's 160 threads: 131 x 12 = 1572 -> 1568
     (131, 8192, 1027, "float32", None, 1572),  # 1572 blocks: a multiple of 4 fp32 rows
     (131, 100, 4099, "bfloat16", None, 100),  # a row per block: no row is revisited, no rounding
     (5, 8192, 301, "bfloat16", 15, 14),  # 64 threads, 4 rows a block: a step of 8 rows needs an even grid
@@ -310,9 +313,9 @@ def test_rms_norm_backward_plans():
     odd32 = arr((8192, 1027), "float32")
     o32 = plan_backward(odd32, odd32, odd32, None, (1027,) * 3, 8192, 1027, n_sm=132)
     assert o32.shifted and not o32.staged and o32.grid % 4 == 0
-    long_odd = arr((8192, 4099))
+    long_odd = arr((8192, 4099))  # past one chunk a thread: rows read twice from their stage (v23)
     lo = plan_backward(long_odd, long_odd, long_odd, None, (4099,) * 3, 8192, 4099, n_sm=132)
-    assert lo.shifted and not lo.staged and lo.slots == 2
+    assert lo.shifted and lo.reread and lo.slots == 4
     small = arr((8192, 64))
     s = plan_backward(small, small, small, arr((64,)), (64,) * 3, 8192, 64, n_sm=132)
     assert not s.staged and s.block[1] > 1 and s.shared_mem == s.block[1] * 64 * 4  # rows slots' sums, in order
@@ -372,19 +375,45 @@ def test_rms_norm_backward_reread_plans():
         return plan_backward(x, x, x, arr((hidden,), weight), (hidden,) * 3, 8192, hidden, n_sm=132, **kw)
 
     p = plan(32768)  # 1024 x 4, one 128 KiB stage
-    assert p.reread and p.staged and p.name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, float, 4, 1>", p
+    assert p.reread and p.staged and p.name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, float, 4, 1, false>", p
     assert p.block == (1024, 1) and p.shared_mem == 128 * 1024 and p.name in names
     assert not rmsnorm.lean_staged(p, 8192) and plan(32768, lean=True).name == p.name  # never LEAN
-    assert plan(32768, weight="bfloat16").name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, __nv_bfloat16, 4, 1>"
+    assert plan(32768, weight="bfloat16").name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, __nv_bfloat16, 4, 1, false>"
     p = plan(18432, "float16")  # 2304 chunks: 576 threads x 4, one 72 KiB stage
     assert p.reread and p.block == (576, 1) and p.shared_mem == 72 * 1024 and p.name in names, p
     p = plan(20480, "float32")  # 5120 chunks: 640 x 8, one 160 KiB stage
     assert p.reread and p.block == (640, 1) and p.shared_mem == 160 * 1024 and p.name in names, p
     assert plan(16384).slots == 2 and not plan(16384).reread  # 1024 x 2 in registers
     assert plan(16384, "float32").slots == 8 and not plan(16384, "float32").reread  # 512 x 8
-    # A stage past shared memory (fp32 32768: 256 KiB; bf16 65536), odd rows, a smaller GPU: rms_norm_bwd.
-    for p in (plan(32768, "float32"), plan(65536), plan(20001), plan(32768, shared_limit=100 * 1024)):
+    # A stage past shared memory (fp32 32768: 256 KiB; bf16 65536), a smaller GPU: rms_norm_bwd.
+    for p in (plan(32768, "float32"), plan(65536), plan(32768, shared_limit=100 * 1024)):
         assert not p.staged and p.slots == 0 and p.name.startswith("cupyrope::rms_norm_bwd<"), p
+
+
+def test_rms_norm_backward_reread_plans_for_odd_rows():
+    # Odd rows (SHIFT, v23) past the staged kernel's one chunk a thread (512 chunks): rms_norm_bwd_reread, the
+    # stage sized on the chunks' span (from the 16-byte boundary before the row), then the weight copied from
+    # the block's shift (the span, in the weight's dtype); one row ahead; the grid a multiple of E (one shift a
+    # block). Where stage and weight do not fit, the two-pass loop.
+    names = {name for _, name in rmsnorm.all_variants()}
+
+    def plan(hidden, dtype="bfloat16", weight="float32", **kw):
+        x = arr((8192, hidden), dtype, ptr=BASE + _arrays.ITEMSIZE[dtype])
+        return plan_backward(x, x, x, arr((hidden,), weight), (hidden,) * 3, 8192, hidden, n_sm=132, **kw)
+
+    p = plan(4099)  # up to 4106 elements: 514 chunks, 129 threads x 4 -> 160; 20 KiB of stage, then 4112 weights
+    assert p.reread and p.shifted and p.name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, float, 4, 1, true>", p
+    assert p.block == (160, 1) and p.shared_mem == 2 * 4 * 160 * 16 + 4112 * 4 and p.grid % 8 == 0 and p.name in names
+    assert plan(4089).name.startswith("cupyrope::rms_norm_bwd_staged<")  # 512 chunks: one a thread
+    p = plan(28001, weight="bfloat16")  # 896 threads: 112 KiB of stage, then the weight's 28008 bf16
+    assert p.reread and p.block == (896, 1) and p.shared_mem == 2 * 4 * 896 * 16 + 28008 * 2 and p.name in names, p
+    p = plan(4099, "float32")  # 1026 chunks: 160 threads x 8
+    assert p.reread and p.block == (160, 1) and p.grid % 4 == 0 and p.name in names, p
+    assert plan(2051, "float32").slots == 2 and not plan(2051, "float32").staged  # fp32: the register prefetch
+    # Past shared memory: bf16 30001 with an fp32 weight (stage 120 KiB + weight 117 KiB), fp32 20001, 32763
+    # elements past 1024 threads x 4 chunks, a smaller GPU.
+    for p in (plan(30001), plan(20001, "float32"), plan(32763, weight="bfloat16"), plan(20001, shared_limit=100 * 1024)):
+        assert p.shifted and not p.staged and p.slots == 0 and p.name.startswith("cupyrope::rms_norm_bwd<"), p
 
 
 def test_fused_add_row_cache_plan():
