@@ -532,8 +532,8 @@ def test_forward_two_pass_rows(rng, monkeypatch, kind, dtype, hidden, start, imp
 
 
 # The backward of odd rows read twice in shifted 16-byte chunks (v21; since v23 only rows past what
-# rms_norm_bwd_reread's stage and weight copy hold: fp16/bf16 over ~28900 elements with an fp32 weight, over
-# 32768 otherwise, fp32 over ~19200 on an H100): dweight sums in shared memory from the block's shift, or by
+# rms_norm_bwd_reread's stage and weight copy hold: fp16/bf16 over 28665 elements with an fp32 weight, over
+# 32761 otherwise, fp32 over 18941 on an H100): dweight sums in shared memory from the block's shift, or by
 # column in the block's partial row past 160 KiB (bf16 45001); more rows than blocks (a block's rows share one shift; the rows of a call
 # have every shift: contiguous, as dx is, whose rows must share dy's and x's offsets); every row checked;
 # dweight bitwise equal over two runs.
