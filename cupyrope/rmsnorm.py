@@ -321,7 +321,8 @@ def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=Non
     `{stages}` where its stage count goes: about STAGED_LOOKAHEAD_BYTES of rows ahead, at most max_stages
     (default STAGED_STAGES[-1]) and what shared memory holds; None where not even one stage fits."""
     stage_bytes = 2 * slots * width * 16
-    stages = min(max_stages or STAGED_STAGES[-1], max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes), shared_limit // stage_bytes)
+    lookahead = max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes)
+    stages = min(max_stages or STAGED_STAGES[-1], lookahead, shared_limit // stage_bytes)
     if stages < 1:
         return None
     plan = NormPlan(name.format(stages=stages), rows, (width, 1), True, slots)

@@ -876,9 +876,9 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 // ------------------------------------------------------------------ backward, rows read twice from shared
 // Rows that rms_norm_bwd_staged cannot hold in registers with their dweight sums (aligned fp16/bf16 rows of
 // 16K-32K elements: 4 chunks a thread; fp32 of 16K-~29K: 8; SHIFT: odd ones from 512 chunks), on up to 1024
-// threads. One row per block and STAGES rows copied ahead, as in rms_norm_bwd_staged (same stages, same
-// copies), but the current row stays in its stage and is read twice from it: for the row sums, then for dx;
-// the stage is refilled after that. Registers hold only the dweight sums (a thread owns the same columns in
+// threads. One row per block and STAGES rows copied ahead (the planner's REREAD_STAGES: one; more measured
+// slower), as in rms_norm_bwd_staged (same stages, same copies), but the current row stays in its stage and is
+// read twice from it: for the row sums, then for dx; the stage is refilled after that. Registers hold only the dweight sums (a thread owns the same columns in
 // every row); the weight is loaded per row (L1). The row's chain is LEAN's (rsqrt, shuffle tree); a first
 // version inside the staged kernel, with its long chain, was 4-17% slower (docs/perf-notes.md v22).
 // SHIFT: every row of the block starts at the same offset from a 16-byte boundary (planner), and the weight is
@@ -905,7 +905,7 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, blockIdx.x + s * row_step, s, first);
     // SHIFT: column c's weight at c + shift. A thread copies only its own chunks' weights, which only it reads
-    // (no barrier), all loads at once (a strided loop over the row left 25-30 loads in a row to wait for).
+    // (no barrier), all loads at once (a block-strided loop over the row measured 4-8% slower).
     W* const shifted_weight = reinterpret_cast<W*>(staged + STAGES * 2 * NPT * width);
     if (SHIFT && p.weight) {
 #pragma unroll
