@@ -177,6 +177,17 @@ def assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype
     np.testing.assert_array_equal(to_host(cupyrope.rms_norm_backward(dy, x, w, offset=0.25)[1]), to_host(dw))
 
 
+def assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind):
+    """rms_norm_backward(dy, x, None, rstd=rms_norm's rstd): no dweight, and every row of dx against float64."""
+    _, rstd = cupyrope.rms_norm(x, None, return_rstd=True)
+    fill_next_allocation_with_nan(dy_host.shape, dtype, kind)
+    dx, dw = cupyrope.rms_norm_backward(dy, x, None, rstd=rstd)
+    ref_dx, _ = reference.rms_norm_backward(dy_host, x_host, None)
+    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
+    assert dw is None
+    assert_matches(to_host(dx), ref_dx, dtype, scale=np.abs(dy_host * rstd_ref[:, None]).max(), what="dx")
+
+
 def force_lean(monkeypatch, lean):
     """The staged backward's LEAN variant wherever it applies, or nowhere."""
     limits = {slots: math.inf if lean and limit else 0 for slots, limit in rmsnorm.STAGED_LEAN_MAX_ROWS.items()}
@@ -245,13 +256,7 @@ def test_backward_reread_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad):
     plan = planned("bwd")
     assert plan.reread and plan.name.endswith(", 1, false>") and plan.grid < rows, plan
     assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype)
-    _, rstd = cupyrope.rms_norm(x, None, return_rstd=True)
-    fill_next_allocation_with_nan((rows, hidden), dtype, kind)
-    dx, dw = cupyrope.rms_norm_backward(dy, x, None, rstd=rstd)
-    ref_dx, _ = reference.rms_norm_backward(dy_host, x_host, None)
-    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
-    assert dw is None
-    assert_matches(to_host(dx), ref_dx, dtype, scale=np.abs(dy_host * rstd_ref[:, None]).max(), what="dx")
+    assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
 
 
 # rms_norm_bwd_reread of odd rows (SHIFT, v23: fp16/bf16 from ~4090 elements, fp32 from ~4095; up to what a
@@ -276,13 +281,7 @@ def test_backward_reread_shifted_rows(rng, monkeypatch, kind, dtype, hidden, row
     plan = planned("bwd")
     assert plan.reread and plan.shifted and plan.name.endswith(", 1, true>") and plan.grid <= rows, plan
     assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
-    _, rstd = cupyrope.rms_norm(x, None, return_rstd=True)
-    fill_next_allocation_with_nan((rows, hidden), dtype, kind)
-    dx, dw = cupyrope.rms_norm_backward(dy, x, None, rstd=rstd)
-    ref_dx, _ = reference.rms_norm_backward(dy_host, x_host, None)
-    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
-    assert dw is None
-    assert_matches(to_host(dx), ref_dx, dtype, scale=np.abs(dy_host * rstd_ref[:, None]).max(), what="dx")
+    assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
 
 
 # Forward rows of 2 and 4 chunks a thread: fp16/bf16 held as 32-bit words (shifted rows v14, aligned
