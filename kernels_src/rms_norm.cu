@@ -884,9 +884,15 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 // SHIFT: every row of the block starts at the same offset from a 16-byte boundary (planner), and the weight is
 // copied once into shared memory after the stages, from that offset, so that each chunk's weights are one
 // aligned read there instead of E element loads from global memory (registers cannot hold them: spills).
+#ifndef RMS_REREAD_SHIFT_WEIGHT_GLOBAL
+#define RMS_REREAD_SHIFT_WEIGHT_GLOBAL 0
+#endif
 template <bool SHIFT, typename W, int E>
 __device__ __forceinline__ Pack<W, E> reread_weight(const NormBwdParams& p, const W* shifted_weight, int col, int shift) {
     if constexpr (SHIFT) {
+#if RMS_REREAD_SHIFT_WEIGHT_GLOBAL
+        return load_weight_chunk<W, true, true, E>(p.weight, col, (int)p.hidden);
+#endif
         if (p.weight) return load_pack<true, E>(shifted_weight + col + shift);
     }
     return load_weight<W, true, E>(p.weight, col);
@@ -907,7 +913,7 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
     // SHIFT: column c's weight at c + shift. A thread copies only its own chunks' weights, which only it reads
     // (no barrier), all loads at once (a block-strided loop over the row measured 4-8% slower).
     W* const shifted_weight = reinterpret_cast<W*>(staged + STAGES * 2 * NPT * width);
-    if (SHIFT && p.weight) {
+    if (SHIFT && p.weight && !RMS_REREAD_SHIFT_WEIGHT_GLOBAL) {
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = staged_column<SHIFT, E>(first, lane, i, step);

@@ -79,6 +79,15 @@ if "--oddbwd" in sys.argv:  # odd backward rows past the staged kernel's one chu
                (2048, 28001, torch.bfloat16), (4096, 16389, torch.float16), (8192, 4099, torch.float32),
                (8192, 6151, torch.float32), (4096, 8191, torch.float32), (4096, 16387, torch.float32),
                (8192, 18432, torch.bfloat16)]
+if "--two16" in sys.argv:  # aligned fp16/bf16 rows of 1025-2048 chunks: staged 2 x 1024 or reread
+    SHAPES = [(8192, h, torch.bfloat16) for h in (8200, 10240, 12288, 14848, 16384)]
+    SHAPES += [(4096, 12288, torch.bfloat16), (2048, 16384, torch.bfloat16), (8192, 12288, torch.float16),
+               (4096, 8200, torch.bfloat16), (8192, 9216, torch.bfloat16), (8192, 4100, torch.float32),
+               (8192, 8200, torch.float32), (8192, 5120, torch.float32)]
+if "--oddpair" in sys.argv:  # odd rows next to aligned ones of the same width (both rms_norm_bwd_reread)
+    SHAPES = [(4096, 16389, torch.bfloat16), (4096, 16392, torch.bfloat16), (2048, 28001, torch.bfloat16),
+              (2048, 28008, torch.bfloat16), (8192, 8191, torch.bfloat16), (8192, 8200, torch.bfloat16),
+              (4096, 16387, torch.float32), (4096, 16388, torch.float32)]
 elif "--odd" in sys.argv:  # rows read twice (v21): odd ones in shifted 16-byte chunks; aligned ones as before
     SHAPES = [(2048, 40001, torch.bfloat16), (2048, 36001, torch.float16), (2048, 33001, torch.float32),
               (8192, 8191, torch.bfloat16), (4096, 12289, torch.bfloat16), (2048, 20001, torch.bfloat16),

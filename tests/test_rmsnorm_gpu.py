@@ -237,13 +237,14 @@ def test_backward_staged_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad, 
 
 
 # rms_norm_bwd_reread (rows the registers cannot hold with their dweight sums: fp16/bf16 of 16K-32K
-# elements, fp32 of 16K-~29K; the row read twice from its stage, one row copied ahead): whole warps, strided
+# elements, fp32 of 16K-~29K; fp16/bf16 rows that would leave most of 1024 x 2 slots empty, 8193-~10200; the
+# row read twice from its stage, one row copied ahead): whole warps, strided
 # rows, a last thread with a part of its chunks, more rows than blocks; given rstd, no weight; every row
 # checked, dweight bitwise equal over two runs.
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hidden,rows,pad", [
     ("bfloat16", 32768, 301, 0), ("float16", 24576, 133, 8), ("float32", 20480, 257, 0), ("bfloat16", 18432, 700, 16),
-    ("bfloat16", 24576, 290, 0), ("float32", 17000, 199, 4)])
+    ("bfloat16", 24576, 290, 0), ("float32", 17000, 199, 4), ("float16", 8200, 2001, 8)])
 def test_backward_reread_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad):
     fresh_plans(monkeypatch)
     x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
