@@ -75,9 +75,10 @@ STAGED_LOOKAHEAD_BYTES = 128 * 1024
 STAGED_SLOTS = {4: (1, 4, 8), 2: (1, 2)}
 STAGED_MAX_THREADS = {1: 1024, 2: 1024, 4: 512, 8: 512}  # by slots; mirrors StagedMaxThreads<NPT, false>
 STAGED_STAGES = (1, 2, 3)
-# Rows of several chunks a thread on a power of two of threads whose chunks fill less than this share (%) of
-# the slots take rms_norm_bwd_reread instead (by element size): bf16 [8192, 8200], 1025 chunks on 1024 x 2,
-# 210 -> 165 us; [8192, 10240] (62% full) 216 -> 211; [8192, 12288] (75%) 236 -> 246 (v23, session 24).
+# Rows of several chunks a thread on 1024 threads (a power of two) whose chunks fill less than this share (%)
+# of the slots take rms_norm_bwd_reread instead (by element size): bf16 [8192, 8200], 1025 chunks on 1024 x 2,
+# 211 -> 169 us; [8192, 10240] (62% full) the same; [8192, 12288] (75%) 233 -> 246. On 512 threads as empty
+# (bf16 rows of 4104-4912, Gemma 2's 4608) it was 12-21% slower; fp32 4100 (512 x 4) 14% slower (v23b).
 STAGED_MIN_FILL_PCT = {2: 60, 4: 0}
 # The LEAN variant (shorter row chain, weights held) where a resident block walks at most this many rows,
 # by chunks a thread: one chunk 5-16% faster up to ~40 rows a block, 5% slower at 124 (session 19); 2
@@ -295,7 +296,7 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
     # (320 x 2) but -10% at fp32 [8192, 5120] (640 x 2, whose 3 stages leave one block an SM).
     per_thread = -(-chunks // slots)
     width = row_threads(per_thread) if slots == 1 else _next_pow2(per_thread)
-    if 100 * chunks < STAGED_MIN_FILL_PCT[itemsize] * slots * width:  # most slots empty: the reread kernel
+    if width == 1024 and 100 * chunks < STAGED_MIN_FILL_PCT[itemsize] * slots * width:  # mostly empty: reread
         return _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit, shifted)
     lean = lean and width <= STAGED_LEAN_MAX_THREADS[slots]
     flags = ", ".join("true" if f else "false" for f in (shifted, lean))

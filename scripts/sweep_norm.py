@@ -84,6 +84,9 @@ if "--two16" in sys.argv:  # aligned fp16/bf16 rows of 1025-2048 chunks: staged 
     SHAPES += [(4096, 12288, torch.bfloat16), (2048, 16384, torch.bfloat16), (8192, 12288, torch.float16),
                (4096, 8200, torch.bfloat16), (8192, 9216, torch.bfloat16), (8192, 4100, torch.float32),
                (8192, 8200, torch.float32), (8192, 5120, torch.float32)]
+if "--fill" in sys.argv:  # aligned fp16/bf16 rows under STAGED_MIN_FILL_PCT of 512 x 2 slots (Gemma 2 27B: 4608)
+    SHAPES = [(8192, 4608, torch.bfloat16), (4096, 4608, torch.bfloat16), (32768, 4608, torch.bfloat16),
+              (8192, 4104, torch.bfloat16), (8192, 4864, torch.float16), (8192, 8200, torch.bfloat16)]
 if "--oddpair" in sys.argv:  # odd rows next to aligned ones of the same width (both rms_norm_bwd_reread)
     SHAPES = [(4096, 16389, torch.bfloat16), (4096, 16392, torch.bfloat16), (2048, 28001, torch.bfloat16),
               (2048, 28008, torch.bfloat16), (8192, 8191, torch.bfloat16), (8192, 8200, torch.bfloat16),

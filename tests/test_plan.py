@@ -385,9 +385,10 @@ def test_rms_norm_backward_reread_plans():
     assert p.reread and p.block == (640, 1) and p.shared_mem == 160 * 1024 and p.name in names, p
     assert plan(16384).slots == 2 and not plan(16384).reread  # 1024 x 2 in registers
     # fp16/bf16 rows that would fill less than STAGED_MIN_FILL_PCT of 1024 x 2 slots: 8200 (1025 chunks, 50%)
-    # and 9216 (56%) take the reread kernel; 10240 (62%) stays.
+    # and 9216 (56%) take the reread kernel; 10240 (62%) stays, and so do 512-thread blocks as empty (4608).
     assert plan(8200).reread and plan(8200).block == (288, 1) and plan(9216).reread and not plan(10240).reread
     assert not plan(8200, "float32").reread  # fp32: 512 x 8 (measured faster than the reread kernel at 4100)
+    assert plan(4608).staged and plan(4608).block == (512, 1) and not plan(4608).reread  # 56% of 512 x 2: staged
     assert plan(16384, "float32").slots == 8 and not plan(16384, "float32").reread  # 512 x 8
     # A stage past shared memory (fp32 32768: 256 KiB; bf16 65536), a smaller GPU: rms_norm_bwd.
     for p in (plan(32768, "float32"), plan(65536), plan(32768, shared_limit=100 * 1024)):
