@@ -195,6 +195,11 @@ def _shifted_span(hidden: int, itemsize: int) -> int:
     return hidden + 16 // itemsize - 1
 
 
+def _row_chunks(hidden: int, itemsize: int, shifted: bool) -> int:
+    """16-byte chunks a row moves in (shifted: from the boundary before the row)."""
+    return -(-(_shifted_span(hidden, itemsize) if shifted else hidden) * itemsize // 16)
+
+
 def _chunks_span(hidden: int, itemsize: int, shifted: bool) -> int:
     """Elements a 16-byte row's chunks cover (shifted: from the boundary before the row), in whole chunks:
     a row of the row cache or of the shifted backward's shared dweight sums (the kernel's chunks_span)."""
@@ -284,7 +289,7 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
     itemsize = _arrays.ITEMSIZE[dtype]
     if hidden * itemsize < STAGED_MIN_ROW_BYTES:
         return None
-    chunks = -(-(_shifted_span(hidden, itemsize) if shifted else hidden) * itemsize // 16)
+    chunks = _row_chunks(hidden, itemsize, shifted)
     # One chunk a thread up to STAGED_ROW_THREADS, then 2 on up to 1024 threads (fp16/bf16), then 4 or 8.
     limits = {s: STAGED_ROW_THREADS if s == 1 else STAGED_MAX_THREADS[s] for s in STAGED_SLOTS[itemsize]}
     if shifted:
@@ -309,8 +314,7 @@ def _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False)
     a copy of the weight after the stages (from the block's shift: the chunks' span)."""
     itemsize = _arrays.ITEMSIZE[dtype]
     slots = REREAD_SLOTS[itemsize]
-    chunks = -(-(_shifted_span(hidden, itemsize) if shifted else hidden) * itemsize // 16)
-    width = row_threads(-(-chunks // slots))
+    width = row_threads(-(-_row_chunks(hidden, itemsize, shifted) // slots))
     if width > REREAD_MAX_THREADS:
         return None
     weight_bytes = _chunks_span(hidden, itemsize, True) * _arrays.ITEMSIZE[weight_dtype] if shifted else 0

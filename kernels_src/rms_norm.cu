@@ -791,6 +791,23 @@ __device__ __forceinline__ Pack<W, E> staged_weight(const NormBwdParams& p, cons
     return HOLD ? wv[HOLD ? i : 0] : load_weight<W, true, E>(p.weight, col);
 }
 
+// A staged kernel's dweight sums (none without a weight) into the block's partial row. SHIFT: float columns
+// off 16-byte boundaries, one by one. `hidden` as the kernel holds it (i64 or int: either kernel's SASS kept).
+template <bool SHIFT, int NPT, int E, typename I>
+__device__ __forceinline__ void store_staged_partial(const NormBwdParams& p, const Pack<float, E> (&dw)[NPT], int first,
+                                                     int lane, int step, I hidden) {
+    if (!p.weight) return;
+    float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        const int col = staged_column<SHIFT, E>(first, lane, i, step);
+        if (col < hidden) {
+            if constexpr (SHIFT) store_chunk<false, true, E>(my_partial, col, (int)hidden, dw[i]);
+            else store_pack<true, E>(my_partial + col, dw[i]);
+        }
+    }
+}
+
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN>
 __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
     constexpr int E = 16 / sizeof(T);
@@ -861,26 +878,18 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
         }
     }
     copy_async_wait<0>();  // no copy may outlive the block
-    if (!p.weight) return;
-    float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
-#pragma unroll
-    for (int i = 0; i < NPT; ++i) {  // SHIFT: float columns off 16-byte boundaries, one by one
-        const int col = staged_column<SHIFT, E>(first, lane, i, step);
-        if (col < p.hidden) {
-            if constexpr (SHIFT) store_chunk<false, true, E>(my_partial, col, hidden, dw[i]);
-            else store_pack<true, E>(my_partial + col, dw[i]);
-        }
-    }
+    store_staged_partial<SHIFT>(p, dw, first, lane, step, p.hidden);
 }
 
 // ------------------------------------------------------------------ backward, rows read twice from shared
 // Rows that rms_norm_bwd_staged cannot hold in registers with their dweight sums (aligned fp16/bf16 rows of
 // 16K-32K elements: 4 chunks a thread; fp32 of 16K-~29K: 8; SHIFT: odd ones from 512 chunks), on up to 1024
 // threads. One row per block and STAGES rows copied ahead (the planner's REREAD_STAGES: one; more measured
-// slower), as in rms_norm_bwd_staged (same stages, same copies), but the current row stays in its stage and is
-// read twice from it: for the row sums, then for dx; the stage is refilled after that. Registers hold only the dweight sums (a thread owns the same columns in
-// every row); the weight is loaded per row (L1). The row's chain is LEAN's (rsqrt, shuffle tree); a first
-// version inside the staged kernel, with its long chain, was 4-17% slower (docs/perf-notes.md v22).
+// slower), as in rms_norm_bwd_staged (same stages, same copies), but the current row stays in its stage and
+// is read twice from it: for the row sums, then for dx; the stage is refilled after that. Registers hold only
+// the dweight sums (a thread owns the same columns in every row); the weight is loaded per row (L1). The
+// row's chain is LEAN's (rsqrt, shuffle tree); a first version inside the staged kernel, with its long
+// chain, was 4-17% slower (docs/perf-notes.md v22).
 // SHIFT: every row of the block starts at the same offset from a 16-byte boundary (planner), and the weight is
 // copied once into shared memory after the stages, from that offset, so that each chunk's weights are one
 // aligned read there instead of E element loads from global memory (registers cannot hold them: spills).
@@ -960,7 +969,8 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
                 else
                     store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, unstage_chunk<SHIFT, T, E>(dy_slot, col, hidden),
                                                                          unstage_chunk<SHIFT, T, E>(x_slot, col, hidden),
-                                                                         load_weight<W, true, E>(p.weight, col), rstd, coef, dw[i]));
+                                                                         reread_weight<SHIFT, W, E>(p, shifted_weight, col, shift),
+                                                                         rstd, coef, dw[i]));
             }
         }
         // The shared reads above precede this refill in program order, and a copy's write lands only after
@@ -969,16 +979,7 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
         stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
     copy_async_wait<0>();  // no copy may outlive the block
-    if (!p.weight) return;
-    float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
-#pragma unroll
-    for (int i = 0; i < NPT; ++i) {  // SHIFT: float columns off 16-byte boundaries, one by one
-        const int col = staged_column<SHIFT, E>(first, lane, i, step);
-        if (col < hidden) {
-            if constexpr (SHIFT) store_chunk<false, true, E>(my_partial, col, hidden, dw[i]);
-            else store_pack<true, E>(my_partial + col, dw[i]);
-        }
-    }
+    store_staged_partial<SHIFT>(p, dw, first, lane, step, hidden);
 }
 
 struct DweightParams {  // mirrored by rmsnorm.py's _DW_TAIL

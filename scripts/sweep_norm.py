@@ -91,7 +91,7 @@ if "--oddpair" in sys.argv:  # odd rows next to aligned ones of the same width (
     SHAPES = [(4096, 16389, torch.bfloat16), (4096, 16392, torch.bfloat16), (2048, 28001, torch.bfloat16),
               (2048, 28008, torch.bfloat16), (8192, 8191, torch.bfloat16), (8192, 8200, torch.bfloat16),
               (4096, 16387, torch.float32), (4096, 16388, torch.float32)]
-elif "--odd" in sys.argv:  # rows read twice (v21): odd ones in shifted 16-byte chunks; aligned ones as before
+if "--odd" in sys.argv:  # rows read twice (v21): odd ones in shifted 16-byte chunks; aligned ones as before
     SHAPES = [(2048, 40001, torch.bfloat16), (2048, 36001, torch.float16), (2048, 33001, torch.float32),
               (8192, 8191, torch.bfloat16), (4096, 12289, torch.bfloat16), (2048, 20001, torch.bfloat16),
               (4096, 16387, torch.float32), (1024, 45001, torch.bfloat16)]
