@@ -1,6 +1,9 @@
 """Per-device facts the planners need (cached; read once per device)."""
 
+import ctypes
 import functools
+import sys
+
 from ._cupy import import_cupy
 
 
@@ -25,3 +28,34 @@ def resident_blocks(kernel, threads: int, shared_mem: int, device: int) -> int:
 
     with cupy.cuda.Device(device):
         return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, shared_mem))
+
+
+def runs_clusters(device: int) -> bool:
+    """Whether the device runs thread block clusters (compute capability 9.0 and newer)."""
+    return _properties(device)["major"] >= 9
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.cache
+def _libcuda():
+    return ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+
+
+def resident_clusters(kernel, cluster: int, threads: int, shared_mem: int, device: int) -> int:
+    """Clusters of ``cluster`` blocks of ``kernel`` (compiled with that cluster size) of ``threads`` threads the
+    device holds at once: cuOccupancyMaxActiveClusters (a cluster's blocks share a GPC, so there may be fewer
+    than SMs / cluster). CuPy has no binding for it. 0 where the driver cannot say or place one."""
+    cupy = import_cupy()
+    config = _LaunchConfig((cluster, 1, 1), (threads, 1, 1), shared_mem, None, None, 0)
+    count = ctypes.c_int(0)
+    try:
+        with cupy.cuda.Device(device):
+            status = _libcuda().cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(kernel.ptr),
+                                                             ctypes.byref(config))
+    except (OSError, AttributeError):  # no driver library, or one older than CUDA 12
+        return 0
+    return count.value if status == 0 else 0

@@ -8,7 +8,7 @@ from . import _arrays, _launch
 from ._arrays import (CTYPE, FLOAT_DTYPES, EmptyPlan, check_not_overlapping, describe, describe_optional, fingerprint,
                       fingerprint_optional)
 from ._compile import allow_shared_memory, get_kernel
-from ._device import resident_blocks, shared_optin, sm_count
+from ._device import resident_blocks, resident_clusters, runs_clusters, shared_optin, sm_count
 from ._layout import _merge
 
 SOURCE = "rms_norm.cu"
@@ -97,6 +97,9 @@ STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMax
 REREAD_SLOTS = {4: 8, 2: 4}
 REREAD_MAX_THREADS = 1024
 REREAD_STAGES = 1
+# Aligned backward rows too long for one block's shared memory: rms_norm_bwd_split on a cluster of this many
+# blocks (sm_90+; the first size whose parts rms_norm_bwd_reread holds; 8 is the portable cluster limit).
+SPLIT_SIZES = (2, 4, 8)
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -116,8 +119,8 @@ def _scalars(eps, offset, hidden) -> tuple[float, float, float]:
 
 class NormPlan:
     __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "small", "slots", "extents", "shared_mem",
-                 "shared_acc", "reread", "out_layouts", "launch", "dw_launch", "new_output", "new_rstd", "new_dx", "new_dweight",
-                 "new_partial")
+                 "shared_acc", "reread", "split", "out_layouts", "launch", "dw_launch", "new_output", "new_rstd", "new_dx",
+                 "new_dweight", "new_partial")
 
     def __init__(self, name, grid, block, vectorized, slots):
         self.name = name
@@ -129,6 +132,7 @@ class NormPlan:
         self.shared_acc = False  # backward: dynamic shared memory holds the rows slots' dweight sums
         self.staged = False
         self.reread = False  # backward: rms_norm_bwd_reread (staged too: one row a block, rows copied ahead)
+        self.split = 1  # backward: blocks a row is split over (a cluster: rms_norm_bwd_split)
         self.small = False  # forward: planned as a small input (FWD_SMALL_ELEMS_PER_THREAD)
 
     def __repr__(self):
@@ -327,6 +331,22 @@ def _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False)
     return plan
 
 
+def _plan_split(dtype, weight_dtype, rows, hidden, shared_limit):
+    """The plan of rms_norm_bwd_split: rms_norm_bwd_reread's plan for the longest part of a row split into
+    SPLIT_SIZES[k] parts of whole 16-byte chunks (the last may be shorter), on the fewest blocks that hold them;
+    its grid one cluster a row (cap_split_grid caps it). None where no cluster size does."""
+    elems = 16 // _arrays.ITEMSIZE[dtype]
+    for split in SPLIT_SIZES:
+        part = _plan_reread(dtype, weight_dtype, rows, -(-hidden // elems // split) * elems, shared_limit)
+        if part:
+            plan = NormPlan(f"cupyrope::rms_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {part.slots}, {split}>",
+                            rows * split, part.block, True, part.slots)
+            plan.staged = plan.reread = True
+            plan.shared_mem, plan.split = part.shared_mem, split
+            return plan
+    return None
+
+
 def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=None):
     """A plan of a staged kernel (one row per block, the next rows' dy and x in shared memory), `name` with
     `{stages}` where its stage count goes: about STAGED_LOOKAHEAD_BYTES of rows ahead, at most max_stages
@@ -343,8 +363,9 @@ def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=Non
 
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto",
-                  shared_limit=SHARED_OPTIN_LIMIT, lean=False) -> NormPlan:
-    """lean: a staged plan takes the LEAN variant (the caller decides, see lean_staged)."""
+                  shared_limit=SHARED_OPTIN_LIMIT, lean=False, clusters=False) -> NormPlan:
+    """lean: a staged plan takes the LEAN variant (the caller decides, see lean_staged). clusters: the GPU
+    runs thread block clusters (sm_90+), so aligned rows past rms_norm_bwd_reread may be split over one."""
     weight_dtype = weight.dtype if weight is not None else "float32"
     long_rows = hidden * _arrays.ITEMSIZE[x.dtype] >= LONG_ROW_BYTES
     elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD
@@ -355,8 +376,13 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     prefetches = plan.vectorized and plan.slots and _arrays.ITEMSIZE[x.dtype] == 4 and plan.slots * 4 <= 8
     if plan.vectorized and not prefetches:
         plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean) or plan
+    if clusters and plan.vectorized and not (plan.staged or plan.shifted or plan.slots):  # else read twice
+        plan = _plan_split(x.dtype, weight_dtype, rows, hidden, shared_limit) or plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
+    if plan.split > 1:  # one 1024-thread block an SM at most (the driver's count: cap_split_grid)
+        plan.grid = cap_split_grid(plan, n_sm // plan.split, rows)
+        return plan
     plan.grid = cap_grid(plan, n_sm * max(1, THREADS_PER_SM // threads), rows, x.dtype)
     if plan.staged:  # its shared memory is the stages; dweight sums stay in registers
         return plan
@@ -380,6 +406,11 @@ def lean_staged(plan, rows: int) -> bool:
     walking at most STAGED_LEAN_MAX_ROWS rows, on at most STAGED_LEAN_MAX_THREADS (by chunks a thread)."""
     return (plan.staged and not plan.reread and rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid
             and plan.block[0] <= STAGED_LEAN_MAX_THREADS[plan.slots])
+
+
+def cap_split_grid(plan, max_clusters: int, rows: int) -> int:
+    """A split plan's grid: one cluster a row, at most max_clusters (at least one), each of plan.split blocks."""
+    return plan.split * max(1, min(rows, max_clusters))
 
 
 def cap_grid(plan, max_blocks: int, rows: int, dtype) -> int:
@@ -418,9 +449,11 @@ def all_variants():
                     for shift, lean in itertools.product(shifts, leans):
                         yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
                                        f"{stages}, {shift}, {lean}>")
+            reread = f"{CTYPE[dtype]}, {CTYPE[weight]}, {REREAD_SLOTS[_arrays.ITEMSIZE[dtype]]}"
             for shift in ("false", "true"):
-                yield SOURCE, (f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight]}, "
-                               f"{REREAD_SLOTS[_arrays.ITEMSIZE[dtype]]}, {REREAD_STAGES}, {shift}>")
+                yield SOURCE, f"cupyrope::rms_norm_bwd_reread<{reread}, {REREAD_STAGES}, {shift}>"
+            for split in SPLIT_SIZES:
+                yield SOURCE, f"cupyrope::rms_norm_bwd_split<{reread}, {split}>"
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 
 
@@ -623,9 +656,14 @@ def _kernel(plan, device: int):
 
 
 def _resident_grid(plan, rows, xa):
-    """plan's kernel on x's device; the plan's grid becomes one wave: as many blocks as the SMs hold at
-    once (the planner's estimate counts threads only). More would only add dweight partials."""
+    """plan's kernel on x's device; the plan's grid becomes one wave: as many blocks (split plans: clusters) as
+    the SMs hold at once (the planner's estimate counts threads only). More would only add dweight partials, and
+    a cluster left for a second wave would double its rows' time. None where the driver cannot place a cluster."""
     kernel = _kernel(plan, xa.device)
+    if plan.split > 1:
+        clusters = resident_clusters(kernel, plan.split, plan.block[0], plan.shared_mem, xa.device)
+        plan.grid = cap_split_grid(plan, clusters, rows)
+        return kernel if clusters else None
     plan.grid = cap_grid(plan, _blocks_per_wave(kernel, plan, xa.device), rows, xa.dtype)
     return kernel
 
@@ -650,19 +688,23 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
         dxa = _arrays.contiguous_like(xa, xa.shape, xa.dtype)
         strides = _row_strides([da, xa, dxa], ["dy", "x", "dx"])
         planning = (da, xa, dxa, wa, strides, rows, hidden, sm_count(xa.device), impl, _shared_limit(xa.device))
-        plan = plan_backward(*planning)
+        plan = plan_backward(*planning, clusters=runs_clusters(xa.device))
         tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc),
                               *_scalars(eps, offset, hidden))
         kernel = _resident_grid(plan, rows, xa)
+        if kernel is None:  # no cluster fits: rows read twice
+            plan = plan_backward(*planning)
+            kernel = _resident_grid(plan, rows, xa)
         if lean_staged(plan, rows):  # decided on the default variant's resident grid
             plan = plan_backward(*planning, lean=True)
             kernel = _resident_grid(plan, rows, xa)
         plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
         if wa is not None:
+            partials = plan.grid // plan.split  # one partial row a block, or a cluster
             dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[wa.dtype]}>", xa.device)
             plan.dw_launch = _launch.Launch(dw_kernel, -(-hidden // 32), (32, DW_SPLIT), 2,
-                                            _DW_TAIL.pack(plan.grid, hidden), xa.device, xa.kind)
-            plan.new_partial = _arrays.allocator(xa, (plan.grid, hidden), "float32")
+                                            _DW_TAIL.pack(partials, hidden), xa.device, xa.kind)
+            plan.new_partial = _arrays.allocator(xa, (partials, hidden), "float32")
     else:
         plan = EmptyPlan()
     plan.new_dx = _arrays.allocator(xa, xa.shape, xa.dtype)

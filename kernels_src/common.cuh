@@ -155,6 +155,43 @@ __device__ __forceinline__ void copy_async_wait() {
 #endif
 }
 
+// Thread block clusters (sm_90+): a cluster's blocks run at the same time and can write each other's shared
+// memory. CLUSTER_DIMS(n) on a kernel groups its blocks n at a time along x at compile time, so a plain
+// cuLaunchKernel launches it; before sm_90 it is empty and such kernels trap (the planners never pick them).
+#if __CUDA_ARCH__ >= 900
+#define CUPYROPE_CLUSTERS 1
+#define CLUSTER_DIMS(n) __cluster_dims__(n, 1, 1)
+#else
+#define CUPYROPE_CLUSTERS 0
+#define CLUSTER_DIMS(n)
+#endif
+
+// Every thread of the cluster's blocks: what each wrote to shared memory (its own or a peer's) before is
+// visible to all after.
+__device__ __forceinline__ void cluster_sync() {
+#if CUPYROPE_CLUSTERS
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned rank = 0;
+#if CUPYROPE_CLUSTERS
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+#endif
+    return rank;
+}
+
+// v into the cluster block `rank`'s copy of the shared variable at `mine` (this block's address of it).
+__device__ __forceinline__ void store_shared_of_rank(float2* mine, unsigned rank, float2 v) {
+#if CUPYROPE_CLUSTERS
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(mine));
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(remote), "f"(v.x), "f"(v.y) : "memory");
+#endif
+}
+
 // N elements to and from fp32, through load_pack / store_pack (VEC: 16-byte accesses at a
 // pack-aligned address; otherwise element by element, valid at any element address).
 template <bool VEC, int N, typename T>

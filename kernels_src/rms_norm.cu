@@ -759,12 +759,12 @@ __device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged,
     copy_async_commit();
 }
 
-// The given rstd (p.rstd; 0 without) of the rows a block walks one at a time (blockIdx.x, + row_step, ...),
+// The given rstd (p.rstd; 0 without) of the rows a block walks one at a time (first_row, + row_step, ...),
 // each loaded a row ahead so that it is not on its row's critical path.
 struct RstdAhead {
     float next;
-    __device__ __forceinline__ explicit RstdAhead(const NormBwdParams& p)
-        : next(p.rstd && blockIdx.x < p.rows ? p.rstd[blockIdx.x] : 0.f) {}
+    __device__ __forceinline__ RstdAhead(const NormBwdParams& p, i64 first_row)
+        : next(p.rstd && first_row < p.rows ? p.rstd[first_row] : 0.f) {}
     __device__ __forceinline__ float take(const NormBwdParams& p, i64 row, i64 row_step) {  // once a row, in order
         const float current = next;
         if (p.rstd && row + row_step < p.rows) next = p.rstd[row + row_step];
@@ -791,13 +791,12 @@ __device__ __forceinline__ Pack<W, E> staged_weight(const NormBwdParams& p, cons
     return HOLD ? wv[HOLD ? i : 0] : load_weight<W, true, E>(p.weight, col);
 }
 
-// A staged kernel's dweight sums (none without a weight) into the block's partial row. SHIFT: float columns
-// off 16-byte boundaries, one by one. `hidden` as the kernel holds it (i64 or int: either kernel's SASS kept).
+// A staged kernel's dweight sums (none without a weight) into the block's partial row, my_partial. SHIFT: float
+// columns off 16-byte boundaries, one by one. `hidden` as the kernel holds it (i64 or int: either kernel's SASS kept).
 template <bool SHIFT, int NPT, int E, typename I>
-__device__ __forceinline__ void store_staged_partial(const NormBwdParams& p, const Pack<float, E> (&dw)[NPT], int first,
-                                                     int lane, int step, I hidden) {
+__device__ __forceinline__ void store_staged_partial(const NormBwdParams& p, float* my_partial, const Pack<float, E> (&dw)[NPT],
+                                                     int first, int lane, int step, I hidden) {
     if (!p.weight) return;
-    float* const my_partial = p.partial + (i64)blockIdx.x * p.hidden;
 #pragma unroll
     for (int i = 0; i < NPT; ++i) {
         const int col = staged_column<SHIFT, E>(first, lane, i, step);
@@ -833,7 +832,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, blockIdx.x + s * row_step, s, first);
-    RstdAhead given(p);
+    RstdAhead given(p, blockIdx.x);
     int stage = 0;
     // The loop bound is uniform across the block (one row per block; the reduction has barriers).
 #pragma unroll 1
@@ -878,7 +877,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
         }
     }
     copy_async_wait<0>();  // no copy may outlive the block
-    store_staged_partial<SHIFT>(p, dw, first, lane, step, p.hidden);
+    store_staged_partial<SHIFT>(p, p.partial + (i64)blockIdx.x * p.hidden, dw, first, lane, step, p.hidden);
 }
 
 // ------------------------------------------------------------------ backward, rows read twice from shared
@@ -893,6 +892,28 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 // SHIFT: every row of the block starts at the same offset from a 16-byte boundary (planner), and the weight is
 // copied once into shared memory after the stages, from that offset, so that each chunk's weights are one
 // aligned read there instead of E element loads from global memory (registers cannot hold them: spills).
+// The sums of a row split over the SPLIT blocks of a cluster (rms_norm_bwd_split), from each block's sums of its
+// part: every block writes its sums into slot [parity][its rank] of every block's shared memory, one cluster
+// barrier, then every block adds the SPLIT slots in rank order (the same floats in every block, every run). Two
+// slot sets by row parity: a block writes a set again (two rows on) only after the next row's barrier, which
+// its peers pass only after reading the set. SPLIT 1: the block's sums.
+template <int SPLIT>
+__device__ __forceinline__ float2 cluster_sum2(float2 sums, float2 (&slots)[2][SPLIT], int parity) {
+    if constexpr (SPLIT == 1) {
+        return sums;
+    } else {
+        if (threadIdx.x < SPLIT) store_shared_of_rank(&slots[parity][cluster_rank()], threadIdx.x, sums);
+        cluster_sync();
+        float2 total = slots[parity][0];
+#pragma unroll
+        for (int r = 1; r < SPLIT; ++r) {
+            total.x += slots[parity][r].x;
+            total.y += slots[parity][r].y;
+        }
+        return total;
+    }
+}
+
 #ifndef RMS_REREAD_SHIFT_WEIGHT_GLOBAL  // 1: SHIFT reads the weight element by element from global memory (13-29% slower)
 #define RMS_REREAD_SHIFT_WEIGHT_GLOBAL 0
 #endif
@@ -907,18 +928,22 @@ __device__ __forceinline__ Pack<W, E> reread_weight(const NormBwdParams& p, cons
     return load_weight<W, true, E>(p.weight, col);
 }
 
-template <typename T, typename W, int NPT, int STAGES, bool SHIFT>
-__global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdParams p) {
+// rms_norm_bwd_reread's rows (SPLIT 1), or rms_norm_bwd_split's (SPLIT > 1: a cluster's; p describes the block's
+// part of them, p.partial its part of the cluster's partial row; the row sums are added over the cluster).
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT, int SPLIT>
+__device__ __forceinline__ void reread_rows(const NormBwdParams& p) {
     constexpr int E = 16 / sizeof(T);
+    const i64 first_row = blockIdx.x / SPLIT, row_step = gridDim.x / SPLIT;
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
+    __shared__ float2 cluster_slots[2][SPLIT];  // SPLIT > 1: see cluster_sum2
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]; SHIFT: then the weight
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
-    const i64 row_step = gridDim.x;
-    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + (i64)blockIdx.x * p.x_stride);
+    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + first_row * p.x_stride);
     const int first = SHIFT ? lane * E - shift : 0;  // aligned rows: the expressions of v22 (same SASS)
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, blockIdx.x + s * row_step, s, first);
+    for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, first_row + s * row_step, s, first);
+    if constexpr (SPLIT > 1) cluster_sync();  // the cluster's blocks have all started: their shared memory is there
     // SHIFT: column c's weight at c + shift. A thread copies only its own chunks' weights, which only it reads
     // (no barrier), all loads at once (a block-strided loop over the row measured 4-8% slower).
     W* const shifted_weight = reinterpret_cast<W*>(staged + STAGES * 2 * NPT * width);
@@ -933,11 +958,12 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
     Pack<float, E> dw[NPT];
 #pragma unroll
     for (int i = 0; i < NPT; ++i) dw[i] = zeros<E>();
-    RstdAhead given(p);
-    int stage = 0;
-    // The loop bound is uniform across the block (one row per block; the reduction has barriers).
+    RstdAhead given(p, first_row);
+    int stage = 0, parity = 0;
+    // The loop bound is uniform across the block (one row per block; the reduction has barriers) and, SPLIT,
+    // across the cluster.
 #pragma unroll 1
-    for (i64 row = blockIdx.x; row < p.rows; row += row_step) {
+    for (i64 row = first_row; row < p.rows; row += row_step) {
         const float given_rstd = given.take(p, row, row_step);
         copy_async_wait<STAGES - 1>();  // this row's group is complete
         float sum_sq = 0.f, dot = 0.f;
@@ -949,7 +975,8 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
                                       unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden),
                                       reread_weight<SHIFT, W, E>(p, shifted_weight, col, shift), sum_sq, dot);
         }
-        const float2 sums = row_sum2(sum_sq, dot, width, scratch);
+        const float2 sums = cluster_sum2<SPLIT>(row_sum2(sum_sq, dot, width, scratch), cluster_slots, parity);
+        parity ^= 1;
         const float rstd = p.rstd ? given_rstd : inverse_rms(sums.x, p.inv_hidden, p.eps);
         const float coef = rstd * rstd * rstd * (sums.y * p.inv_hidden);
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
@@ -979,7 +1006,36 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
         stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
     copy_async_wait<0>();  // no copy may outlive the block
-    store_staged_partial<SHIFT>(p, dw, first, lane, step, hidden);
+    store_staged_partial<SHIFT>(p, SPLIT > 1 ? p.partial : p.partial + first_row * p.hidden, dw, first, lane, step, hidden);
+}
+
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT>
+__global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdParams p) {
+    reread_rows<T, W, NPT, STAGES, SHIFT, 1>(p);
+}
+
+// ----------------------------------------------------------------- backward, rows split over a cluster
+// Aligned rows too long for one block's shared memory (fp16/bf16 over 32K elements, fp32 over ~29K: the two-pass
+// loop of rms_norm_bwd read them twice from global memory) on a cluster of SPLIT blocks (sm_90+), each the
+// reread kernel on its part of every row: the block of rank r takes columns [r * part, (r + 1) * part), part =
+// the row's 16-byte chunks / SPLIT rounded up (the last part may be shorter), with one stage, and keeps its
+// dweight sums for those columns of the cluster's partial row. Only the two row sums cross blocks (cluster_sum2).
+template <typename T, typename W, int NPT, int SPLIT>
+__global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(1024, 1) rms_norm_bwd_split(const NormBwdParams p) {
+#if CUPYROPE_CLUSTERS
+    constexpr int E = 16 / sizeof(T);
+    const i64 part = (p.hidden / E + SPLIT - 1) / SPLIT * E, offset = cluster_rank() * part;
+    NormBwdParams mine = p;
+    mine.dy = static_cast<const T*>(p.dy) + offset;
+    mine.x = static_cast<const T*>(p.x) + offset;
+    mine.dx = static_cast<T*>(p.dx) + offset;
+    if (p.weight) mine.weight = static_cast<const W*>(p.weight) + offset;
+    mine.hidden = max(i64(0), min(part, p.hidden - offset));  // inv_hidden stays the whole row's
+    mine.partial = p.partial + blockIdx.x / SPLIT * p.hidden + offset;
+    reread_rows<T, W, NPT, 1, false, SPLIT>(mine);
+#else
+    __trap();  // no clusters before sm_90: the planner never launches it there
+#endif
 }
 
 struct DweightParams {  // mirrored by rmsnorm.py's _DW_TAIL

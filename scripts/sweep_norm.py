@@ -1,6 +1,6 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--bwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long|--odd|--oddbwd|--reread] [--half|--f32] SETTING ...
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--bwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long|--odd|--oddbwd|--reread|--split] [--half|--f32] [--plans] SETTING ...
 --add times fused_add_rms_norm (in place; no peers) instead of the forward and backward; --fwd and --bwd one of them.
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
 or entries of their tables, e.g. "FWD_MAX_SLOTS[True:2]=8", and NVRTC=... for kernel knobs of that
@@ -14,6 +14,7 @@ around an eager loop), as % of the copy bandwidth measured in the same run.
 
 import ast
 import os
+import re
 import sys
 
 import torch
@@ -79,6 +80,10 @@ if "--oddbwd" in sys.argv:  # odd backward rows past the staged kernel's one chu
                (2048, 28001, torch.bfloat16), (4096, 16389, torch.float16), (8192, 4099, torch.float32),
                (8192, 6151, torch.float32), (4096, 8191, torch.float32), (4096, 16387, torch.float32),
                (8192, 18432, torch.bfloat16)]
+if "--split" in sys.argv:  # aligned backward rows past one block's shared memory: a cluster's blocks (v24)
+    SHAPES = [(2048, 65536, torch.bfloat16), (4096, 40960, torch.bfloat16), (1024, 131072, torch.bfloat16),
+              (512, 262144, torch.bfloat16), (4096, 65536, torch.float16), (2048, 32768, torch.float32),
+              (4096, 40960, torch.float32), (1024, 65536, torch.float32), (8192, 32768, torch.bfloat16)]
 if "--two16" in sys.argv:  # aligned fp16/bf16 rows of 1025-2048 chunks: staged 2 x 1024 or reread
     SHAPES = [(8192, h, torch.bfloat16) for h in (8200, 10240, 12288, 14848, 16384)]
     SHAPES += [(4096, 12288, torch.bfloat16), (2048, 16384, torch.bfloat16), (8192, 12288, torch.float16),
@@ -120,7 +125,7 @@ def apply(setting):
     if setting == "old":  # the unstaged backward
         setting = "STAGED_MIN_ROW_BYTES=1000000000"
     options = DEFAULT_OPTIONS
-    for item in filter(None, setting.split(",")):
+    for item in filter(None, re.split(r",(?![^()]*\))", setting)):  # commas inside (...) belong to a tuple
         name, _, value = item.partition("=")
         if name == "NVRTC":  # NVRTC=-DKNOB=1 -DOTHER=2: kernel knobs for this setting only
             options = value
@@ -134,7 +139,7 @@ def apply(setting):
             table[keys if len(keys) > 1 else keys[0]] = int(value)
             setattr(rmsnorm, name, table)
         else:
-            setattr(rmsnorm, name, int(value))
+            setattr(rmsnorm, name, ast.literal_eval(value))  # an int, or a tuple: SPLIT_SIZES=(4, 8)
     if options != os.environ.get("CUPYROPE_EXTRA_NVRTC_OPTIONS", ""):
         os.environ["CUPYROPE_EXTRA_NVRTC_OPTIONS"] = options
         _compile._functions.clear()  # compiled again with the options (CuPy's disk cache keys on them)
@@ -224,6 +229,8 @@ def main():
                 results["fwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm(x, w, 1e-6)), copies))
             if "bwd" in ops:
                 results["bwd"].append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm_backward(dy, x, w)), copies))
+            if "--plans" in sys.argv:  # each setting's plans, for reading the table
+                print(f"  {setting or 'default'}: " + "; ".join(map(repr, rmsnorm._plans._plans.values())), flush=True)
         for fwd, bwd in peers().values() if with_peers else ():
             if "fwd" in ops:
                 results["fwd"].append(time_us(fwd, copies))

@@ -395,6 +395,34 @@ def test_rms_norm_backward_reread_plans():
         assert not p.staged and p.slots == 0 and p.name.startswith("cupyrope::rms_norm_bwd<"), p
 
 
+def test_rms_norm_backward_split_plans():
+    # Aligned rows past rms_norm_bwd_reread (v24): on a GPU with clusters, split over the fewest blocks (2, 4, 8)
+    # whose parts of whole 16-byte chunks (the last may be shorter) the reread kernel holds in one stage; the
+    # grid one cluster a row, at most the SMs' worth (one 1024-thread block an SM). Odd rows, rows the reread
+    # kernel holds, GPUs without clusters and rows past 8 parts keep their plans.
+    names = {name for _, name in rmsnorm.all_variants()}
+
+    def plan(hidden, dtype="bfloat16", weight="float32", rows=8192, ptr=BASE, clusters=True, **kw):
+        x = arr((rows, hidden), dtype, ptr=ptr)
+        return plan_backward(x, x, x, arr((hidden,), weight), (hidden,) * 3, rows, hidden, n_sm=132,
+                             clusters=clusters, **kw)
+
+    p = plan(65536)  # two parts of 32768: 1024 threads x 4 chunks, a 128 KiB stage each
+    assert p.split == 2 and p.name == "cupyrope::rms_norm_bwd_split<__nv_bfloat16, float, 4, 2>", p
+    assert p.block == (1024, 1) and p.shared_mem == 128 * 1024 and p.grid == 132 and p.reread and p.name in names
+    p = plan(40968, "float16", weight="float16")  # 5121 chunks: parts of 2561 and 2560, 672 threads x 4
+    assert p.split == 2 and p.block == (672, 1) and p.name in names, p
+    p = plan(32768, "float32")  # the reread kernel's stage would be 256 KiB: two parts of 16384, 512 x 8
+    assert p.split == 2 and p.block == (512, 1) and p.shared_mem == 128 * 1024 and p.name in names, p
+    p = plan(65544, "float32", rows=5)  # 16386 chunks: 2 parts of 8193 need 1025 threads; 4 parts of 4097
+    assert p.split == 4 and p.block == (544, 1) and p.grid == 4 * 5 and p.name in names, p
+    assert plan(131072).split == 4 and plan(262144).split == 8 and plan(262144).grid == 8 * 16
+    assert plan(32768).reread and plan(32768).split == 1  # one block holds it
+    assert plan(65536, clusters=False).slots == 0 and plan(65536, clusters=False).split == 1  # no clusters
+    for p in (plan(65539, ptr=BASE + 2), plan(524288), plan(65536, impl="scalar")):  # odd, past 8 parts, scalar
+        assert p.split == 1 and p.slots == 0 and p.name.startswith("cupyrope::rms_norm_bwd<"), p
+
+
 def test_rms_norm_backward_reread_plans_for_odd_rows():
     # Odd rows (SHIFT, v23) past the staged kernel's one chunk a thread (512 chunks): rms_norm_bwd_reread, the
     # stage sized on the chunks' span (from the 16-byte boundary before the row), then the weight copied from

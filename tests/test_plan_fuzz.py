@@ -34,6 +34,8 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(norm_module, "shared_optin", lambda device: SHARED_OPTIN)
     monkeypatch.setattr(norm_module, "allow_shared_memory", lambda *args: None)
     monkeypatch.setattr(norm_module, "_blocks_per_wave", lambda kernel, plan, device: 132 * 2)
+    monkeypatch.setattr(norm_module, "runs_clusters", lambda device: True)
+    monkeypatch.setattr(norm_module, "resident_clusters", lambda kernel, split, threads, shared, device: 132 // split)
     monkeypatch.setattr("cupyrope._launch._bind", lambda: None)
 
 

@@ -8,7 +8,7 @@ import pytest
 import cupyrope
 from cupyrope import _arrays, reference, rmsnorm
 from cupyrope.reference import ulp
-from helpers import (DTYPES, KINDS, assert_matches, poison, random_host, requires_gpu, requires_torch_cuda,
+from helpers import (DTYPES, KINDS, assert_matches, n_gpus, poison, random_host, requires_gpu, requires_torch_cuda,
                      to_device, to_host)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -257,6 +257,38 @@ def test_backward_reread_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad):
     plan = planned("bwd")
     assert plan.reread and plan.name.endswith(", 1, false>") and plan.grid < rows, plan
     assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype)
+    assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
+
+
+def runs_clusters() -> bool:
+    from cupyrope._device import runs_clusters
+
+    return n_gpus() > 0 and runs_clusters(0)
+
+
+# rms_norm_bwd_split (v24, sm_90+): aligned rows too long for one block's shared memory (fp16/bf16 over 32K
+# elements, fp32 over ~29K) split over a cluster of 2, 4 or 8 blocks, only the row sums crossing blocks: parts of
+# whole chunks and a shorter last one (40968, 65544), strided rows, more rows than clusters and fewer, a weight
+# in x's dtype, fp32 or none, given rstd; every row checked, dweight bitwise equal over two runs.
+@pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,hidden,rows,pad,weight_dtype,split", [
+    ("bfloat16", 65536, 301, 0, "float32", 2), ("float16", 40968, 70, 8, "float16", 2),
+    ("float32", 32768, 199, 4, "float32", 2), ("bfloat16", 131072, 40, 0, "bfloat16", 4),
+    ("float32", 65544, 150, 0, "float32", 4), ("bfloat16", 262144, 5, 8, "float32", 8)])
+def test_backward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad, weight_dtype, split):
+    fresh_plans(monkeypatch)
+    x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), weight_dtype, rng)
+    x = strided_rows(x_host, dtype, kind, pad) if pad else to_device(x_host, dtype, kind)
+    dy = strided_rows(dy_host, dtype, kind, pad) if pad else to_device(dy_host, dtype, kind)
+    w = to_device(w_host, weight_dtype, kind)
+    fill_next_allocation_with_nan((rows, hidden), dtype, kind)
+    dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
+    plan = planned("bwd")
+    assert plan.split == split and plan.name.startswith("cupyrope::rms_norm_bwd_split<"), plan
+    assert plan.grid % split == 0 and plan.grid // split <= rows, plan
+    assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
     assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
 
 
