@@ -97,9 +97,11 @@ STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMax
 REREAD_SLOTS = {4: 8, 2: 4}
 REREAD_MAX_THREADS = 1024
 REREAD_STAGES = 1
-# Aligned backward rows too long for one block's shared memory: rms_norm_bwd_split on a cluster of this many
-# blocks (sm_90+; the first size whose parts rms_norm_bwd_reread holds; 8 is the portable cluster limit).
+# Aligned rows too long for one block (forward: its registers; backward: its shared memory) split over a
+# cluster of this many blocks (sm_90+): rms_norm_fwd_split, rms_norm_bwd_split. The first size whose parts one
+# block holds; 8 is the portable cluster limit.
 SPLIT_SIZES = (2, 4, 8)
+FWD_SPLIT_SLOTS = (4, 8)  # register slots of the forward's parts (compiled variants; parts are long rows)
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -128,6 +130,7 @@ class NormPlan:
         self.block = block
         self.vectorized = vectorized
         self.slots = slots
+        self.shifted = False  # rows not 16-byte aligned, moved in 16-byte chunks all the same (SHIFT)
         self.shared_mem = 0
         self.shared_acc = False  # backward: dynamic shared memory holds the rows slots' dweight sums
         self.staged = False
@@ -242,8 +245,9 @@ def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_sl
     return plan
 
 
-def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto", elems=None) -> NormPlan:
-    """elems: elements a thread (default: the rule above)."""
+def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto", elems=None, clusters=False) -> NormPlan:
+    """elems: elements a thread (default: the rule above). clusters: the GPU runs thread block clusters (sm_90+),
+    so aligned rows past the registers may be split over one (_plan_forward_split)."""
     arrays = [x, y, residual, weight]
     add = "true" if residual is not None else "false"
     weight_dtype = weight.dtype if weight is not None else "float32"
@@ -261,8 +265,27 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     aligned_add = residual is not None and plan.vectorized and not plan.shifted
     if aligned_add and plan.slots > FWD_ADD_MAX_SLOTS[True, itemsize]:
         plan = plan_with(FWD_ADD_MAX_SLOTS)
+    if clusters and plan.vectorized and not (plan.shifted or plan.slots):  # else read twice
+        plan = _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden) or plan
     plan.small = small
     return plan
+
+
+def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden):
+    """The plan of rms_norm_fwd_split: plan_forward's for the longest part of a row split into SPLIT_SIZES[k]
+    parts of whole 16-byte chunks (the last may be shorter), on the fewest blocks whose registers hold them; one
+    cluster a row. None where no cluster size does."""
+    elems = 16 // _arrays.ITEMSIZE[x.dtype]
+    for split in SPLIT_SIZES:
+        part = plan_forward(x, y, residual, weight, row_strides, rows, -(-hidden // elems // split) * elems)
+        if part.slots in FWD_SPLIT_SLOTS and part.block[1] == 1:
+            weight_dtype = weight.dtype if weight is not None else "float32"
+            add = "true" if residual is not None else "false"
+            plan = NormPlan(f"cupyrope::rms_norm_fwd_split<{CTYPE[x.dtype]}, {CTYPE[weight_dtype]}, {part.slots}, "
+                            f"{add}, {split}>", rows * split, part.block, True, part.slots)
+            plan.split = split
+            return plan
+    return None
 
 
 def _blocks_per_wave(kernel, plan, device) -> int:
@@ -279,8 +302,8 @@ def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, i
     """plan_forward's plan, or the one with twice the elements a thread where that one takes a single
     wave of blocks instead of two (the second, partial wave costs a whole row's latency: bf16 [512, 8192]
     on an H100, 512 blocks of 512 threads at 3 an SM; 256 threads with 4 chunks fit 4 an SM)."""
-    plan = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl)
-    if plan.small or not plan.slots or _waves(plan, device) != 2:
+    plan = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl, clusters=runs_clusters(device))
+    if plan.small or not plan.slots or plan.split > 1 or _waves(plan, device) != 2:
         return plan
     wider = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl, elems=2 * FWD_ELEMS_PER_THREAD)
     return wider if wider.name != plan.name and wider.slots and _waves(wider, device) == 1 else plan
@@ -439,6 +462,11 @@ def all_variants():
                         for add in ("false", "true"):
                             for shift in shifts:
                                 yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, {add}, {shift}>"
+                            max_slots = (FWD_ADD_MAX_SLOTS if add == "true" else FWD_MAX_SLOTS)[size]
+                            if vec == "true" and slots in FWD_SPLIT_SLOTS and slots <= max_slots:
+                                for split in SPLIT_SIZES:
+                                    yield SOURCE, (f"cupyrope::rms_norm_fwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, "
+                                                   f"{slots}, {add}, {split}>")
                     if slots <= BWD_MAX_SLOTS[size]:
                         for shift in shifts:
                             yield SOURCE, f"cupyrope::rms_norm_bwd<{w}, {shift}>"

@@ -166,12 +166,24 @@ __device__ __forceinline__ void copy_async_wait() {
 #define CLUSTER_DIMS(n)
 #endif
 
-// Every thread of the cluster's blocks: what each wrote to shared memory (its own or a peer's) before is
-// visible to all after.
-__device__ __forceinline__ void cluster_sync() {
+// A cluster barrier for every thread of the cluster's blocks, in two halves: what a thread wrote to shared
+// memory (its block's or a peer's) before it arrives is visible to all threads of the cluster once they have
+// waited. A thread arrives, then waits, then may arrive again.
+__device__ __forceinline__ void cluster_arrive() {
 #if CUPYROPE_CLUSTERS
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 #endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if CUPYROPE_CLUSTERS
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    cluster_arrive();
+    cluster_wait();
 }
 
 __device__ __forceinline__ unsigned cluster_rank() {
@@ -182,14 +194,50 @@ __device__ __forceinline__ unsigned cluster_rank() {
     return rank;
 }
 
-// v into the cluster block `rank`'s copy of the shared variable at `mine` (this block's address of it).
-__device__ __forceinline__ void store_shared_of_rank(float2* mine, unsigned rank, float2 v) {
+// The address of the cluster block `rank`'s copy of the shared variable at `mine` (this block's address of it).
+__device__ __forceinline__ unsigned shared_of_rank(const void* mine, unsigned rank) {
+    unsigned remote = 0;
 #if CUPYROPE_CLUSTERS
     const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(mine));
-    unsigned remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(remote), "f"(v.x), "f"(v.y) : "memory");
 #endif
+    return remote;
+}
+
+// v into the cluster block `rank`'s copy of the shared variable at `mine`.
+__device__ __forceinline__ void store_shared_of_rank(float* mine, unsigned rank, float v) {
+#if CUPYROPE_CLUSTERS
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(shared_of_rank(mine, rank)), "f"(v) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void store_shared_of_rank(float2* mine, unsigned rank, float2 v) {
+#if CUPYROPE_CLUSTERS
+    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(shared_of_rank(mine, rank)), "f"(v.x), "f"(v.y)
+                 : "memory");
+#endif
+}
+
+__device__ __forceinline__ float add(float a, float b) { return a + b; }
+__device__ __forceinline__ float2 add(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
+
+// The sum over the SPLIT blocks of a cluster (each with a part of a row) of their `sums` (the same in all of a
+// block's threads; blocks of one row of threads): every block writes its sums into slot [its rank] of every
+// block's shared memory, one cluster barrier, then every block adds the SPLIT slots in rank order: the same
+// floats in every block, every run. The caller makes sure that every block has started (its shared memory
+// exists) before, and that no block writes `slots` again before all have read them. SPLIT 1: sums.
+template <int SPLIT, typename V>
+__device__ __forceinline__ V cluster_sum(V sums, V (&slots)[SPLIT]) {
+    if constexpr (SPLIT == 1) {
+        return sums;
+    } else {
+        if (threadIdx.x < SPLIT) store_shared_of_rank(&slots[cluster_rank()], threadIdx.x, sums);
+        cluster_sync();
+        V total = slots[0];
+#pragma unroll
+        for (int r = 1; r < SPLIT; ++r) total = add(total, slots[r]);
+        return total;
+    }
 }
 
 // N elements to and from fp32, through load_pack / store_pack (VEC: 16-byte accesses at a

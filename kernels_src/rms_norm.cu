@@ -263,12 +263,26 @@ struct FwdBounds {
         NPT == 1 ? RMS_FWD_MIN_BLOCKS_1 : NPT == 2 ? RMS_FWD_MIN_BLOCKS_2 : RMS_FWD_MIN_BLOCKS_4 / (wide ? 2 : 1);
 };
 
-template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
-__global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_blocks) rms_norm_fwd(const NormParams p) {
+// The sum of v over the row's threads and, SPLIT > 1 (rms_norm_fwd_split), over the cluster's blocks: each block
+// arrived at the cluster barrier when it started, so after waiting here all are there to be written to.
+template <int SPLIT>
+__device__ __forceinline__ float split_row_sum(float v, int width, float* scratch, float (&cluster_slots)[SPLIT]) {
+    const float block_sum = row_sum(v, width, scratch, true);
+    if constexpr (SPLIT > 1) cluster_wait();
+    return cluster_sum<SPLIT>(block_sum, cluster_slots);
+}
+
+// rms_norm_fwd's rows (SPLIT 1), or rms_norm_fwd_split's (SPLIT > 1: one row a cluster; p describes the block's
+// part of it, registers only).
+template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, int SPLIT>
+__device__ __forceinline__ void norm_rows(const NormParams& p) {
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
+    static_assert(SPLIT == 1 || (VEC && !SHIFT && NPT > 0), "SPLIT: aligned rows in registers");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     __shared__ float scratch[32];
-    const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    __shared__ float cluster_slots[SPLIT];  // SPLIT > 1: the row's sums of squares of the cluster's blocks
+    if constexpr (SPLIT > 1) cluster_arrive();  // this block has started (see split_row_sum)
+    const i64 row = (i64)(blockIdx.x / SPLIT) * blockDim.y + threadIdx.y;
     const bool active = row < p.rows;  // inactive threads still join the block reduction
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E;
@@ -309,7 +323,7 @@ __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_b
                 sum_sq += high * high;
             }
         }
-        const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
+        const float rstd = inverse_rms(split_row_sum<SPLIT>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
         if (!active) return;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
@@ -373,7 +387,7 @@ __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_b
                 for (int e = 0; e < E; ++e) sum_sq += as_float<BY_SHIFT>(v[i].v[e]) * as_float<BY_SHIFT>(v[i].v[e]);
             }
         }
-        const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
+        const float rstd = inverse_rms(split_row_sum<SPLIT>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
         if (!active) return;
         if constexpr (!EARLY && RMS_WEIGHT_BATCH) {
 #pragma unroll
@@ -456,6 +470,34 @@ __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_b
             }
         }
     }
+}
+
+template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
+__global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_blocks) rms_norm_fwd(const NormParams p) {
+    norm_rows<T, W, VEC, NPT, ADD, SHIFT, 1>(p);
+}
+
+// Aligned rows too long for one block's registers (fp16/bf16 over 32K elements, fp32 over 32K; the fused add's
+// over 16K: rms_norm_fwd reads them twice) on a cluster of SPLIT blocks (sm_90+), one row a cluster: the block
+// of rank r holds columns [r * part, (r + 1) * part) in registers, part = the row's 16-byte chunks / SPLIT
+// rounded up (the last part may be shorter); only the sum of squares crosses blocks. Rank 0 writes rstd.
+template <typename T, typename W, int NPT, bool ADD, int SPLIT>
+__global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_blocks)
+    rms_norm_fwd_split(const NormParams p) {
+#if CUPYROPE_CLUSTERS
+    constexpr int E = 16 / sizeof(T);
+    const i64 part = (p.hidden / E + SPLIT - 1) / SPLIT * E, offset = cluster_rank() * part;
+    NormParams mine = p;
+    mine.x = static_cast<const T*>(p.x) + offset;
+    mine.y = static_cast<T*>(p.y) + offset;
+    if (ADD) mine.residual = static_cast<T*>(p.residual) + offset;
+    if (p.weight) mine.weight = static_cast<const W*>(p.weight) + offset;
+    mine.hidden = max(i64(0), min(part, p.hidden - offset));  // inv_hidden stays the whole row's
+    if (offset) mine.rstd = nullptr;
+    norm_rows<T, W, true, NPT, ADD, false, SPLIT>(mine);
+#else
+    __trap();  // no clusters before sm_90: the planner never launches it there
+#endif
 }
 
 // ------------------------------------------------------------------------------------------ backward
@@ -892,28 +934,6 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 // SHIFT: every row of the block starts at the same offset from a 16-byte boundary (planner), and the weight is
 // copied once into shared memory after the stages, from that offset, so that each chunk's weights are one
 // aligned read there instead of E element loads from global memory (registers cannot hold them: spills).
-// The sums of a row split over the SPLIT blocks of a cluster (rms_norm_bwd_split), from each block's sums of its
-// part: every block writes its sums into slot [parity][its rank] of every block's shared memory, one cluster
-// barrier, then every block adds the SPLIT slots in rank order (the same floats in every block, every run). Two
-// slot sets by row parity: a block writes a set again (two rows on) only after the next row's barrier, which
-// its peers pass only after reading the set. SPLIT 1: the block's sums.
-template <int SPLIT>
-__device__ __forceinline__ float2 cluster_sum2(float2 sums, float2 (&slots)[2][SPLIT], int parity) {
-    if constexpr (SPLIT == 1) {
-        return sums;
-    } else {
-        if (threadIdx.x < SPLIT) store_shared_of_rank(&slots[parity][cluster_rank()], threadIdx.x, sums);
-        cluster_sync();
-        float2 total = slots[parity][0];
-#pragma unroll
-        for (int r = 1; r < SPLIT; ++r) {
-            total.x += slots[parity][r].x;
-            total.y += slots[parity][r].y;
-        }
-        return total;
-    }
-}
-
 #ifndef RMS_REREAD_SHIFT_WEIGHT_GLOBAL  // 1: SHIFT reads the weight element by element from global memory (13-29% slower)
 #define RMS_REREAD_SHIFT_WEIGHT_GLOBAL 0
 #endif
@@ -935,7 +955,7 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p) {
     constexpr int E = 16 / sizeof(T);
     const i64 first_row = blockIdx.x / SPLIT, row_step = gridDim.x / SPLIT;
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
-    __shared__ float2 cluster_slots[2][SPLIT];  // SPLIT > 1: see cluster_sum2
+    __shared__ float2 cluster_slots[2][SPLIT];  // SPLIT > 1: the row sums of the cluster's blocks (cluster_sum)
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]; SHIFT: then the weight
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
@@ -975,7 +995,9 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p) {
                                       unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden),
                                       reread_weight<SHIFT, W, E>(p, shifted_weight, col, shift), sum_sq, dot);
         }
-        const float2 sums = cluster_sum2<SPLIT>(row_sum2(sum_sq, dot, width, scratch), cluster_slots, parity);
+        // Two slot sets by row parity: a block writes a set again (two rows on) only after the next row's
+        // cluster barrier, which its peers pass only after reading the set.
+        const float2 sums = cluster_sum<SPLIT>(row_sum2(sum_sq, dot, width, scratch), cluster_slots[parity]);
         parity ^= 1;
         const float rstd = p.rstd ? given_rstd : inverse_rms(sums.x, p.inv_hidden, p.eps);
         const float coef = rstd * rstd * rstd * (sums.y * p.inv_hidden);
@@ -1019,7 +1041,7 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
 // loop of rms_norm_bwd read them twice from global memory) on a cluster of SPLIT blocks (sm_90+), each the
 // reread kernel on its part of every row: the block of rank r takes columns [r * part, (r + 1) * part), part =
 // the row's 16-byte chunks / SPLIT rounded up (the last part may be shorter), with one stage, and keeps its
-// dweight sums for those columns of the cluster's partial row. Only the two row sums cross blocks (cluster_sum2).
+// dweight sums for those columns of the cluster's partial row. Only the two row sums cross blocks (cluster_sum).
 template <typename T, typename W, int NPT, int SPLIT>
 __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(1024, 1) rms_norm_bwd_split(const NormBwdParams p) {
 #if CUPYROPE_CLUSTERS

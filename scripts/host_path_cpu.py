@@ -43,6 +43,7 @@ def stand_in_for_the_gpu():
     norm_module.allow_shared_memory = lambda *args: None
     norm_module._blocks_per_wave = lambda *args: 132 * 4
     norm_module._waves = lambda *args: 1
+    norm_module.runs_clusters = lambda device: True
     _launch._bind = lambda: None
     _launch._runtime = types.SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None)
     _launch._driver = types.SimpleNamespace(launchKernel=lambda *args: None, CUDADriverError=RuntimeError)

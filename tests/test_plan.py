@@ -274,6 +274,7 @@ def test_rms_norm_forward_takes_wider_threads_to_fit_one_wave(monkeypatch, rows,
 
     # An H100 (132 SMs) and the resident blocks its occupancy calculator gives for these variants.
     monkeypatch.setattr(rmsnorm, "sm_count", lambda device: 132)
+    monkeypatch.setattr(rmsnorm, "runs_clusters", lambda device: True)
     monkeypatch.setattr(rmsnorm, "get_kernel", lambda source, name, device: name)
     monkeypatch.setattr(rmsnorm, "resident_blocks", lambda name, threads, shared, device: 65536 // (
         threads * (40 if ", 2, " in name else 64)))
@@ -421,6 +422,34 @@ def test_rms_norm_backward_split_plans():
     assert plan(65536, clusters=False).slots == 0 and plan(65536, clusters=False).split == 1  # no clusters
     for p in (plan(65539, ptr=BASE + 2), plan(524288), plan(65536, impl="scalar")):  # odd, past 8 parts, scalar
         assert p.split == 1 and p.slots == 0 and p.name.startswith("cupyrope::rms_norm_bwd<"), p
+
+
+def test_rms_norm_forward_split_plans():
+    # Aligned forward rows past one block's registers (v24b): on a GPU with clusters, split over the fewest
+    # blocks (2, 4, 8) whose parts (whole 16-byte chunks, the last may be shorter) fit registers: 4 or 8 slots,
+    # one row a cluster. The fused add's registers hold less (512 x 4 fp16/bf16 chunks, 1024 x 4 fp32), so
+    # its rows split sooner and into more parts. Odd rows, rows in registers, no clusters: as before.
+    names = {name for _, name in rmsnorm.all_variants()}
+
+    def plan(hidden, dtype="bfloat16", add=False, rows=64, ptr=BASE, clusters=True):
+        x = arr((rows, hidden), dtype, ptr=ptr)
+        y = arr((rows, hidden), dtype, ptr=ptr + 2**32)
+        residual = arr((rows, hidden), dtype, ptr=ptr + 2**33) if add else None
+        return plan_forward(x, y, residual, arr((hidden,), "float32"), (hidden,) * 3, rows, hidden, clusters=clusters)
+
+    p = plan(65536)  # two parts of 32768: 1024 threads x 4 chunks
+    assert p.split == 2 and p.name == "cupyrope::rms_norm_fwd_split<__nv_bfloat16, float, 4, false, 2>", p
+    assert p.block == (1024, 1) and p.grid == 2 * 64 and p.name in names
+    p = plan(65536, add=True)  # the fused add: four parts of 16384, 512 x 4
+    assert p.split == 4 and p.block == (512, 1) and p.name == "cupyrope::rms_norm_fwd_split<__nv_bfloat16, float, 4, true, 4>"
+    assert plan(40968, "float16").split == 2 and plan(40968, "float16").block == (672, 1)  # parts of 2561, 2560 chunks: 4 a thread
+    p = plan(65544, "float32")  # 16386 chunks: 2 parts of 8193 pass 1024 x 8; 4 of 4097
+    assert p.split == 4 and p.slots == 8 and p.name in names, p
+    assert plan(65544, "float32", add=True).split == 8 and plan(24576, add=True).split == 2  # row cache before
+    assert plan(32768).split == 1 and plan(32768).slots == 4 and plan(16384, add=True).split == 1  # registers
+    assert plan(65536, clusters=False).split == 1 and plan(65536, clusters=False).slots == 0  # no clusters
+    assert plan(65539, ptr=BASE + 2).split == 1 and plan(65539, ptr=BASE + 2).shifted  # odd: shifted, read twice
+    assert plan(1 << 20).split == 1 and plan(1 << 20).slots == 0  # past 8 parts: read twice
 
 
 def test_rms_norm_backward_reread_plans_for_odd_rows():

@@ -180,6 +180,7 @@ def assert_runnable_norm(plan, arrays_):
               f"shifted {plan.shifted}")
     assert plan.name in VARIANTS, plan.name
     assert 1 <= plan.grid < 2**31 and 1 <= plan.block[0] * plan.block[1] <= 1024
+    assert plan.grid % plan.split == 0 and (plan.split == 1 or plan.block[1] == 1)  # whole clusters, one row a block
     assert plan.shared_mem <= SHARED_OPTIN - norm_module.STATIC_SHARED_BYTES
     if plan.vectorized and not plan.shifted:
         assert all(aligned_16(a) for a in arrays_ if a is not None)

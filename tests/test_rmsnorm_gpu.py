@@ -266,6 +266,41 @@ def runs_clusters() -> bool:
     return n_gpus() > 0 and runs_clusters(0)
 
 
+# rms_norm_fwd_split (v24b, sm_90+): aligned rows past one block's registers (fp16/bf16 and fp32 over 32K
+# elements; the fused add's over 16K) split over a cluster of 2, 4 or 8 blocks, one row a cluster: parts of
+# whole chunks and a shorter last one (40968, 32776), NaN around the rows (nothing outside written, nothing
+# outside summed), a weight in x's dtype, fp32 or none, rstd (rank 0 writes it); the fused add in place.
+@pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,hidden,rows,split,add_split", [
+    ("bfloat16", 65536, 33, 2, 4), ("float16", 40968, 20, 2, 4), ("float32", 65544, 17, 4, 8),
+    ("bfloat16", 131072, 9, 4, 8), ("float32", 32776, 40, 2, 4), ("bfloat16", 24576, 45, 1, 2)])
+def test_forward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, split, add_split):
+    x_host = random_host((rows, hidden), dtype, rng, scale=3.0)
+    _, x = unaligned_view(x_host, dtype, kind, 0, 8)
+    _, ref_rstd = reference.rms_norm(x_host, None, 1e-5, return_rstd=True)
+    for weight_dtype in (dtype, "float32", None):
+        fresh_plans(monkeypatch)
+        w_host = None if weight_dtype is None else random_host((hidden,), weight_dtype, rng)
+        w = None if weight_dtype is None else to_device(w_host, weight_dtype, kind)
+        out_buf, out = unaligned_view(np.full((rows, hidden), np.nan), dtype, kind, 0, 8)
+        y, rstd = cupyrope.rms_norm(x, w, 1e-5, offset=0.5, out=out, return_rstd=True)
+        assert planned("fwd").split == split, planned("fwd")
+        assert_matches(to_host(y), reference.rms_norm(x_host, w_host, 1e-5, 0.5), dtype, scale=3.0)
+        np.testing.assert_allclose(to_host(rstd), ref_rstd, rtol=2e-6)
+        assert np.isnan(outside_rows(out_buf, 0, hidden)).all(), "wrote outside"
+    r_host, w_host = random_host((rows, hidden), dtype, rng), random_host((hidden,), dtype, rng)
+    x_buf, x = unaligned_view(x_host, dtype, kind, 0, 8)
+    r_buf, r = unaligned_view(r_host, dtype, kind, 0, 8)
+    cupyrope.fused_add_rms_norm(x, r, to_device(w_host, dtype, kind), 1e-6)
+    assert planned("add").split == add_split, planned("add")
+    ref_y, ref_r = reference.fused_add_rms_norm(x_host, r_host, w_host, 1e-6, dtype=dtype)
+    np.testing.assert_array_equal(to_host(r), ref_r)
+    assert_matches(to_host(x), ref_y, dtype, scale=3.0)
+    for buf in (x_buf, r_buf):
+        assert np.isnan(outside_rows(buf, 0, hidden)).all(), "wrote outside"
+
+
 # rms_norm_bwd_split (v24, sm_90+): aligned rows too long for one block's shared memory (fp16/bf16 over 32K
 # elements, fp32 over ~29K) split over a cluster of 2, 4 or 8 blocks, only the row sums crossing blocks: parts of
 # whole chunks and a shorter last one (40968, 65544), strided rows, more rows than clusters and fewer, a weight
