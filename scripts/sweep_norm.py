@@ -81,10 +81,12 @@ if "--oddbwd" in sys.argv:  # odd backward rows past the staged kernel's one chu
                (2048, 28001, torch.bfloat16), (4096, 16389, torch.float16), (8192, 4099, torch.float32),
                (8192, 6151, torch.float32), (4096, 8191, torch.float32), (4096, 16387, torch.float32),
                (8192, 18432, torch.bfloat16)]
-if "--split" in sys.argv:  # aligned backward rows past one block's shared memory: a cluster's blocks (v24)
+if "--split" in sys.argv:  # aligned rows past one block (registers, shared memory): a cluster's blocks (v24)
     SHAPES = [(2048, 65536, torch.bfloat16), (4096, 40960, torch.bfloat16), (1024, 131072, torch.bfloat16),
               (512, 262144, torch.bfloat16), (4096, 65536, torch.float16), (2048, 32768, torch.float32),
               (4096, 40960, torch.float32), (1024, 65536, torch.float32), (8192, 32768, torch.bfloat16)]
+    if "--add" in sys.argv:  # the fused add splits rows from 16K elements (its registers hold less)
+        SHAPES += [(4096, 24576, torch.bfloat16), (4096, 20480, torch.float32), (8192, 16400, torch.bfloat16)]
 if "--two16" in sys.argv:  # aligned fp16/bf16 rows of 1025-2048 chunks: staged 2 x 1024 or reread
     SHAPES = [(8192, h, torch.bfloat16) for h in (8200, 10240, 12288, 14848, 16384)]
     SHAPES += [(4096, 12288, torch.bfloat16), (2048, 16384, torch.bfloat16), (8192, 12288, torch.float16),

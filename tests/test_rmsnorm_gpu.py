@@ -327,6 +327,24 @@ def test_backward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad, w
     assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
 
 
+# The aligned backward read twice from global memory (rms_norm_bwd's two-pass loop: GPUs without clusters, rows
+# past 8 parts); dweight sums by column in the block's partial row; every row checked, dweight bitwise equal.
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,hidden", [("bfloat16", 65536), ("float32", 40960)])
+def test_backward_two_pass_aligned_rows(rng, monkeypatch, kind, dtype, hidden):
+    fresh_plans(monkeypatch)
+    monkeypatch.setattr(rmsnorm, "SPLIT_SIZES", ())
+    rows = 150
+    x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), "float32", rng)
+    x, dy, w = to_device(x_host, dtype, kind), to_device(dy_host, dtype, kind), to_device(w_host, "float32", kind)
+    fill_next_allocation_with_nan((rows, hidden), dtype, kind)
+    dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
+    plan = planned("bwd")
+    assert plan.vectorized and not (plan.shifted or plan.staged or plan.slots) and plan.split == 1, plan
+    assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype)
+
+
 # rms_norm_bwd_reread of odd rows (SHIFT, v23: fp16/bf16 from ~4090 elements, fp32 from ~4095; up to what a
 # stage and the weight's copy hold): every row starts at another offset from a 16-byte boundary, a block's
 # rows share one (its grid step a multiple of E), and the weight waits in shared memory from that offset. NaN
@@ -515,6 +533,7 @@ def two_pass_cache_bytes(dtype, hidden, impl):
 def test_fused_add_row_cache(rng, monkeypatch, kind, dtype, hidden, start, impl, cache):
     fresh_plans(monkeypatch)
     monkeypatch.setattr(rmsnorm, "ROW_CACHE_MAX_BYTES", 136 * 1024 if cache else 0)
+    monkeypatch.setattr(rmsnorm, "SPLIT_SIZES", ())  # aligned rows: not split over a cluster (GPUs before sm_90)
     rows = 37
     x_host, r_host = random_host((rows, hidden), dtype, rng, scale=2.0), random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), "float32", rng)
@@ -582,6 +601,7 @@ def test_forward_wide_rows(rng, monkeypatch, kind, dtype, hidden, start, add, th
 @pytest.mark.parametrize("in_place", [False, True])
 def test_forward_two_pass_rows(rng, monkeypatch, kind, dtype, hidden, start, impl, in_place):
     fresh_plans(monkeypatch)
+    monkeypatch.setattr(rmsnorm, "SPLIT_SIZES", ())  # aligned rows: not split over a cluster (GPUs before sm_90)
     rows = 29
     x_host = random_host((rows, hidden), dtype, rng, scale=3.0)
     w_host = random_host((hidden,), dtype, rng)
