@@ -273,8 +273,8 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
 
 def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden):
     """The plan of rms_norm_fwd_split: plan_forward's for the longest part of a row split into SPLIT_SIZES[k]
-    parts of whole 16-byte chunks (the last may be shorter), on the fewest blocks whose registers hold them; one
-    cluster a row. None where no cluster size does."""
+    parts of whole 16-byte chunks (the last may be shorter), on the fewest blocks whose registers hold them; its
+    grid one cluster a row (plan_forward_for_device caps it). None where no cluster size does."""
     elems = 16 // _arrays.ITEMSIZE[x.dtype]
     for split in SPLIT_SIZES:
         part = plan_forward(x, y, residual, weight, row_strides, rows, -(-hidden // elems // split) * elems)
@@ -303,7 +303,14 @@ def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, i
     wave of blocks instead of two (the second, partial wave costs a whole row's latency: bf16 [512, 8192]
     on an H100, 512 blocks of 512 threads at 3 an SM; 256 threads with 4 chunks fit 4 an SM)."""
     plan = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl, clusters=runs_clusters(device))
-    if plan.small or not plan.slots or plan.split > 1 or _waves(plan, device) != 2:
+    if plan.split > 1:  # its clusters walk the rows: as many as the GPU holds at once
+        kernel = get_kernel(SOURCE, plan.name, device)
+        clusters = resident_clusters(kernel, plan.split, plan.block[0], plan.shared_mem, device)
+        if clusters:
+            plan.grid = cap_split_grid(plan, clusters, rows)
+            return plan
+        plan = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl)  # no cluster fits: read twice
+    if plan.small or not plan.slots or _waves(plan, device) != 2:
         return plan
     wider = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl, elems=2 * FWD_ELEMS_PER_THREAD)
     return wider if wider.name != plan.name and wider.slots and _waves(wider, device) == 1 else plan

@@ -166,24 +166,12 @@ __device__ __forceinline__ void copy_async_wait() {
 #define CLUSTER_DIMS(n)
 #endif
 
-// A cluster barrier for every thread of the cluster's blocks, in two halves: what a thread wrote to shared
-// memory (its block's or a peer's) before it arrives is visible to all threads of the cluster once they have
-// waited. A thread arrives, then waits, then may arrive again.
-__device__ __forceinline__ void cluster_arrive() {
-#if CUPYROPE_CLUSTERS
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void cluster_wait() {
-#if CUPYROPE_CLUSTERS
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
+// A cluster barrier for every thread of the cluster's blocks: what a thread wrote to shared memory (its block's
+// or a peer's) before it is visible to all threads of the cluster after it.
 __device__ __forceinline__ void cluster_sync() {
-    cluster_arrive();
-    cluster_wait();
+#if CUPYROPE_CLUSTERS
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ unsigned cluster_rank() {

@@ -263,26 +263,21 @@ struct FwdBounds {
         NPT == 1 ? RMS_FWD_MIN_BLOCKS_1 : NPT == 2 ? RMS_FWD_MIN_BLOCKS_2 : RMS_FWD_MIN_BLOCKS_4 / (wide ? 2 : 1);
 };
 
-// The sum of v over the row's threads and, SPLIT > 1 (rms_norm_fwd_split), over the cluster's blocks: each block
-// arrived at the cluster barrier when it started, so after waiting here all are there to be written to.
+// The sum of v over the row's threads and, SPLIT > 1 (rms_norm_fwd_split), over the cluster's blocks (the
+// scratch of one row and the next: the cluster barrier between them orders its reads before its writes).
 template <int SPLIT>
 __device__ __forceinline__ float split_row_sum(float v, int width, float* scratch, float (&cluster_slots)[SPLIT]) {
-    const float block_sum = row_sum(v, width, scratch, true);
-    if constexpr (SPLIT > 1) cluster_wait();
-    return cluster_sum<SPLIT>(block_sum, cluster_slots);
+    return cluster_sum<SPLIT>(row_sum(v, width, scratch, true), cluster_slots);
 }
 
-// rms_norm_fwd's rows (SPLIT 1), or rms_norm_fwd_split's (SPLIT > 1: one row a cluster; p describes the block's
-// part of it, registers only).
+// Row `row` of rms_norm_fwd (SPLIT 1; threadIdx.y's row of the block), or of rms_norm_fwd_split (SPLIT > 1: p
+// describes the block's part of the rows, in registers; cluster_slots: see there).
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, int SPLIT>
-__device__ __forceinline__ void norm_rows(const NormParams& p) {
+__device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&cluster_slots)[SPLIT]) {
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     static_assert(SPLIT == 1 || (VEC && !SHIFT && NPT > 0), "SPLIT: aligned rows in registers");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     __shared__ float scratch[32];
-    __shared__ float cluster_slots[SPLIT];  // SPLIT > 1: the row's sums of squares of the cluster's blocks
-    if constexpr (SPLIT > 1) cluster_arrive();  // this block has started (see split_row_sum)
-    const i64 row = (i64)(blockIdx.x / SPLIT) * blockDim.y + threadIdx.y;
     const bool active = row < p.rows;  // inactive threads still join the block reduction
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E;
@@ -474,13 +469,16 @@ __device__ __forceinline__ void norm_rows(const NormParams& p) {
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
 __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_blocks) rms_norm_fwd(const NormParams p) {
-    norm_rows<T, W, VEC, NPT, ADD, SHIFT, 1>(p);
+    float no_cluster[1];
+    norm_row<T, W, VEC, NPT, ADD, SHIFT, 1>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
 }
 
 // Aligned rows too long for one block's registers (fp16/bf16 over 32K elements, fp32 over 32K; the fused add's
-// over 16K: rms_norm_fwd reads them twice) on a cluster of SPLIT blocks (sm_90+), one row a cluster: the block
-// of rank r holds columns [r * part, (r + 1) * part) in registers, part = the row's 16-byte chunks / SPLIT
-// rounded up (the last part may be shorter); only the sum of squares crosses blocks. Rank 0 writes rstd.
+// over 16K: rms_norm_fwd reads them twice) on clusters of SPLIT blocks (sm_90+), each cluster walking rows
+// (cluster, + clusters, ...: the grid is what the GPU holds at once, as a cluster waits for SPLIT free SMs of
+// one GPC): the block of rank r holds columns [r * part, (r + 1) * part) of a row in registers, part = the
+// row's 16-byte chunks / SPLIT rounded up (the last part may be shorter); only the sum of squares crosses
+// blocks (cluster_sum: two slot sets by row parity, as in reread_rows). Rank 0 writes rstd.
 template <typename T, typename W, int NPT, bool ADD, int SPLIT>
 __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_blocks)
     rms_norm_fwd_split(const NormParams p) {
@@ -494,7 +492,12 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT>::threads, F
     if (p.weight) mine.weight = static_cast<const W*>(p.weight) + offset;
     mine.hidden = max(i64(0), min(part, p.hidden - offset));  // inv_hidden stays the whole row's
     if (offset) mine.rstd = nullptr;
-    norm_rows<T, W, true, NPT, ADD, false, SPLIT>(mine);
+    __shared__ float cluster_slots[2][SPLIT];
+    cluster_sync();  // the cluster's blocks have all started: their shared memory is there to be written to
+    int parity = 0;
+#pragma unroll 1
+    for (i64 row = blockIdx.x / SPLIT; row < p.rows; row += gridDim.x / SPLIT, parity ^= 1)
+        norm_row<T, W, true, NPT, ADD, false, SPLIT>(mine, row, cluster_slots[parity]);
 #else
     __trap();  // no clusters before sm_90: the planner never launches it there
 #endif
