@@ -101,7 +101,12 @@ REREAD_STAGES = 1
 # cluster of this many blocks (sm_90+): rms_norm_fwd_split, rms_norm_bwd_split. The first size whose parts one
 # block holds; 8 is the portable cluster limit.
 SPLIT_SIZES = (2, 4, 8)
-FWD_SPLIT_SLOTS = (4, 8)  # register slots of the forward's parts (compiled variants; parts are long rows)
+# The forward splits fp32 rows only, from 96 KiB: below, the two-pass loop's second read of a row mostly hits
+# the L2 (fp32 fused add [4096, 20480]: 96% of copy bandwidth read twice, 93% split); fp16/bf16 split measured
+# slower or little faster (bf16 [4096, 40960] 59-75% against 85%, [2048, 65536] 69-75% against 67%; the bf16
+# fused add's part spills). docs/perf-notes.md, v24b.
+FWD_SPLIT_ITEMSIZES = (4,)
+FWD_SPLIT_MIN_ROW_BYTES = 96 * 1024
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -265,7 +270,8 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     aligned_add = residual is not None and plan.vectorized and not plan.shifted
     if aligned_add and plan.slots > FWD_ADD_MAX_SLOTS[True, itemsize]:
         plan = plan_with(FWD_ADD_MAX_SLOTS)
-    if clusters and plan.vectorized and not (plan.shifted or plan.slots):  # else read twice
+    long_row = itemsize in FWD_SPLIT_ITEMSIZES and hidden * itemsize >= FWD_SPLIT_MIN_ROW_BYTES
+    if clusters and long_row and plan.vectorized and not (plan.shifted or plan.slots):  # else read twice
         plan = _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden) or plan
     plan.small = small
     return plan
@@ -278,7 +284,8 @@ def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden):
     elems = 16 // _arrays.ITEMSIZE[x.dtype]
     for split in SPLIT_SIZES:
         part = plan_forward(x, y, residual, weight, row_strides, rows, -(-hidden // elems // split) * elems)
-        if part.slots in FWD_SPLIT_SLOTS and part.block[1] == 1:
+        max_slots = (FWD_ADD_MAX_SLOTS if residual is not None else FWD_MAX_SLOTS)[True, _arrays.ITEMSIZE[x.dtype]]
+        if part.slots == max_slots and part.block[1] == 1:  # the compiled variants (see all_variants)
             weight_dtype = weight.dtype if weight is not None else "float32"
             add = "true" if residual is not None else "false"
             plan = NormPlan(f"cupyrope::rms_norm_fwd_split<{CTYPE[x.dtype]}, {CTYPE[weight_dtype]}, {part.slots}, "
@@ -470,7 +477,8 @@ def all_variants():
                             for shift in shifts:
                                 yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, {add}, {shift}>"
                             max_slots = (FWD_ADD_MAX_SLOTS if add == "true" else FWD_MAX_SLOTS)[size]
-                            if vec == "true" and slots in FWD_SPLIT_SLOTS and slots <= max_slots:
+                            splits = vec == "true" and _arrays.ITEMSIZE[dtype] in FWD_SPLIT_ITEMSIZES
+                            if splits and slots == max_slots:  # parts are long: past half the registers
                                 for split in SPLIT_SIZES:
                                     yield SOURCE, (f"cupyrope::rms_norm_fwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, "
                                                    f"{slots}, {add}, {split}>")

@@ -425,31 +425,31 @@ def test_rms_norm_backward_split_plans():
 
 
 def test_rms_norm_forward_split_plans():
-    # Aligned forward rows past one block's registers (v24b): on a GPU with clusters, split over the fewest
-    # blocks (2, 4, 8) whose parts (whole 16-byte chunks, the last may be shorter) fit registers: 4 or 8 slots,
-    # one row a cluster. The fused add's registers hold less (512 x 4 fp16/bf16 chunks, 1024 x 4 fp32), so
-    # its rows split sooner and into more parts. Odd rows, rows in registers, no clusters: as before.
+    # Aligned fp32 forward rows past one block's registers (v24b): on a GPU with clusters, split over the fewest
+    # blocks (2, 4, 8) whose parts (whole 16-byte chunks, the last may be shorter) fit registers (8 slots; the
+    # fused add's 4), from 96 KiB rows (the fused add's from 24576 elements; its 80 KiB rows stay read twice).
+    # fp16/bf16, odd rows, rows in registers, no clusters, past 8 parts: as before.
     names = {name for _, name in rmsnorm.all_variants()}
 
-    def plan(hidden, dtype="bfloat16", add=False, rows=64, ptr=BASE, clusters=True):
+    def plan(hidden, dtype="float32", add=False, rows=64, ptr=BASE, clusters=True):
         x = arr((rows, hidden), dtype, ptr=ptr)
         y = arr((rows, hidden), dtype, ptr=ptr + 2**32)
         residual = arr((rows, hidden), dtype, ptr=ptr + 2**33) if add else None
         return plan_forward(x, y, residual, arr((hidden,), "float32"), (hidden,) * 3, rows, hidden, clusters=clusters)
 
-    p = plan(65536)  # two parts of 32768: 1024 threads x 4 chunks
-    assert p.split == 2 and p.name == "cupyrope::rms_norm_fwd_split<__nv_bfloat16, float, 4, false, 2>", p
+    p = plan(65536)  # two parts of 32768: 1024 threads x 8 chunks
+    assert p.split == 2 and p.name == "cupyrope::rms_norm_fwd_split<float, float, 8, false, 2>", p
     assert p.block == (1024, 1) and p.grid == 2 * 64 and p.name in names
-    p = plan(65536, add=True)  # the fused add: four parts of 16384, 512 x 4
-    assert p.split == 4 and p.block == (512, 1) and p.name == "cupyrope::rms_norm_fwd_split<__nv_bfloat16, float, 4, true, 4>"
-    assert plan(40968, "float16").split == 2 and plan(40968, "float16").block == (672, 1)  # parts of 2561, 2560 chunks: 4 a thread
-    p = plan(65544, "float32")  # 16386 chunks: 2 parts of 8193 pass 1024 x 8; 4 of 4097
+    p = plan(65536, add=True)  # the fused add: 4 slots, four parts of 16384
+    assert p.split == 4 and p.block == (1024, 1) and p.name == "cupyrope::rms_norm_fwd_split<float, float, 4, true, 4>"
+    p = plan(65544)  # 16386 chunks: 2 parts of 8193 pass 1024 x 8; 4 of 4097 (the last 4095)
     assert p.split == 4 and p.slots == 8 and p.name in names, p
-    assert plan(65544, "float32", add=True).split == 8 and plan(24576, add=True).split == 2  # row cache before
-    assert plan(32768).split == 1 and plan(32768).slots == 4 and plan(16384, add=True).split == 1  # registers
-    assert plan(65536, clusters=False).split == 1 and plan(65536, clusters=False).slots == 0  # no clusters
-    assert plan(65539, ptr=BASE + 2).split == 1 and plan(65539, ptr=BASE + 2).shifted  # odd: shifted, read twice
-    assert plan(1 << 20).split == 1 and plan(1 << 20).slots == 0  # past 8 parts: read twice
+    assert plan(32776).split == 2 and plan(32776).block == (544, 1)  # 8194 chunks: parts of 4097
+    assert plan(24576, add=True).split == 2 and plan(20480, add=True).split == 1  # 96 KiB and 80 KiB rows
+    assert plan(32768).split == 1 and plan(32768).slots == 8 and plan(16384, add=True).slots == 4  # registers
+    for p in (plan(65536, "bfloat16"), plan(65536, "float16", add=True), plan(65536, clusters=False),
+              plan(1 << 20), plan(65539, ptr=BASE + 4)):  # fp16/bf16, no clusters, past 8 parts, odd
+        assert p.split == 1 and p.slots == 0, p
 
 
 def test_rms_norm_backward_reread_plans_for_odd_rows():
