@@ -140,7 +140,7 @@ class NormPlan:
         self.shared_acc = False  # backward: dynamic shared memory holds the rows slots' dweight sums
         self.staged = False
         self.reread = False  # backward: rms_norm_bwd_reread (staged too: one row a block, rows copied ahead)
-        self.split = 1  # backward: blocks a row is split over (a cluster: rms_norm_bwd_split)
+        self.split = 1  # blocks a row is split over (a cluster: rms_norm_fwd_split, rms_norm_bwd_split)
         self.small = False  # forward: planned as a small input (FWD_SMALL_ELEMS_PER_THREAD)
 
     def __repr__(self):
@@ -281,13 +281,14 @@ def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden):
     """The plan of rms_norm_fwd_split: plan_forward's for the longest part of a row split into SPLIT_SIZES[k]
     parts of whole 16-byte chunks (the last may be shorter), on the fewest blocks whose registers hold them; its
     grid one cluster a row (plan_forward_for_device caps it). None where no cluster size does."""
-    elems = 16 // _arrays.ITEMSIZE[x.dtype]
+    itemsize = _arrays.ITEMSIZE[x.dtype]
+    elems = 16 // itemsize
+    max_slots = (FWD_ADD_MAX_SLOTS if residual is not None else FWD_MAX_SLOTS)[True, itemsize]
+    weight_dtype = weight.dtype if weight is not None else "float32"
+    add = "true" if residual is not None else "false"
     for split in SPLIT_SIZES:
         part = plan_forward(x, y, residual, weight, row_strides, rows, -(-hidden // elems // split) * elems)
-        max_slots = (FWD_ADD_MAX_SLOTS if residual is not None else FWD_MAX_SLOTS)[True, _arrays.ITEMSIZE[x.dtype]]
         if part.slots == max_slots and part.block[1] == 1:  # the compiled variants (see all_variants)
-            weight_dtype = weight.dtype if weight is not None else "float32"
-            add = "true" if residual is not None else "false"
             plan = NormPlan(f"cupyrope::rms_norm_fwd_split<{CTYPE[x.dtype]}, {CTYPE[weight_dtype]}, {part.slots}, "
                             f"{add}, {split}>", rows * split, part.block, True, part.slots)
             plan.split = split
@@ -417,7 +418,7 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
         plan = _plan_split(x.dtype, weight_dtype, rows, hidden, shared_limit) or plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
-    if plan.split > 1:  # one 1024-thread block an SM at most (the driver's count: cap_split_grid)
+    if plan.split > 1:  # estimate: a block an SM (_resident_grid asks the driver)
         plan.grid = cap_split_grid(plan, n_sm // plan.split, rows)
         return plan
     plan.grid = cap_grid(plan, n_sm * max(1, THREADS_PER_SM // threads), rows, x.dtype)

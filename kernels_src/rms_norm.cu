@@ -469,12 +469,12 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
 __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_blocks) rms_norm_fwd(const NormParams p) {
-    float no_cluster[1];
+    float no_cluster[1];  // unused: one block sums its rows
     norm_row<T, W, VEC, NPT, ADD, SHIFT, 1>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
 }
 
-// Aligned rows too long for one block's registers (fp16/bf16 over 32K elements, fp32 over 32K; the fused add's
-// over 16K: rms_norm_fwd reads them twice) on clusters of SPLIT blocks (sm_90+), each cluster walking rows
+// Aligned rows too long for one block's registers, which rms_norm_fwd reads twice (the planner splits fp32 ones:
+// over 32768 elements, the fused add's from 24576; FWD_SPLIT_*) on clusters of SPLIT blocks (sm_90+), each walking rows
 // (cluster, + clusters, ...: the grid is what the GPU holds at once, as a cluster waits for SPLIT free SMs of
 // one GPC): the block of rank r holds columns [r * part, (r + 1) * part) of a row in registers, part = the
 // row's 16-byte chunks / SPLIT rounded up (the last part may be shorter); only the sum of squares crosses
