@@ -328,24 +328,6 @@ def test_backward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad, w
     assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
 
 
-# The aligned backward read twice from global memory (rms_norm_bwd's two-pass loop: GPUs without clusters, rows
-# past 8 parts); dweight sums by column in the block's partial row; every row checked, dweight bitwise equal.
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype,hidden", [("bfloat16", 65536), ("float32", 40960)])
-def test_backward_two_pass_aligned_rows(rng, monkeypatch, kind, dtype, hidden):
-    fresh_plans(monkeypatch)
-    monkeypatch.setattr(rmsnorm, "SPLIT_SIZES", ())
-    rows = 150
-    x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
-    w_host = random_host((hidden,), "float32", rng)
-    x, dy, w = to_device(x_host, dtype, kind), to_device(dy_host, dtype, kind), to_device(w_host, "float32", kind)
-    fill_next_allocation_with_nan((rows, hidden), dtype, kind)
-    dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
-    plan = planned("bwd")
-    assert plan.vectorized and not (plan.shifted or plan.staged or plan.slots) and plan.split == 1, plan
-    assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype)
-
-
 # rms_norm_bwd_reread of odd rows (SHIFT, v23: fp16/bf16 from ~4090 elements, fp32 from ~4095; up to what a
 # stage and the weight's copy hold): every row starts at another offset from a 16-byte boundary, a block's
 # rows share one (its grid step a multiple of E), and the weight waits in shared memory from that offset. NaN
@@ -619,17 +601,20 @@ def test_forward_two_pass_rows(rng, monkeypatch, kind, dtype, hidden, start, imp
     assert np.isnan(outside_rows(out_buf, start, hidden)).all(), "wrote outside"
 
 
-# The backward of odd rows read twice in shifted 16-byte chunks (v21; since v23 only rows past what
-# rms_norm_bwd_reread's stage and weight copy hold: fp16/bf16 over 28665 elements with an fp32 weight, over
-# 32761 otherwise, fp32 over 18941 on an H100): dweight sums in shared memory from the block's shift, or by
-# column in the block's partial row past 160 KiB (bf16 45001); more rows than blocks (a block's rows share one shift; the rows of a call
-# have every shift: contiguous, as dx is, whose rows must share dy's and x's offsets); every row checked;
-# dweight bitwise equal over two runs.
+# The backward of rows read twice from global memory (rms_norm_bwd's two-pass loop). Odd rows in shifted 16-byte
+# chunks (v21; since v23 only rows past what rms_norm_bwd_reread's stage and weight copy hold: fp16/bf16 over
+# 28665 elements with an fp32 weight, over 32761 otherwise, fp32 over 18941 on an H100); aligned rows past a
+# stage where no cluster splits them (GPUs before sm_90, rows past 8 parts; SPLIT_SIZES=() here). dweight sums
+# in shared memory (shifted: from the block's shift), or by column in the block's partial row past 160 KiB (bf16
+# 45001, 49152); more rows than blocks (a block's shifted rows share one shift; the rows of a call have every
+# shift: contiguous, as dx is, whose rows must share dy's and x's offsets); every row checked; dweight bitwise
+# equal over two runs.
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hidden", [("bfloat16", 30001), ("float16", 33001), ("float32", 20001),
-                                          ("bfloat16", 45001)])
-def test_backward_two_pass_shifted_rows(rng, monkeypatch, kind, dtype, hidden):
+                                          ("bfloat16", 45001), ("bfloat16", 49152), ("float32", 36864)])
+def test_backward_two_pass_rows(rng, monkeypatch, kind, dtype, hidden):
     fresh_plans(monkeypatch)
+    monkeypatch.setattr(rmsnorm, "SPLIT_SIZES", ())
     rows = 700
     x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), "float32", rng)
@@ -637,8 +622,10 @@ def test_backward_two_pass_shifted_rows(rng, monkeypatch, kind, dtype, hidden):
     fill_next_allocation_with_nan((rows, hidden), dtype, kind)
     dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
     plan = planned("bwd")
-    assert plan.shifted and plan.slots == 0 and plan.shared_acc == (hidden < 40000), plan
-    assert plan.grid < rows and plan.grid % (16 // _arrays.ITEMSIZE[dtype]) == 0, plan  # rows revisited
+    shifted = hidden * _arrays.ITEMSIZE[dtype] % 16 != 0
+    assert plan.vectorized and plan.shifted == shifted and not (plan.slots or plan.staged), plan
+    assert plan.shared_acc == (hidden < 40000), plan
+    assert plan.grid < rows and (not shifted or plan.grid % (16 // _arrays.ITEMSIZE[dtype]) == 0), plan
     assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype)
 
 
