@@ -101,11 +101,12 @@ REREAD_STAGES = 1
 # cluster of this many blocks (sm_90+): rms_norm_fwd_split, rms_norm_bwd_split. The first size whose parts one
 # block holds; 8 is the portable cluster limit.
 SPLIT_SIZES = (2, 4, 8)
-# The forward splits fp32 rows only, from 96 KiB: below, the two-pass loop's second read of a row mostly hits
-# the L2 (fp32 fused add [4096, 20480]: 96% of copy bandwidth read twice, 93% split); fp16/bf16 split measured
-# slower or little faster (bf16 [4096, 40960] 59-75% against 85%, [2048, 65536] 69-75% against 67%; the bf16
-# fused add's part spills). docs/perf-notes.md, v24b.
-FWD_SPLIT_ITEMSIZES = (4,)
+# The forward splits rows from 96 KiB: below, the two-pass loop's second read of a row mostly hits the L2 (its
+# ~528 rows in flight fit; fp32 fused add [4096, 20480]: 96% of copy bandwidth read twice, 93% split; bf16
+# [4096, 40960]: 85% against 59-75%). The fewest blocks a cluster by (fused add, element size); none: not split.
+# fp16/bf16 parts on 512 threads (4 blocks or more) measured faster than on 1024 (bf16 [2048, 65536]: 75%, 69%,
+# 67% read twice); the bf16 fused add's part spills, and the fp16 one gained 4% (not taken). docs/perf-notes.md, v24b.
+FWD_SPLIT_MIN_BLOCKS = {(False, 4): 2, (True, 4): 2, (False, 2): 4}
 FWD_SPLIT_MIN_ROW_BYTES = 96 * 1024
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
@@ -270,23 +271,23 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     aligned_add = residual is not None and plan.vectorized and not plan.shifted
     if aligned_add and plan.slots > FWD_ADD_MAX_SLOTS[True, itemsize]:
         plan = plan_with(FWD_ADD_MAX_SLOTS)
-    long_row = itemsize in FWD_SPLIT_ITEMSIZES and hidden * itemsize >= FWD_SPLIT_MIN_ROW_BYTES
-    if clusters and long_row and plan.vectorized and not (plan.shifted or plan.slots):  # else read twice
-        plan = _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden) or plan
+    min_blocks = FWD_SPLIT_MIN_BLOCKS.get(key) if hidden * itemsize >= FWD_SPLIT_MIN_ROW_BYTES else None
+    if clusters and min_blocks and plan.vectorized and not (plan.shifted or plan.slots):  # else read twice
+        plan = _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks) or plan
     plan.small = small
     return plan
 
 
-def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden):
+def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks):
     """The plan of rms_norm_fwd_split: plan_forward's for the longest part of a row split into SPLIT_SIZES[k]
-    parts of whole 16-byte chunks (the last may be shorter), on the fewest blocks whose registers hold them; its
-    grid one cluster a row (plan_forward_for_device caps it). None where no cluster size does."""
+    parts of whole 16-byte chunks (the last may be shorter), on the fewest blocks (at least min_blocks) whose
+    registers hold them; its grid one cluster a row (plan_forward_for_device caps it). None where none does."""
     itemsize = _arrays.ITEMSIZE[x.dtype]
     elems = 16 // itemsize
     max_slots = (FWD_ADD_MAX_SLOTS if residual is not None else FWD_MAX_SLOTS)[True, itemsize]
     weight_dtype = weight.dtype if weight is not None else "float32"
     add = "true" if residual is not None else "false"
-    for split in SPLIT_SIZES:
+    for split in (s for s in SPLIT_SIZES if s >= min_blocks):
         part = plan_forward(x, y, residual, weight, row_strides, rows, -(-hidden // elems // split) * elems)
         if part.slots == max_slots and part.block[1] == 1:  # the compiled variants (see all_variants)
             plan = NormPlan(f"cupyrope::rms_norm_fwd_split<{CTYPE[x.dtype]}, {CTYPE[weight_dtype]}, {part.slots}, "
@@ -478,9 +479,9 @@ def all_variants():
                             for shift in shifts:
                                 yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, {add}, {shift}>"
                             max_slots = (FWD_ADD_MAX_SLOTS if add == "true" else FWD_MAX_SLOTS)[size]
-                            splits = vec == "true" and _arrays.ITEMSIZE[dtype] in FWD_SPLIT_ITEMSIZES
-                            if splits and slots == max_slots:  # parts are long: past half the registers
-                                for split in SPLIT_SIZES:
+                            min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add == "true", size[1]))
+                            if vec == "true" and min_blocks and slots == max_slots:  # parts are long rows
+                                for split in (s for s in SPLIT_SIZES if s >= min_blocks):
                                     yield SOURCE, (f"cupyrope::rms_norm_fwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, "
                                                    f"{slots}, {add}, {split}>")
                     if slots <= BWD_MAX_SLOTS[size]:

@@ -84,7 +84,8 @@ if "--oddbwd" in sys.argv:  # odd backward rows past the staged kernel's one chu
 if "--split" in sys.argv:  # aligned rows past one block (registers, shared memory): a cluster's blocks (v24)
     SHAPES = [(2048, 65536, torch.bfloat16), (4096, 40960, torch.bfloat16), (1024, 131072, torch.bfloat16),
               (512, 262144, torch.bfloat16), (4096, 65536, torch.float16), (2048, 32768, torch.float32),
-              (4096, 40960, torch.float32), (1024, 65536, torch.float32), (8192, 32768, torch.bfloat16)]
+              (4096, 40960, torch.float32), (1024, 65536, torch.float32), (8192, 32768, torch.bfloat16),
+              (4096, 49152, torch.bfloat16)]
     if "--add" in sys.argv:  # the fused add splits rows from 16K elements (its registers hold less)
         SHAPES += [(4096, 24576, torch.bfloat16), (4096, 20480, torch.float32), (8192, 16400, torch.bfloat16)]
 if "--two16" in sys.argv:  # aligned fp16/bf16 rows of 1025-2048 chunks: staged 2 x 1024 or reread
