@@ -101,13 +101,15 @@ REREAD_STAGES = 1
 # cluster of this many blocks (sm_90+): rms_norm_fwd_split, rms_norm_bwd_split. The first size whose parts one
 # block holds; 8 is the portable cluster limit.
 SPLIT_SIZES = (2, 4, 8)
-# The forward splits rows from 96 KiB: below, the two-pass loop's second read of a row mostly hits the L2 (its
-# ~528 rows in flight fit; fp32 fused add [4096, 20480]: 96% of copy bandwidth read twice, 93% split; bf16
-# [4096, 40960]: 85% against 59-75%). The fewest blocks a cluster by (fused add, element size); none: not split.
-# fp16/bf16 parts on 512 threads (4 blocks or more) measured faster than on 1024 (bf16 [2048, 65536]: 75%, 69%,
-# 67% read twice); the bf16 fused add's part spills, and the fp16 one gained 4% (not taken). docs/perf-notes.md, v24b.
+# The forward splits rows from 128 KiB: below, the two-pass loop's second read of a row mostly hits the L2 (its
+# ~528 rows in flight about fit; read twice against split: fp32 fused add [4096, 20480] 96% against 93% of copy
+# bandwidth, bf16 [4096, 40960] 84% against 59-75%, [4096, 49152] 75% against 67%; at 128 KiB bf16 [2048, 65536]
+# 66% against 75%, the fp32 fused add [2048, 32768] 85% against 95%). The fewest blocks a cluster by (fused add,
+# element size); none: not split. fp16/bf16 parts on 512 threads (4 blocks or more) measured faster than on 1024
+# (bf16 [2048, 65536]: 75% against 69%); the bf16 fused add's part spills, and the fp16 one gained 4% (not
+# taken). docs/perf-notes.md, v24b.
 FWD_SPLIT_MIN_BLOCKS = {(False, 4): 2, (True, 4): 2, (False, 2): 4}
-FWD_SPLIT_MIN_ROW_BYTES = 96 * 1024
+FWD_SPLIT_MIN_ROW_BYTES = 128 * 1024
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path

@@ -425,10 +425,10 @@ def test_rms_norm_backward_split_plans():
 
 
 def test_rms_norm_forward_split_plans():
-    # Aligned forward rows past one block's registers (v24b), from 96 KiB: on a GPU with clusters, split over the
+    # Aligned forward rows past one block's registers (v24b), from 128 KiB: on a GPU with clusters, split over the
     # fewest blocks (2, 4, 8; fp16/bf16 at least 4) whose parts (whole 16-byte chunks, the last may be shorter)
-    # fit registers (fp32 8 slots, the fused add's 4; fp16/bf16 4). The fp16/bf16 fused add, rows under 96 KiB
-    # (the fp32 fused add's 80 KiB, bf16 40960), odd rows, rows in registers, no clusters, past 8 parts: as before.
+    # fit registers (fp32 8 slots, the fused add's 4; fp16/bf16 4). The fp16/bf16 fused add, rows under 128 KiB
+    # (the fp32 fused add's 96 KiB, bf16 49152), odd rows, rows in registers, no clusters, past 8 parts: as before.
     names = {name for _, name in rmsnorm.all_variants()}
 
     def plan(hidden, dtype="float32", add=False, rows=64, ptr=BASE, clusters=True):
@@ -445,16 +445,16 @@ def test_rms_norm_forward_split_plans():
     p = plan(65544)  # 16386 chunks: 2 parts of 8193 pass 1024 x 8; 4 of 4097 (the last 4095)
     assert p.split == 4 and p.slots == 8 and p.name in names, p
     assert plan(32776).split == 2 and plan(32776).block == (544, 1)  # 8194 chunks: parts of 4097
-    assert plan(24576, add=True).split == 2 and plan(20480, add=True).split == 1  # 96 KiB and 80 KiB rows
+    assert plan(32768, add=True).split == 2 and plan(24576, add=True).split == 1  # 128 KiB and 96 KiB rows
     p = plan(65536, "bfloat16")  # four parts of 16384: 512 threads x 4 (two would fit 1024 x 4)
     assert p.split == 4 and p.block == (512, 1) and p.name == "cupyrope::rms_norm_fwd_split<__nv_bfloat16, float, 4, false, 4>"
-    assert plan(49152, "float16").split == 4 and plan(49152, "float16").block == (384, 1)  # 96 KiB
+    assert plan(65544, "float16").split == 4 and plan(65544, "float16").block == (544, 1)  # parts of 2049 chunks
     assert plan(131072, "bfloat16").split == 4 and plan(262144, "bfloat16").split == 8  # parts of 32768
     assert plan(32768).split == 1 and plan(32768).slots == 8 and plan(16384, add=True).slots == 4  # registers
-    for p in (plan(40960, "bfloat16"), plan(65536, "bfloat16", add=True), plan(65536, clusters=False),
-              plan(1 << 20), plan(65539, ptr=BASE + 4)):  # 80 KiB, fp16/bf16 fused add, no clusters, past 8 parts, odd
+    for p in (plan(49152, "bfloat16"), plan(65536, "bfloat16", add=True), plan(65536, clusters=False),
+              plan(1 << 20), plan(65539, ptr=BASE + 4)):  # 96 KiB, fp16/bf16 fused add, no clusters, past 8 parts, odd
         assert p.split == 1 and p.slots == 0, p
-    assert all(p.name in names for p in (plan(49152, "float16"), plan(262144, "bfloat16")))
+    assert all(p.name in names for p in (plan(65544, "float16"), plan(262144, "bfloat16")))
 
 
 def test_rms_norm_backward_reread_plans_for_odd_rows():

@@ -266,17 +266,17 @@ def runs_clusters() -> bool:
     return n_gpus() > 0 and runs_clusters(0)
 
 
-# rms_norm_fwd_split (v24b, sm_90+): aligned rows past one block's registers from 96 KiB (fp32 over 32K elements,
-# the fp32 fused add's from 24K, fp16/bf16 from 48K) split over a cluster of 2, 4 or 8 blocks, the clusters
-# walking the rows (more rows than clusters: 300): parts of whole chunks and a shorter last one (65544, 32776,
-# 49160), NaN around the rows (nothing outside written, nothing outside summed), a weight in x's dtype, fp32 or
-# none, rstd (rank 0 writes it); the fused add in place. Rows that stay unsplit: the fp32 fused add of 80 KiB,
-# the fp16/bf16 fused add.
+# rms_norm_fwd_split (v24b, sm_90+): aligned rows past one block's registers from 128 KiB (fp32 over 32K elements,
+# the fp32 fused add's from 32K, fp16/bf16 from 64K) split over a cluster of 2, 4 or 8 blocks, the clusters
+# walking the rows (more rows than clusters: 300): parts of whole chunks and a shorter last one (65544, 32776),
+# NaN around the rows (nothing outside written, nothing outside summed), a weight in x's dtype, fp32 or none,
+# rstd (rank 0 writes it); the fused add in place. Rows that stay unsplit: the fp32 fused add of 96 KiB, the
+# fp16/bf16 fused add.
 @pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hidden,rows,split,add_split", [
-    ("float32", 65544, 17, 4, 8), ("float32", 32776, 300, 2, 4), ("float32", 24576, 45, 1, 2),
-    ("float32", 20480, 9, 1, 1), ("bfloat16", 65536, 9, 4, 1), ("float16", 49160, 300, 4, 1),
+    ("float32", 65544, 17, 4, 8), ("float32", 32776, 300, 2, 4), ("float32", 32768, 45, 1, 2),
+    ("float32", 24576, 9, 1, 1), ("bfloat16", 65536, 9, 4, 1), ("float16", 65544, 300, 4, 1),
     ("bfloat16", 262144, 5, 8, 1)])
 def test_forward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, split, add_split):
     x_host = random_host((rows, hidden), dtype, rng, scale=3.0)
