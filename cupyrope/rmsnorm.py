@@ -280,17 +280,23 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     return plan
 
 
-def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks):
-    """The plan of rms_norm_fwd_split: plan_forward's for the longest part of a row split into SPLIT_SIZES[k]
-    parts of whole 16-byte chunks (the last may be shorter), on the fewest blocks (at least min_blocks) whose
-    registers hold them; its grid one cluster a row (plan_forward_for_device caps it). None where none does."""
-    itemsize = _arrays.ITEMSIZE[x.dtype]
+def _split_parts(hidden: int, itemsize: int, min_blocks: int = 1):
+    """(blocks, longest part) for each cluster size of SPLIT_SIZES from min_blocks: a row split into parts of whole
+    16-byte chunks, the last one shorter (the kernels' cluster_part)."""
     elems = 16 // itemsize
+    return [(split, -(-hidden // elems // split) * elems) for split in SPLIT_SIZES if split >= min_blocks]
+
+
+def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks):
+    """The plan of rms_norm_fwd_split: plan_forward's for the longest part of a row split over the fewest blocks
+    (at least min_blocks) whose registers hold the parts (_split_parts); its grid one cluster a row
+    (plan_forward_for_device caps it). None where no cluster size does."""
+    itemsize = _arrays.ITEMSIZE[x.dtype]
     max_slots = (FWD_ADD_MAX_SLOTS if residual is not None else FWD_MAX_SLOTS)[True, itemsize]
     weight_dtype = weight.dtype if weight is not None else "float32"
     add = "true" if residual is not None else "false"
-    for split in (s for s in SPLIT_SIZES if s >= min_blocks):
-        part = plan_forward(x, y, residual, weight, row_strides, rows, -(-hidden // elems // split) * elems)
+    for split, length in _split_parts(hidden, itemsize, min_blocks):
+        part = plan_forward(x, y, residual, weight, row_strides, rows, length)
         if part.slots == max_slots and part.block[1] == 1:  # the compiled variants (see all_variants)
             plan = NormPlan(f"cupyrope::rms_norm_fwd_split<{CTYPE[x.dtype]}, {CTYPE[weight_dtype]}, {part.slots}, "
                             f"{add}, {split}>", rows * split, part.block, True, part.slots)
@@ -314,11 +320,8 @@ def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, i
     wave of blocks instead of two (the second, partial wave costs a whole row's latency: bf16 [512, 8192]
     on an H100, 512 blocks of 512 threads at 3 an SM; 256 threads with 4 chunks fit 4 an SM)."""
     plan = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl, clusters=runs_clusters(device))
-    if plan.split > 1:  # its clusters walk the rows: as many as the GPU holds at once
-        kernel = get_kernel(SOURCE, plan.name, device)
-        clusters = resident_clusters(kernel, plan.split, plan.block[0], plan.shared_mem, device)
-        if clusters:
-            plan.grid = cap_split_grid(plan, clusters, rows)
+    if plan.split > 1:
+        if _fit_clusters(plan, get_kernel(SOURCE, plan.name, device), rows, device):
             return plan
         plan = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl)  # no cluster fits: read twice
     if plan.small or not plan.slots or _waves(plan, device) != 2:
@@ -372,13 +375,12 @@ def _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False)
     return plan
 
 
-def _plan_split(dtype, weight_dtype, rows, hidden, shared_limit):
-    """The plan of rms_norm_bwd_split: rms_norm_bwd_reread's plan for the longest part of a row split into
-    SPLIT_SIZES[k] parts of whole 16-byte chunks (the last may be shorter), on the fewest blocks that hold them;
-    its grid one cluster a row (cap_split_grid caps it). None where no cluster size does."""
-    elems = 16 // _arrays.ITEMSIZE[dtype]
-    for split in SPLIT_SIZES:
-        part = _plan_reread(dtype, weight_dtype, rows, -(-hidden // elems // split) * elems, shared_limit)
+def _plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit):
+    """The plan of rms_norm_bwd_split: rms_norm_bwd_reread's plan for the longest part of a row split over the
+    fewest blocks that hold the parts (_split_parts); its grid one cluster a row (cap_split_grid caps it). None
+    where no cluster size does."""
+    for split, length in _split_parts(hidden, _arrays.ITEMSIZE[dtype]):
+        part = _plan_reread(dtype, weight_dtype, rows, length, shared_limit)
         if part:
             plan = NormPlan(f"cupyrope::rms_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {part.slots}, {split}>",
                             rows * split, part.block, True, part.slots)
@@ -418,7 +420,7 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     if plan.vectorized and not prefetches:
         plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean) or plan
     if clusters and plan.vectorized and not (plan.staged or plan.shifted or plan.slots):  # else read twice
-        plan = _plan_split(x.dtype, weight_dtype, rows, hidden, shared_limit) or plan
+        plan = _plan_backward_split(x.dtype, weight_dtype, rows, hidden, shared_limit) or plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     if plan.split > 1:  # estimate: a block an SM (_resident_grid asks the driver)
@@ -452,6 +454,14 @@ def lean_staged(plan, rows: int) -> bool:
 def cap_split_grid(plan, max_clusters: int, rows: int) -> int:
     """A split plan's grid: one cluster a row, at most max_clusters (at least one), each of plan.split blocks."""
     return plan.split * max(1, min(rows, max_clusters))
+
+
+def _fit_clusters(plan, kernel, rows: int, device: int) -> bool:
+    """A split plan's grid becomes the clusters the GPU holds at once: its clusters walk the rows, and one left
+    for a second wave would double its rows' time. False where the driver cannot place a cluster."""
+    clusters = resident_clusters(kernel, plan.split, plan.block[0], plan.shared_mem, device)
+    plan.grid = cap_split_grid(plan, clusters, rows)
+    return clusters > 0
 
 
 def cap_grid(plan, max_blocks: int, rows: int, dtype) -> int:
@@ -703,14 +713,12 @@ def _kernel(plan, device: int):
 
 
 def _resident_grid(plan, rows, xa):
-    """plan's kernel on x's device; the plan's grid becomes one wave: as many blocks (split plans: clusters) as
-    the SMs hold at once (the planner's estimate counts threads only). More would only add dweight partials, and
-    a cluster left for a second wave would double its rows' time. None where the driver cannot place a cluster."""
+    """plan's kernel on x's device; the plan's grid becomes one wave: as many blocks (split plans: clusters,
+    _fit_clusters) as the SMs hold at once (the planner's estimate counts threads only). More would only add
+    dweight partials. None where the driver cannot place a cluster."""
     kernel = _kernel(plan, xa.device)
     if plan.split > 1:
-        clusters = resident_clusters(kernel, plan.split, plan.block[0], plan.shared_mem, xa.device)
-        plan.grid = cap_split_grid(plan, clusters, rows)
-        return kernel if clusters else None
+        return kernel if _fit_clusters(plan, kernel, rows, xa.device) else None
     plan.grid = cap_grid(plan, _blocks_per_wave(kernel, plan, xa.device), rows, xa.dtype)
     return kernel
 

@@ -213,7 +213,8 @@ __device__ __forceinline__ float2 add(float2 a, float2 b) { return make_float2(a
 // block's threads; blocks of one row of threads): every block writes its sums into slot [its rank] of every
 // block's shared memory, one cluster barrier, then every block adds the SPLIT slots in rank order: the same
 // floats in every block, every run. The caller makes sure that every block has started (its shared memory
-// exists) before, and that no block writes `slots` again before all have read them. SPLIT 1: sums.
+// exists) before, and that no block writes `slots` again before all have read them. SPLIT 1: sums. (Slots by
+// reference, not pointer: as a pointer, the fp32 fused add's split compiled to 8 more instructions.)
 template <int SPLIT, typename V>
 __device__ __forceinline__ V cluster_sum(V sums, V (&slots)[SPLIT]) {
     if constexpr (SPLIT == 1) {
@@ -226,6 +227,16 @@ __device__ __forceinline__ V cluster_sum(V sums, V (&slots)[SPLIT]) {
         for (int r = 1; r < SPLIT; ++r) total = add(total, slots[r]);
         return total;
     }
+}
+
+// The columns of a row that the block of this cluster rank holds when the SPLIT blocks split it (rms_norm_fwd_split,
+// rms_norm_bwd_split): whole E-element chunks, hidden / E / SPLIT of them rounded up, the last part shorter (or
+// empty). Returns its length; `offset` gets its first column.
+template <int E, int SPLIT>
+__device__ __forceinline__ i64 cluster_part(i64 hidden, i64& offset) {
+    const i64 part = (hidden / E + SPLIT - 1) / SPLIT * E;
+    offset = cluster_rank() * part;
+    return max(i64(0), min(part, hidden - offset));
 }
 
 // N elements to and from fp32, through load_pack / store_pack (VEC: 16-byte accesses at a

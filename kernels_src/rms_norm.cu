@@ -483,14 +483,14 @@ template <typename T, typename W, int NPT, bool ADD, int SPLIT>
 __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_blocks)
     rms_norm_fwd_split(const NormParams p) {
 #if CUPYROPE_CLUSTERS
-    constexpr int E = 16 / sizeof(T);
-    const i64 part = (p.hidden / E + SPLIT - 1) / SPLIT * E, offset = cluster_rank() * part;
-    NormParams mine = p;
+    i64 offset;
+    const i64 length = cluster_part<16 / sizeof(T), SPLIT>(p.hidden, offset);
+    NormParams mine = p;  // the block's part of the rows; inv_hidden stays the whole row's
     mine.x = static_cast<const T*>(p.x) + offset;
     mine.y = static_cast<T*>(p.y) + offset;
     if (ADD) mine.residual = static_cast<T*>(p.residual) + offset;
     if (p.weight) mine.weight = static_cast<const W*>(p.weight) + offset;
-    mine.hidden = max(i64(0), min(part, p.hidden - offset));  // inv_hidden stays the whole row's
+    mine.hidden = length;
     if (offset) mine.rstd = nullptr;
     __shared__ float cluster_slots[2][SPLIT];
     cluster_sync();  // the cluster's blocks have all started: their shared memory is there to be written to
@@ -1048,14 +1048,14 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
 template <typename T, typename W, int NPT, int SPLIT>
 __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(1024, 1) rms_norm_bwd_split(const NormBwdParams p) {
 #if CUPYROPE_CLUSTERS
-    constexpr int E = 16 / sizeof(T);
-    const i64 part = (p.hidden / E + SPLIT - 1) / SPLIT * E, offset = cluster_rank() * part;
-    NormBwdParams mine = p;
+    i64 offset;
+    const i64 length = cluster_part<16 / sizeof(T), SPLIT>(p.hidden, offset);
+    NormBwdParams mine = p;  // the block's part of the rows; inv_hidden stays the whole row's
     mine.dy = static_cast<const T*>(p.dy) + offset;
     mine.x = static_cast<const T*>(p.x) + offset;
     mine.dx = static_cast<T*>(p.dx) + offset;
     if (p.weight) mine.weight = static_cast<const W*>(p.weight) + offset;
-    mine.hidden = max(i64(0), min(part, p.hidden - offset));  // inv_hidden stays the whole row's
+    mine.hidden = length;
     mine.partial = p.partial + blockIdx.x / SPLIT * p.hidden + offset;
     reread_rows<T, W, NPT, 1, false, SPLIT>(mine);
 #else
