@@ -109,7 +109,7 @@ SPLIT_SIZES = (2, 4, 8)
 # (bf16 [2048, 65536]: 75% against 69%); the bf16 fused add's part spills, and the fp16 one gained 4% (not
 # taken). docs/perf-notes.md, v24b.
 FWD_SPLIT_MIN_BLOCKS = {(False, 4): 2, (True, 4): 2, (False, 2): 4}
-FWD_SPLIT_MIN_ROW_BYTES = 128 * 1024
+FWD_SPLIT_MIN_ROW_BYTES = {False: 128 * 1024, True: 64 * 1024}
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -129,7 +129,7 @@ def _scalars(eps, offset, hidden) -> tuple[float, float, float]:
 
 class NormPlan:
     __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "small", "slots", "extents", "shared_mem",
-                 "shared_acc", "reread", "split", "out_layouts", "launch", "dw_launch", "new_output", "new_rstd", "new_dx",
+                 "shared_acc", "reread", "split", "cluster_step", "out_layouts", "launch", "dw_launch", "new_output", "new_rstd", "new_dx",
                  "new_dweight", "new_partial")
 
     def __init__(self, name, grid, block, vectorized, slots):
@@ -144,6 +144,7 @@ class NormPlan:
         self.staged = False
         self.reread = False  # backward: rms_norm_bwd_reread (staged too: one row a block, rows copied ahead)
         self.split = 1  # blocks a row is split over (a cluster: rms_norm_fwd_split, rms_norm_bwd_split)
+        self.cluster_step = 1  # split: the cluster count a multiple of this where clusters walk several rows
         self.small = False  # forward: planned as a small input (FWD_SMALL_ELEMS_PER_THREAD)
 
     def __repr__(self):
@@ -273,36 +274,45 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     aligned_add = residual is not None and plan.vectorized and not plan.shifted
     if aligned_add and plan.slots > FWD_ADD_MAX_SLOTS[True, itemsize]:
         plan = plan_with(FWD_ADD_MAX_SLOTS)
-    min_blocks = FWD_SPLIT_MIN_BLOCKS.get(key) if hidden * itemsize >= FWD_SPLIT_MIN_ROW_BYTES else None
-    if clusters and min_blocks and plan.vectorized and not (plan.shifted or plan.slots):  # else read twice
-        plan = _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks) or plan
+    min_blocks = FWD_SPLIT_MIN_BLOCKS.get(key) if hidden * itemsize >= FWD_SPLIT_MIN_ROW_BYTES[plan.shifted] else None
+    if clusters and min_blocks and plan.vectorized and not plan.slots:  # else read twice
+        plan = _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, plan.shifted) or plan
     plan.small = small
     return plan
 
 
-def _split_parts(hidden: int, itemsize: int, min_blocks: int = 1):
-    """(blocks, longest part) for each cluster size of SPLIT_SIZES from min_blocks: a row split into parts of whole
-    16-byte chunks, the last one shorter (the kernels' cluster_part)."""
-    elems = 16 // itemsize
-    return [(split, -(-hidden // elems // split) * elems) for split in SPLIT_SIZES if split >= min_blocks]
+def _split_parts(hidden: int, itemsize: int, min_blocks: int = 1, shifted: bool = False):
+    """(blocks, longest part) for each cluster size of SPLIT_SIZES from min_blocks: a row's 16-byte chunks (shifted:
+    as many as a row of any shift spans) split into parts of whole chunks, the last one shorter (the kernels'
+    cluster_part)."""
+    chunks = _row_chunks(hidden, itemsize, shifted)
+    return [(split, -(-chunks // split) * (16 // itemsize)) for split in SPLIT_SIZES if split >= min_blocks]
 
 
-def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks):
+def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, shifted=False):
     """The plan of rms_norm_fwd_split: plan_forward's for the longest part of a row split over the fewest blocks
-    (at least min_blocks) whose registers hold the parts (_split_parts); its grid one cluster a row
-    (plan_forward_for_device caps it). None where no cluster size does."""
+    (at least min_blocks) whose registers hold the parts (_split_parts; shifted: the part's chunks as a shifted
+    row's, E - 1 elements fewer than they span); its grid one cluster a row (plan_forward_for_device caps it). None
+    where no cluster size does."""
     itemsize = _arrays.ITEMSIZE[x.dtype]
-    max_slots = (FWD_ADD_MAX_SLOTS if residual is not None else FWD_MAX_SLOTS)[True, itemsize]
+    max_slots = _split_slots(residual is not None, itemsize, shifted)
     weight_dtype = weight.dtype if weight is not None else "float32"
-    add = "true" if residual is not None else "false"
-    for split, length in _split_parts(hidden, itemsize, min_blocks):
+    flags = f"{'true' if residual is not None else 'false'}, {{split}}, {'true' if shifted else 'false'}"
+    for split, length in _split_parts(hidden, itemsize, min_blocks, shifted):
+        length -= 16 // itemsize - 1 if shifted else 0
         part = plan_forward(x, y, residual, weight, row_strides, rows, length)
-        if part.slots == max_slots and part.block[1] == 1:  # the compiled variants (see all_variants)
+        if part.slots == max_slots and part.block[1] == 1 and part.shifted == shifted:  # compiled (all_variants)
             plan = NormPlan(f"cupyrope::rms_norm_fwd_split<{CTYPE[x.dtype]}, {CTYPE[weight_dtype]}, {part.slots}, "
-                            f"{add}, {split}>", rows * split, part.block, True, part.slots)
-            plan.split = split
+                            f"{flags.format(split=split)}>", rows * split, part.block, True, part.slots)
+            plan.split, plan.shifted = split, shifted
             return plan
     return None
+
+
+def _split_slots(add: bool, itemsize: int, shifted: bool) -> int:
+    """The register slots of the forward's split variants: the most a block's row has (the aligned fused add's
+    fewer, FWD_ADD_MAX_SLOTS)."""
+    return (FWD_ADD_MAX_SLOTS if add and not shifted else FWD_MAX_SLOTS)[True, itemsize]
 
 
 def _blocks_per_wave(kernel, plan, device) -> int:
@@ -344,28 +354,29 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
         limits = {1: limits[1]}
     slots = next((s for s, limit in limits.items() if s * limit >= chunks), None)
     if slots is None:
-        return _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit, shifted)
+        return _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
     # Several chunks a thread: a power of two of threads. Fewer threads measured +5% at bf16 [8192, 5120]
     # (320 x 2) but -10% at fp32 [8192, 5120] (640 x 2, whose 3 stages leave one block an SM).
     per_thread = -(-chunks // slots)
     width = row_threads(per_thread) if slots == 1 else _next_pow2(per_thread)
     if width == 1024 and 100 * chunks < STAGED_MIN_FILL_PCT[itemsize] * slots * width:  # mostly empty: reread
-        return _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit, shifted)
+        return _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
     lean = lean and width <= STAGED_LEAN_MAX_THREADS[slots]
     flags = ", ".join("true" if f else "false" for f in (shifted, lean))
     return _staged_plan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, "
                         f"{flags}>", rows, width, slots, shared_limit, shifted)
 
 
-def _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False):
-    """The plan of rms_norm_bwd_reread (see REREAD_SLOTS), or None where it does not fit. Shifted rows keep
-    a copy of the weight after the stages (from the block's shift: the chunks' span)."""
+def _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted=False):
+    """The plan of rms_norm_bwd_reread (see REREAD_SLOTS) for rows of `chunks` 16-byte chunks (_row_chunks), or
+    None where it does not fit. Shifted rows keep a copy of the weight after the stages (from the block's shift:
+    the chunks' span)."""
     itemsize = _arrays.ITEMSIZE[dtype]
     slots = REREAD_SLOTS[itemsize]
-    width = row_threads(-(-_row_chunks(hidden, itemsize, shifted) // slots))
+    width = row_threads(-(-chunks // slots))
     if width > REREAD_MAX_THREADS:
         return None
-    weight_bytes = _chunks_span(hidden, itemsize, True) * _arrays.ITEMSIZE[weight_dtype] if shifted else 0
+    weight_bytes = chunks * (16 // itemsize) * _arrays.ITEMSIZE[weight_dtype] if shifted else 0
     plan = _staged_plan(f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, "
                         f"{'true' if shifted else 'false'}>", rows, width, slots, shared_limit - weight_bytes, shifted,
                         REREAD_STAGES)
@@ -375,16 +386,19 @@ def _plan_reread(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False)
     return plan
 
 
-def _plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit):
+def _plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False):
     """The plan of rms_norm_bwd_split: rms_norm_bwd_reread's plan for the longest part of a row split over the
-    fewest blocks that hold the parts (_split_parts); its grid one cluster a row (cap_split_grid caps it). None
-    where no cluster size does."""
-    for split, length in _split_parts(hidden, _arrays.ITEMSIZE[dtype]):
-        part = _plan_reread(dtype, weight_dtype, rows, length, shared_limit)
+    fewest blocks that hold the parts (_split_parts; shifted: a part's chunks as the reread kernel's shifted row,
+    with the weight's copy); its grid one cluster a row (cap_split_grid caps it). None where no cluster size does."""
+    itemsize = _arrays.ITEMSIZE[dtype]
+    for split, length in _split_parts(hidden, itemsize, shifted=shifted):
+        part = _plan_reread(dtype, weight_dtype, rows, length * itemsize // 16, shared_limit, shifted)
         if part:
-            plan = NormPlan(f"cupyrope::rms_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {part.slots}, {split}>",
-                            rows * split, part.block, True, part.slots)
+            plan = NormPlan(f"cupyrope::rms_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {part.slots}, {split}, "
+                            f"{'true' if shifted else 'false'}>", rows * split, part.block, True, part.slots)
             plan.staged = plan.reread = True
+            plan.shifted = shifted
+            plan.cluster_step = 16 // itemsize if shifted else 1  # a cluster's rows share one shift (cap_grid)
             plan.shared_mem, plan.split = part.shared_mem, split
             return plan
     return None
@@ -419,8 +433,8 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     prefetches = plan.vectorized and plan.slots and _arrays.ITEMSIZE[x.dtype] == 4 and plan.slots * 4 <= 8
     if plan.vectorized and not prefetches:
         plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean) or plan
-    if clusters and plan.vectorized and not (plan.staged or plan.shifted or plan.slots):  # else read twice
-        plan = _plan_backward_split(x.dtype, weight_dtype, rows, hidden, shared_limit) or plan
+    if clusters and plan.vectorized and not (plan.staged or plan.slots):  # else read twice
+        plan = _plan_backward_split(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted) or plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
     if plan.split > 1:  # estimate: a block an SM (_resident_grid asks the driver)
@@ -452,8 +466,12 @@ def lean_staged(plan, rows: int) -> bool:
 
 
 def cap_split_grid(plan, max_clusters: int, rows: int) -> int:
-    """A split plan's grid: one cluster a row, at most max_clusters (at least one), each of plan.split blocks."""
-    return plan.split * max(1, min(rows, max_clusters))
+    """A split plan's grid: one cluster a row, at most max_clusters (at least one), each of plan.split blocks; where
+    clusters walk several rows, a multiple of plan.cluster_step clusters (the shifted backward's, see cap_grid)."""
+    clusters = max(1, min(rows, max_clusters))
+    if clusters < rows:
+        clusters = max(plan.cluster_step, clusters // plan.cluster_step * plan.cluster_step)
+    return plan.split * clusters
 
 
 def _fit_clusters(plan, kernel, rows: int, device: int) -> bool:
@@ -490,12 +508,12 @@ def all_variants():
                         for add in ("false", "true"):
                             for shift in shifts:
                                 yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, {add}, {shift}>"
-                            max_slots = (FWD_ADD_MAX_SLOTS if add == "true" else FWD_MAX_SLOTS)[size]
-                            min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add == "true", size[1]))
-                            if vec == "true" and min_blocks and slots == max_slots:  # parts are long rows
-                                for split in (s for s in SPLIT_SIZES if s >= min_blocks):
-                                    yield SOURCE, (f"cupyrope::rms_norm_fwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, "
-                                                   f"{slots}, {add}, {split}>")
+                                min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add == "true", size[1]))
+                                split_slots = _split_slots(add == "true", size[1], shift == "true")
+                                if vec == "true" and min_blocks and slots == split_slots:
+                                    for split in (s for s in SPLIT_SIZES if s >= min_blocks):  # parts: long rows
+                                        yield SOURCE, (f"cupyrope::rms_norm_fwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, "
+                                                       f"{slots}, {add}, {split}, {shift}>")
                     if slots <= BWD_MAX_SLOTS[size]:
                         for shift in shifts:
                             yield SOURCE, f"cupyrope::rms_norm_bwd<{w}, {shift}>"
@@ -509,8 +527,8 @@ def all_variants():
             reread = f"{CTYPE[dtype]}, {CTYPE[weight]}, {REREAD_SLOTS[_arrays.ITEMSIZE[dtype]]}"
             for shift in ("false", "true"):
                 yield SOURCE, f"cupyrope::rms_norm_bwd_reread<{reread}, {REREAD_STAGES}, {shift}>"
-            for split in SPLIT_SIZES:
-                yield SOURCE, f"cupyrope::rms_norm_bwd_split<{reread}, {split}>"
+            for split, shift in itertools.product(SPLIT_SIZES, ("false", "true")):
+                yield SOURCE, f"cupyrope::rms_norm_bwd_split<{reread}, {split}, {shift}>"
         yield SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[dtype]}>"
 
 

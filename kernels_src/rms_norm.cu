@@ -275,7 +275,7 @@ __device__ __forceinline__ float split_row_sum(float v, int width, float* scratc
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, int SPLIT>
 __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&cluster_slots)[SPLIT]) {
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
-    static_assert(SPLIT == 1 || (VEC && !SHIFT && NPT > 0), "SPLIT: aligned rows in registers");
+    static_assert(SPLIT == 1 || (VEC && NPT > 0), "SPLIT: rows of 16-byte chunks in registers");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     __shared__ float scratch[32];
     const bool active = row < p.rows;  // inactive threads still join the block reduction
@@ -473,31 +473,49 @@ __global__ void __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_b
     norm_row<T, W, VEC, NPT, ADD, SHIFT, 1>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
 }
 
-// Aligned rows too long for one block's registers, which rms_norm_fwd reads twice (the planner splits fp32 ones:
-// over 32768 elements, the fused add's from 24576; FWD_SPLIT_*) on clusters of SPLIT blocks (sm_90+), each walking rows
-// (cluster, + clusters, ...: the grid is what the GPU holds at once, as a cluster waits for SPLIT free SMs of
-// one GPC): the block of rank r holds columns [r * part, (r + 1) * part) of a row in registers, part = the
-// row's 16-byte chunks / SPLIT rounded up (the last part may be shorter); only the sum of squares crosses
-// blocks (cluster_sum: two slot sets by row parity, as in reread_rows). Rank 0 writes rstd.
-template <typename T, typename W, int NPT, bool ADD, int SPLIT>
+// Narrows the rows that `p` describes to this block's part when a cluster splits them (cluster_part; SHIFT: rows
+// `shift` elements past a 16-byte boundary): its pointers moved to the part's first column, its length; inv_hidden
+// stays the whole row's, and only the block holding column 0 writes rstd. (In place: a copy returned compiled the
+// aligned split's loop differently.)
+template <typename T, typename W, bool ADD, int SPLIT, bool SHIFT>
+__device__ __forceinline__ void narrow_to_part(NormParams& p, int shift) {
+    i64 offset;
+    const i64 length = cluster_part<16 / sizeof(T), SPLIT, SHIFT>(p.hidden, offset, shift);
+    p.x = static_cast<const T*>(p.x) + offset;
+    p.y = static_cast<T*>(p.y) + offset;
+    if (ADD) p.residual = static_cast<T*>(p.residual) + offset;
+    if (p.weight) p.weight = static_cast<const W*>(p.weight) + offset;
+    p.hidden = length;
+    if (offset) p.rstd = nullptr;
+}
+
+// Rows too long for one block's registers, which rms_norm_fwd reads twice (the planner splits fp32 ones: over 32768
+// elements, the fused add's from 24576; fp16/bf16 from 65536; FWD_SPLIT_*) on clusters of SPLIT blocks (sm_90+), each
+// walking rows (cluster, + clusters, ...: the grid is what the GPU holds at once, as a cluster waits for SPLIT free
+// SMs of one GPC): the block of rank r holds columns [r * part, (r + 1) * part) of a row in registers, part = the
+// row's 16-byte chunks / SPLIT rounded up (the last part may be shorter); only the sum of squares crosses blocks
+// (cluster_sum: two slot sets by row parity, as in reread_rows). Rank 0 writes rstd. SHIFT (odd rows): each row's
+// parts from its own shift (cluster_part), block 0's in shifted chunks, the others' from 16-byte boundaries.
+template <typename T, typename W, int NPT, bool ADD, int SPLIT, bool SHIFT>
 __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT>::threads, FwdBounds<NPT>::min_blocks)
     rms_norm_fwd_split(const NormParams p) {
 #if CUPYROPE_CLUSTERS
-    i64 offset;
-    const i64 length = cluster_part<16 / sizeof(T), SPLIT>(p.hidden, offset);
-    NormParams mine = p;  // the block's part of the rows; inv_hidden stays the whole row's
-    mine.x = static_cast<const T*>(p.x) + offset;
-    mine.y = static_cast<T*>(p.y) + offset;
-    if (ADD) mine.residual = static_cast<T*>(p.residual) + offset;
-    if (p.weight) mine.weight = static_cast<const W*>(p.weight) + offset;
-    mine.hidden = length;
-    if (offset) mine.rstd = nullptr;
+    NormParams mine = p;  // the block's part of the rows (SHIFT: each row's own, below)
+    narrow_to_part<T, W, ADD, SPLIT, false>(mine, 0);
     __shared__ float cluster_slots[2][SPLIT];
     cluster_sync();  // the cluster's blocks have all started: their shared memory is there to be written to
     int parity = 0;
 #pragma unroll 1
-    for (i64 row = blockIdx.x / SPLIT; row < p.rows; row += gridDim.x / SPLIT, parity ^= 1)
-        norm_row<T, W, true, NPT, ADD, false, SPLIT>(mine, row, cluster_slots[parity]);
+    for (i64 row = blockIdx.x / SPLIT; row < p.rows; row += gridDim.x / SPLIT, parity ^= 1) {
+        if constexpr (SHIFT) {
+            NormParams row_part = p;
+            const int shift = row_shift<true, 16 / sizeof(T)>(static_cast<const T*>(p.x) + row * p.x_stride);
+            narrow_to_part<T, W, ADD, SPLIT, true>(row_part, shift);
+            norm_row<T, W, true, NPT, ADD, true, SPLIT>(row_part, row, cluster_slots[parity]);
+        } else {
+            norm_row<T, W, true, NPT, ADD, false, SPLIT>(mine, row, cluster_slots[parity]);
+        }
+    }
 #else
     __trap();  // no clusters before sm_90: the planner never launches it there
 #endif
@@ -1040,16 +1058,21 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
 }
 
 // ----------------------------------------------------------------- backward, rows split over a cluster
-// Aligned rows too long for one block's shared memory (fp16/bf16 over 32K elements, fp32 over ~29K: the two-pass
-// loop of rms_norm_bwd read them twice from global memory) on a cluster of SPLIT blocks (sm_90+), each the
-// reread kernel on its part of every row: the block of rank r takes columns [r * part, (r + 1) * part), part =
-// the row's 16-byte chunks / SPLIT rounded up (the last part may be shorter), with one stage, and keeps its
-// dweight sums for those columns of the cluster's partial row. Only the two row sums cross blocks (cluster_sum).
-template <typename T, typename W, int NPT, int SPLIT>
+// Rows too long for one block's shared memory (aligned fp16/bf16 over 32K elements, fp32 over ~29K; SHIFT, odd
+// rows: past what a stage and the weight's copy hold, fp16/bf16 over ~28.6K, fp32 over ~18.9K: the two-pass loop
+// of rms_norm_bwd read them twice from global memory) on a cluster of SPLIT blocks (sm_90+), each the reread
+// kernel on its part of every row: the block of rank r takes columns [r * part, (r + 1) * part), part = the row's
+// 16-byte chunks / SPLIT rounded up (the last part may be shorter; SHIFT: cluster_part), with one stage, and keeps
+// its dweight sums for those columns of the cluster's partial row. Only the two row sums cross blocks
+// (cluster_sum). SHIFT: the cluster's rows all start at the same offset from a 16-byte boundary (the planner
+// makes its row step a multiple of E), so its parts are the same columns in every row.
+template <typename T, typename W, int NPT, int SPLIT, bool SHIFT>
 __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(1024, 1) rms_norm_bwd_split(const NormBwdParams p) {
 #if CUPYROPE_CLUSTERS
+    constexpr int E = 16 / sizeof(T);
+    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + blockIdx.x / SPLIT * p.x_stride);
     i64 offset;
-    const i64 length = cluster_part<16 / sizeof(T), SPLIT>(p.hidden, offset);
+    const i64 length = cluster_part<E, SPLIT, SHIFT>(p.hidden, offset, shift);
     NormBwdParams mine = p;  // the block's part of the rows; inv_hidden stays the whole row's
     mine.dy = static_cast<const T*>(p.dy) + offset;
     mine.x = static_cast<const T*>(p.x) + offset;
@@ -1057,7 +1080,7 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(1024, 1) rms_norm_bwd_spli
     if (p.weight) mine.weight = static_cast<const W*>(p.weight) + offset;
     mine.hidden = length;
     mine.partial = p.partial + blockIdx.x / SPLIT * p.hidden + offset;
-    reread_rows<T, W, NPT, 1, false, SPLIT>(mine);
+    reread_rows<T, W, NPT, 1, SHIFT, SPLIT>(mine);  // SHIFT: block 0's part keeps the rows' shift, the others none
 #else
     __trap();  // no clusters before sm_90: the planner never launches it there
 #endif

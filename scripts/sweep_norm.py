@@ -1,6 +1,6 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--bwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long|--odd|--oddbwd|--reread|--split] [--half|--f32] [--plans] SETTING ...
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--bwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long|--odd|--oddbwd|--reread|--split|--oddsplit] [--half|--f32] [--plans] SETTING ...
 --add times fused_add_rms_norm (in place; no peers) instead of the forward and backward; --fwd and --bwd one of them.
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
 or entries of their tables, e.g. "FWD_MAX_SLOTS[True:2]=8", and NVRTC=... for kernel knobs of that
@@ -88,6 +88,14 @@ if "--split" in sys.argv:  # aligned rows past one block (registers, shared memo
               (4096, 49152, torch.bfloat16)]
     if "--add" in sys.argv:  # the fused add splits rows from 16K elements (its registers hold less)
         SHAPES += [(4096, 24576, torch.bfloat16), (4096, 20480, torch.float32), (8192, 16400, torch.bfloat16)]
+if "--oddsplit" in sys.argv:  # odd rows past one block (v25, v25b: SHIFT on a cluster) and aligned neighbours
+    SHAPES = [(2048, 30001, torch.bfloat16), (2048, 40001, torch.bfloat16), (2048, 40000, torch.bfloat16),
+              (1024, 65539, torch.bfloat16), (1024, 65536, torch.bfloat16), (2048, 36001, torch.float16),
+              (512, 131075, torch.bfloat16), (2048, 20001, torch.float32), (2048, 20000, torch.float32),
+              (2048, 33001, torch.float32), (1024, 65537, torch.float32)]
+    if "--add" in sys.argv:  # only fp32 fused adds split (odd ones from 32761 elements)
+        SHAPES = [(2048, 33001, torch.float32), (2048, 32768, torch.float32), (2048, 40001, torch.float32),
+                  (1024, 65537, torch.float32), (2048, 24577, torch.float32)]
 if "--two16" in sys.argv:  # aligned fp16/bf16 rows of 1025-2048 chunks: staged 2 x 1024 or reread
     SHAPES = [(8192, h, torch.bfloat16) for h in (8200, 10240, 12288, 14848, 16384)]
     SHAPES += [(4096, 12288, torch.bfloat16), (2048, 16384, torch.bfloat16), (8192, 12288, torch.float16),

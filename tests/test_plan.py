@@ -399,7 +399,7 @@ def test_rms_norm_backward_reread_plans():
 def test_rms_norm_backward_split_plans():
     # Aligned rows past rms_norm_bwd_reread (v24): on a GPU with clusters, split over the fewest blocks (2, 4, 8)
     # whose parts of whole 16-byte chunks (the last may be shorter) the reread kernel holds in one stage; the
-    # grid one cluster a row, at most the SMs' worth (one 1024-thread block an SM). Odd rows, rows the reread
+    # grid one cluster a row, at most the SMs' worth (one 1024-thread block an SM). Rows the reread
     # kernel holds, GPUs without clusters and rows past 8 parts keep their plans.
     names = {name for _, name in rmsnorm.all_variants()}
 
@@ -409,7 +409,7 @@ def test_rms_norm_backward_split_plans():
                              clusters=clusters, **kw)
 
     p = plan(65536)  # two parts of 32768: 1024 threads x 4 chunks, a 128 KiB stage each
-    assert p.split == 2 and p.name == "cupyrope::rms_norm_bwd_split<__nv_bfloat16, float, 4, 2>", p
+    assert p.split == 2 and p.name == "cupyrope::rms_norm_bwd_split<__nv_bfloat16, float, 4, 2, false>", p
     assert p.block == (1024, 1) and p.shared_mem == 128 * 1024 and p.grid == 132 and p.reread and p.name in names
     p = plan(40968, "float16", weight="float16")  # 5121 chunks: parts of 2561 and 2560, 672 threads x 4
     assert p.split == 2 and p.block == (672, 1) and p.name in names, p
@@ -420,15 +420,29 @@ def test_rms_norm_backward_split_plans():
     assert plan(131072).split == 4 and plan(262144).split == 8 and plan(262144).grid == 8 * 16
     assert plan(32768).reread and plan(32768).split == 1  # one block holds it
     assert plan(65536, clusters=False).slots == 0 and plan(65536, clusters=False).split == 1  # no clusters
-    for p in (plan(65539, ptr=BASE + 2), plan(524288), plan(65536, impl="scalar")):  # odd, past 8 parts, scalar
-        assert p.split == 1 and p.slots == 0 and p.name.startswith("cupyrope::rms_norm_bwd<"), p
+    for p in (plan(524288), plan(65536, impl="scalar"), plan(30001, ptr=BASE + 2, clusters=False)):
+        assert p.split == 1 and p.slots == 0 and p.name.startswith("cupyrope::rms_norm_bwd<"), p  # past 8, scalar, none
+    # Odd rows past the shifted reread kernel (v25): the chunks a row of any shift spans, split; the parts with the
+    # weight's copy after the stage; clusters in steps of E rows (a cluster's rows share one shift), unless each
+    # cluster takes one row.
+    p = plan(30001, ptr=BASE + 2)  # 3751 chunks: parts of 1876 on 480 threads x 4, stage 60 KiB + weight 58.6
+    assert p.split == 2 and p.name == "cupyrope::rms_norm_bwd_split<__nv_bfloat16, float, 4, 2, true>", p
+    assert p.shifted and p.block == (480, 1) and p.shared_mem == 61440 + 1876 * 8 * 4 and p.grid == 2 * 64, p
+    assert p.name in names
+    p = plan(20001, "float32", ptr=BASE + 4)  # 5001 chunks: parts of 2501 on 320 x 8; 66 clusters -> 64
+    assert p.split == 2 and p.shifted and p.block == (320, 1) and p.grid == 2 * 64 and p.name in names, p
+    p = plan(65539, ptr=BASE + 2, weight="bfloat16", rows=5)  # 8193 chunks: 2 parts need 1025 threads; 4 of 2049
+    assert p.split == 4 and p.shifted and p.block == (544, 1) and p.grid == 4 * 5 and p.name in names, p
+    assert p.shared_mem == 2 * 4 * 544 * 16 + 2049 * 8 * 2
+    assert plan(28001, ptr=BASE + 2).split == 1 and plan(28001, ptr=BASE + 2).reread  # the reread kernel holds it
 
 
 def test_rms_norm_forward_split_plans():
     # Aligned forward rows past one block's registers (v24b), from 128 KiB: on a GPU with clusters, split over the
     # fewest blocks (2, 4, 8; fp16/bf16 at least 4) whose parts (whole 16-byte chunks, the last may be shorter)
     # fit registers (fp32 8 slots, the fused add's 4; fp16/bf16 4). The fp16/bf16 fused add, rows under 128 KiB
-    # (the fp32 fused add's 96 KiB, bf16 49152), odd rows, rows in registers, no clusters, past 8 parts: as before.
+    # (the fp32 fused add's 96 KiB, bf16 49152), rows in registers, no clusters, past 8 parts: as before. Odd rows
+    # (v25b) from 64 KiB: the chunks a row of any shift spans, split the same way.
     names = {name for _, name in rmsnorm.all_variants()}
 
     def plan(hidden, dtype="float32", add=False, rows=64, ptr=BASE, clusters=True):
@@ -438,23 +452,32 @@ def test_rms_norm_forward_split_plans():
         return plan_forward(x, y, residual, arr((hidden,), "float32"), (hidden,) * 3, rows, hidden, clusters=clusters)
 
     p = plan(65536)  # two parts of 32768: 1024 threads x 8 chunks
-    assert p.split == 2 and p.name == "cupyrope::rms_norm_fwd_split<float, float, 8, false, 2>", p
+    assert p.split == 2 and p.name == "cupyrope::rms_norm_fwd_split<float, float, 8, false, 2, false>", p
     assert p.block == (1024, 1) and p.grid == 2 * 64 and p.name in names
     p = plan(65536, add=True)  # the fused add: 4 slots, four parts of 16384
-    assert p.split == 4 and p.block == (1024, 1) and p.name == "cupyrope::rms_norm_fwd_split<float, float, 4, true, 4>"
+    assert p.split == 4 and p.block == (1024, 1) and p.name == "cupyrope::rms_norm_fwd_split<float, float, 4, true, 4, false>"
     p = plan(65544)  # 16386 chunks: 2 parts of 8193 pass 1024 x 8; 4 of 4097 (the last 4095)
     assert p.split == 4 and p.slots == 8 and p.name in names, p
     assert plan(32776).split == 2 and plan(32776).block == (544, 1)  # 8194 chunks: parts of 4097
     assert plan(32768, add=True).split == 2 and plan(24576, add=True).split == 1  # 128 KiB and 96 KiB rows
     p = plan(65536, "bfloat16")  # four parts of 16384: 512 threads x 4 (two would fit 1024 x 4)
-    assert p.split == 4 and p.block == (512, 1) and p.name == "cupyrope::rms_norm_fwd_split<__nv_bfloat16, float, 4, false, 4>"
+    assert p.split == 4 and p.block == (512, 1) and p.name == "cupyrope::rms_norm_fwd_split<__nv_bfloat16, float, 4, false, 4, false>"
     assert plan(65544, "float16").split == 4 and plan(65544, "float16").block == (544, 1)  # parts of 2049 chunks
     assert plan(131072, "bfloat16").split == 4 and plan(262144, "bfloat16").split == 8  # parts of 32768
     assert plan(32768).split == 1 and plan(32768).slots == 8 and plan(16384, add=True).slots == 4  # registers
     for p in (plan(49152, "bfloat16"), plan(65536, "bfloat16", add=True), plan(65536, clusters=False),
-              plan(1 << 20), plan(65539, ptr=BASE + 4)):  # 96 KiB, fp16/bf16 fused add, no clusters, past 8 parts, odd
-        assert p.split == 1 and p.slots == 0, p
+              plan(1 << 20), plan(65539, "bfloat16", add=True, ptr=BASE + 2), plan(300001, ptr=BASE + 4)):
+        assert p.split == 1 and p.slots == 0, p  # 96 KiB, fp16/bf16 fused add (odd too), no clusters, past 8 parts
     assert all(p.name in names for p in (plan(65544, "float16"), plan(262144, "bfloat16")))
+    p = plan(40001, ptr=BASE + 4)  # 10001 chunks from the boundary: two parts of 5001, 640 threads x 8
+    assert p.split == 2 and p.shifted and p.name == "cupyrope::rms_norm_fwd_split<float, float, 8, false, 2, true>", p
+    assert p.block == (640, 1) and p.grid == 2 * 64 and p.name in names
+    p = plan(33001, add=True, ptr=BASE + 4)  # the fused add's odd rows keep 8 slots: two parts of 4126 chunks
+    assert p.split == 2 and p.slots == 8 and p.block == (544, 1) and p.name in names, p
+    p = plan(40001, "bfloat16", ptr=BASE + 2)  # 80 KiB, 5001 chunks: four parts of 1251, 320 threads x 4
+    assert p.split == 4 and p.block == (320, 1) and p.name in names, p
+    assert plan(131075, "float16", ptr=BASE + 2).split == 8
+    assert plan(32761, "bfloat16", ptr=BASE + 2).slots == 4 and plan(32765, ptr=BASE + 4).slots == 8  # registers
 
 
 def test_rms_norm_backward_reread_plans_for_odd_rows():

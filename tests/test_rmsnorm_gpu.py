@@ -271,13 +271,16 @@ def runs_clusters() -> bool:
 # walking the rows (more rows than clusters: 300): parts of whole chunks and a shorter last one (65544, 32776),
 # NaN around the rows (nothing outside written, nothing outside summed), a weight in x's dtype, fp32 or none,
 # rstd (rank 0 writes it); the fused add in place. Rows that stay unsplit: the fp32 fused add of 96 KiB, the
-# fp16/bf16 fused add.
+# fp16/bf16 fused add, odd rows in registers (bf16 32761).
 @pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hidden,rows,split,add_split", [
     ("float32", 65544, 17, 4, 8), ("float32", 32776, 300, 2, 4), ("float32", 32768, 45, 1, 2),
     ("float32", 24576, 9, 1, 1), ("bfloat16", 65536, 9, 4, 1), ("float16", 65544, 300, 4, 1),
-    ("bfloat16", 262144, 5, 8, 1)])
+    ("bfloat16", 262144, 5, 8, 1),
+    # odd rows (SHIFT, v25b: from 64 KiB; each row's parts from its own shift, the rows' shifts all different)
+    ("float32", 40001, 300, 2, 2), ("float32", 32769, 45, 2, 2), ("float32", 65539, 17, 4, 4),
+    ("bfloat16", 40001, 300, 4, 1), ("float16", 131075, 9, 8, 1), ("bfloat16", 32761, 9, 1, 1)])
 def test_forward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, split, add_split):
     x_host = random_host((rows, hidden), dtype, rng, scale=3.0)
     _, x = unaligned_view(x_host, dtype, kind, 0, 8)
@@ -325,6 +328,32 @@ def test_backward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad, w
     dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
     plan = planned("bwd")
     assert plan.split == split and plan.name.startswith("cupyrope::rms_norm_bwd_split<"), plan
+    assert plan.grid % split == 0 and plan.grid // split <= rows, plan
+    assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
+    assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
+
+
+# rms_norm_bwd_split of odd rows (SHIFT, v25, sm_90+): rows past the shifted reread kernel (fp16/bf16 over ~28.6K
+# elements, fp32 over ~18.9K) split over a cluster, block 0's part from the row's shift, the others from 16-byte
+# boundaries; every row starts at another offset, a cluster's rows share one (its step a multiple of E). NaN around
+# the rows, more rows than clusters and fewer, 2, 4 and 8 blocks, a weight in x's dtype, fp32 or none, given rstd.
+@pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,hidden,rows,start,weight_dtype,split", [
+    ("bfloat16", 30001, 301, 8, "float32", 2), ("float16", 40961, 70, 0, "float16", 2),
+    ("float32", 20001, 199, 4, "float32", 2), ("bfloat16", 65539, 40, 0, "bfloat16", 4),
+    ("float32", 65537, 33, 0, "float32", 4), ("bfloat16", 200001, 5, 8, "float32", 8)])
+def test_backward_split_shifted_rows(rng, monkeypatch, kind, dtype, hidden, rows, start, weight_dtype, split):
+    fresh_plans(monkeypatch)
+    x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), weight_dtype, rng)
+    _, x = unaligned_view(x_host, dtype, kind, start, 16)
+    _, dy = unaligned_view(dy_host, dtype, kind, start, 16)
+    w = to_device(w_host, weight_dtype, kind)
+    fill_next_allocation_with_nan((rows, hidden), dtype, kind)
+    dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
+    plan = planned("bwd")
+    assert plan.split == split and plan.shifted and plan.name.startswith("cupyrope::rms_norm_bwd_split<"), plan
     assert plan.grid % split == 0 and plan.grid // split <= rows, plan
     assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
     assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
