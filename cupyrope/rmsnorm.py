@@ -97,19 +97,22 @@ STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMax
 REREAD_SLOTS = {4: 8, 2: 4}
 REREAD_MAX_THREADS = 1024
 REREAD_STAGES = 1
-# Aligned rows too long for one block (forward: its registers; backward: its shared memory) split over a
-# cluster of this many blocks (sm_90+): rms_norm_fwd_split, rms_norm_bwd_split. The first size whose parts one
-# block holds; 8 is the portable cluster limit.
+# Rows too long for one block (forward: its registers; backward: its shared memory) split over a cluster of this
+# many blocks (sm_90+): rms_norm_fwd_split, rms_norm_bwd_split. The first size whose parts one block holds; 8 is the
+# portable cluster limit.
 SPLIT_SIZES = (2, 4, 8)
 # The forward splits rows from 128 KiB: below, the two-pass loop's second read of a row mostly hits the L2 (its
 # ~528 rows in flight about fit; read twice against split: fp32 fused add [4096, 20480] 96% against 93% of copy
 # bandwidth, bf16 [4096, 40960] 84% against 59-75%, [4096, 49152] 75% against 67%; at 128 KiB bf16 [2048, 65536]
 # 66% against 75%, the fp32 fused add [2048, 32768] 85% against 95%). The fewest blocks a cluster by (fused add,
-# element size); none: not split. fp16/bf16 parts on 512 threads (4 blocks or more) measured faster than on 1024
-# (bf16 [2048, 65536]: 75% against 69%); the bf16 fused add's part spills, and the fp16 one gained 4% (not
-# taken). docs/perf-notes.md, v24b.
-FWD_SPLIT_MIN_BLOCKS = {(False, 4): 2, (True, 4): 2, (False, 2): 4}
-FWD_SPLIT_MIN_ROW_BYTES = {False: 128 * 1024, True: 64 * 1024}
+# element size, shifted); none: not split. fp16/bf16 parts on 512 threads (4 blocks or more) measured faster than
+# on 1024 (bf16 [2048, 65536]: 75% against 69%); the bf16 fused add's part spills, and the fp16 one gained 4% (not
+# taken). docs/perf-notes.md, v24b. Odd rows (v25b, shifted) split the same way, but not in the fused add: fp32
+# [2048, 33001] 235 against 281 us read twice, bf16 [1024, 65539] 157 against 162 (bf16 [2048, 40001], 80 KiB: 195
+# against 164); the fp32 fused add's part (8 slots) spills: [2048, 33001] 553 against 487.
+FWD_SPLIT_MIN_BLOCKS = {(False, 4, False): 2, (True, 4, False): 2, (False, 2, False): 4, (False, 4, True): 2,
+                        (False, 2, True): 4}
+FWD_SPLIT_MIN_ROW_BYTES = 128 * 1024
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path
@@ -274,7 +277,7 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     aligned_add = residual is not None and plan.vectorized and not plan.shifted
     if aligned_add and plan.slots > FWD_ADD_MAX_SLOTS[True, itemsize]:
         plan = plan_with(FWD_ADD_MAX_SLOTS)
-    min_blocks = FWD_SPLIT_MIN_BLOCKS.get(key) if hidden * itemsize >= FWD_SPLIT_MIN_ROW_BYTES[plan.shifted] else None
+    min_blocks = FWD_SPLIT_MIN_BLOCKS.get((*key, plan.shifted)) if hidden * itemsize >= FWD_SPLIT_MIN_ROW_BYTES else None
     if clusters and min_blocks and plan.vectorized and not plan.slots:  # else read twice
         plan = _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, plan.shifted) or plan
     plan.small = small
@@ -508,7 +511,7 @@ def all_variants():
                         for add in ("false", "true"):
                             for shift in shifts:
                                 yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, {add}, {shift}>"
-                                min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add == "true", size[1]))
+                                min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add == "true", size[1], shift == "true"))
                                 split_slots = _split_slots(add == "true", size[1], shift == "true")
                                 if vec == "true" and min_blocks and slots == split_slots:
                                     for split in (s for s in SPLIT_SIZES if s >= min_blocks):  # parts: long rows
