@@ -132,8 +132,8 @@ def _scalars(eps, offset, hidden) -> tuple[float, float, float]:
 
 class NormPlan:
     __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "small", "slots", "extents", "shared_mem",
-                 "shared_acc", "reread", "split", "cluster_step", "out_layouts", "launch", "dw_launch", "new_output", "new_rstd", "new_dx",
-                 "new_dweight", "new_partial")
+                 "shared_acc", "reread", "split", "cluster_step", "out_layouts", "launch", "dw_launch", "new_output",
+                 "new_rstd", "new_dx", "new_dweight", "new_partial")
 
     def __init__(self, name, grid, block, vectorized, slots):
         self.name = name
@@ -277,9 +277,11 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     aligned_add = residual is not None and plan.vectorized and not plan.shifted
     if aligned_add and plan.slots > FWD_ADD_MAX_SLOTS[True, itemsize]:
         plan = plan_with(FWD_ADD_MAX_SLOTS)
-    min_blocks = FWD_SPLIT_MIN_BLOCKS.get((*key, plan.shifted)) if hidden * itemsize >= FWD_SPLIT_MIN_ROW_BYTES else None
+    long_row = hidden * itemsize >= FWD_SPLIT_MIN_ROW_BYTES
+    min_blocks = FWD_SPLIT_MIN_BLOCKS.get((*key, plan.shifted)) if long_row else None
     if clusters and min_blocks and plan.vectorized and not plan.slots:  # else read twice
-        plan = _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, plan.shifted) or plan
+        split = _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, plan.shifted)
+        plan = split or plan
     plan.small = small
     return plan
 
@@ -397,8 +399,9 @@ def _plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit, shifte
     for split, length in _split_parts(hidden, itemsize, shifted=shifted):
         part = _plan_reread(dtype, weight_dtype, rows, length * itemsize // 16, shared_limit, shifted)
         if part:
-            plan = NormPlan(f"cupyrope::rms_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {part.slots}, {split}, "
-                            f"{'true' if shifted else 'false'}>", rows * split, part.block, True, part.slots)
+            name = (f"cupyrope::rms_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {part.slots}, {split}, "
+                    f"{'true' if shifted else 'false'}>")
+            plan = NormPlan(name, rows * split, part.block, True, part.slots)
             plan.staged = plan.reread = True
             plan.shifted = shifted
             plan.cluster_step = 16 // itemsize if shifted else 1  # a cluster's rows share one shift (cap_grid)
