@@ -107,11 +107,11 @@ SPLIT_SIZES = (2, 4, 8)
 # 66% against 75%, the fp32 fused add [2048, 32768] 85% against 95%). The fewest blocks a cluster by (fused add,
 # element size, shifted); none: not split. fp16/bf16 parts on 512 threads (4 blocks or more) measured faster than
 # on 1024 (bf16 [2048, 65536]: 75% against 69%); the bf16 fused add's part spills, and the fp16 one gained 4% (not
-# taken). docs/perf-notes.md, v24b. Odd rows (v25b, shifted) split the same way, but not in the fused add: fp32
-# [2048, 33001] 235 against 281 us read twice, bf16 [1024, 65539] 157 against 162 (bf16 [2048, 40001], 80 KiB: 195
-# against 164); the fp32 fused add's part (8 slots) spills: [2048, 33001] 553 against 487.
+# taken). docs/perf-notes.md, v24b. Odd rows (v25b, shifted) split the same way: fp32 [2048, 33001] 232 against 284
+# us read twice, bf16 [1024, 65539] 157 against 164 (bf16 [2048, 40001], 80 KiB: 195 against 164); the fp32 fused
+# add in parts of 4 slots as aligned rows (8 spill: [2048, 33001] 553 against 487), [1024, 65537] 448 against 513.
 FWD_SPLIT_MIN_BLOCKS = {(False, 4, False): 2, (True, 4, False): 2, (False, 2, False): 4, (False, 4, True): 2,
-                        (False, 2, True): 4}
+                        (False, 2, True): 4, (True, 4, True): 2}
 FWD_SPLIT_MIN_ROW_BYTES = 128 * 1024
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100/A100: 227 / 163 KiB)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
@@ -300,7 +300,7 @@ def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_b
     row's, E - 1 elements fewer than they span); its grid one cluster a row (plan_forward_for_device caps it). None
     where no cluster size does."""
     itemsize = _arrays.ITEMSIZE[x.dtype]
-    max_slots = _split_slots(residual is not None, itemsize, shifted)
+    max_slots = _split_slots(residual is not None)[True, itemsize]
     weight_dtype = weight.dtype if weight is not None else "float32"
     flags = f"{'true' if residual is not None else 'false'}, {{split}}, {'true' if shifted else 'false'}"
     for split, length in _split_parts(hidden, itemsize, min_blocks, shifted):
@@ -314,10 +314,10 @@ def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_b
     return None
 
 
-def _split_slots(add: bool, itemsize: int, shifted: bool) -> int:
-    """The register slots of the forward's split variants: the most a block's row has (the aligned fused add's
-    fewer, FWD_ADD_MAX_SLOTS)."""
-    return (FWD_ADD_MAX_SLOTS if add and not shifted else FWD_MAX_SLOTS)[True, itemsize]
+def _split_slots(add: bool) -> dict:
+    """The register slots of the forward's split variants, by (vectorized, element size): the most a block's row has
+    (the fused add's fewer, FWD_ADD_MAX_SLOTS, for odd rows too: their 8 slots spill)."""
+    return FWD_ADD_MAX_SLOTS if add else FWD_MAX_SLOTS
 
 
 def _blocks_per_wave(kernel, plan, device) -> int:
@@ -515,8 +515,7 @@ def all_variants():
                             for shift in shifts:
                                 yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, {add}, {shift}>"
                                 min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add == "true", size[1], shift == "true"))
-                                split_slots = _split_slots(add == "true", size[1], shift == "true")
-                                if vec == "true" and min_blocks and slots == split_slots:
+                                if vec == "true" and min_blocks and slots == _split_slots(add == "true")[size]:
                                     for split in (s for s in SPLIT_SIZES if s >= min_blocks):  # parts: long rows
                                         yield SOURCE, (f"cupyrope::rms_norm_fwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, "
                                                        f"{slots}, {add}, {split}, {shift}>")

@@ -442,7 +442,7 @@ def test_rms_norm_forward_split_plans():
     # fewest blocks (2, 4, 8; fp16/bf16 at least 4) whose parts (whole 16-byte chunks, the last may be shorter)
     # fit registers (fp32 8 slots, the fused add's 4; fp16/bf16 4). The fp16/bf16 fused add, rows under 128 KiB
     # (the fp32 fused add's 96 KiB, bf16 49152), rows in registers, no clusters, past 8 parts: as before. Odd rows
-    # (v25b): the chunks a row of any shift spans, split the same way, but not in the fused add.
+    # (v25b): the chunks a row of any shift spans, split the same way.
     names = {name for _, name in rmsnorm.all_variants()}
 
     def plan(hidden, dtype="float32", add=False, rows=64, ptr=BASE, clusters=True):
@@ -472,7 +472,8 @@ def test_rms_norm_forward_split_plans():
     p = plan(40001, ptr=BASE + 4)  # 10001 chunks from the boundary: two parts of 5001, 640 threads x 8
     assert p.split == 2 and p.shifted and p.name == "cupyrope::rms_norm_fwd_split<float, float, 8, false, 2, true>", p
     assert p.block == (640, 1) and p.grid == 2 * 64 and p.name in names
-    assert plan(33001, add=True, ptr=BASE + 4).slots == 0  # the fused add's odd rows: read twice
+    p = plan(33001, add=True, ptr=BASE + 4)  # the fused add's odd rows: 4 slots a part, as aligned ones
+    assert p.split == 4 and p.block == (544, 1) and p.name == "cupyrope::rms_norm_fwd_split<float, float, 4, true, 4, true>"
     p = plan(65539, "bfloat16", ptr=BASE + 2)  # 8193 chunks: four parts of 2049, 544 threads x 4
     assert p.split == 4 and p.block == (544, 1) and p.name in names, p
     assert plan(40001, "bfloat16", ptr=BASE + 2).slots == 0  # 80 KiB: read twice

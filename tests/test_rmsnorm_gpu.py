@@ -278,8 +278,8 @@ def runs_clusters() -> bool:
     ("float32", 65544, 17, 4, 8), ("float32", 32776, 300, 2, 4), ("float32", 32768, 45, 1, 2),
     ("float32", 24576, 9, 1, 1), ("bfloat16", 65536, 9, 4, 1), ("float16", 65544, 300, 4, 1),
     ("bfloat16", 262144, 5, 8, 1),
-    # odd rows (SHIFT, v25b; each row's parts from its own shift, the rows' shifts all different; no fused add)
-    ("float32", 40001, 300, 2, 1), ("float32", 32769, 45, 2, 1), ("float32", 65539, 17, 4, 1),
+    # odd rows (SHIFT, v25b; each row's parts from its own shift, the rows' shifts all different)
+    ("float32", 40001, 300, 2, 4), ("float32", 32769, 45, 2, 4), ("float32", 65539, 17, 4, 8),
     ("bfloat16", 65539, 300, 4, 1), ("float16", 131075, 9, 8, 1), ("bfloat16", 40001, 9, 1, 1)])
 def test_forward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, split, add_split):
     x_host = random_host((rows, hidden), dtype, rng, scale=3.0)
