@@ -259,7 +259,7 @@ def _plan(kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_sl
 
 def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto", elems=None, clusters=False) -> NormPlan:
     """elems: elements a thread (default: the rule above). clusters: the GPU runs thread block clusters (sm_90+),
-    so aligned rows past the registers may be split over one (_plan_forward_split)."""
+    so rows past the registers may be split over one (_plan_forward_split)."""
     arrays = [x, y, residual, weight]
     add = "true" if residual is not None else "false"
     weight_dtype = weight.dtype if weight is not None else "float32"
@@ -287,37 +287,37 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
 
 
 def _split_parts(hidden: int, itemsize: int, min_blocks: int = 1, shifted: bool = False):
-    """(blocks, longest part) for each cluster size of SPLIT_SIZES from min_blocks: a row's 16-byte chunks (shifted:
-    as many as a row of any shift spans) split into parts of whole chunks, the last one shorter (the kernels'
-    cluster_part)."""
+    """(blocks, 16-byte chunks of the longest part) for each cluster size of SPLIT_SIZES from min_blocks: a row's
+    chunks (shifted: as many as a row of any shift spans) split into parts of whole chunks, the last one shorter
+    (the kernels' cluster_part)."""
     chunks = _row_chunks(hidden, itemsize, shifted)
-    return [(split, -(-chunks // split) * (16 // itemsize)) for split in SPLIT_SIZES if split >= min_blocks]
+    return [(split, -(-chunks // split)) for split in SPLIT_SIZES if split >= min_blocks]
 
 
 def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, shifted=False):
     """The plan of rms_norm_fwd_split: plan_forward's for the longest part of a row split over the fewest blocks
-    (at least min_blocks) whose registers hold the parts (_split_parts; shifted: the part's chunks as a shifted
-    row's, E - 1 elements fewer than they span); its grid one cluster a row (plan_forward_for_device caps it). None
+    (at least min_blocks) whose registers hold the parts (_split_parts; shifted: the part's chunks hold a shifted
+    row E - 1 elements shorter than they span); its grid one cluster a row (plan_forward_for_device caps it). None
     where no cluster size does."""
     itemsize = _arrays.ITEMSIZE[x.dtype]
-    max_slots = _split_slots(residual is not None)[True, itemsize]
+    elems = 16 // itemsize
     weight_dtype = weight.dtype if weight is not None else "float32"
-    flags = f"{'true' if residual is not None else 'false'}, {{split}}, {'true' if shifted else 'false'}"
-    for split, length in _split_parts(hidden, itemsize, min_blocks, shifted):
-        length -= 16 // itemsize - 1 if shifted else 0
-        part = plan_forward(x, y, residual, weight, row_strides, rows, length)
-        if part.slots == max_slots and part.block[1] == 1 and part.shifted == shifted:  # compiled (all_variants)
+    flags = f"{'true' if residual is not None else 'false'}, {{}}, {'true' if shifted else 'false'}"
+    for split, chunks in _split_parts(hidden, itemsize, min_blocks, shifted):
+        part = plan_forward(x, y, residual, weight, row_strides, rows, chunks * elems - (elems - 1 if shifted else 0))
+        compiled = part.slots == _split_slots(residual is not None, itemsize) and part.block[1] == 1  # all_variants
+        if compiled and part.shifted == shifted:
             plan = NormPlan(f"cupyrope::rms_norm_fwd_split<{CTYPE[x.dtype]}, {CTYPE[weight_dtype]}, {part.slots}, "
-                            f"{flags.format(split=split)}>", rows * split, part.block, True, part.slots)
+                            f"{flags.format(split)}>", rows * split, part.block, True, part.slots)
             plan.split, plan.shifted = split, shifted
             return plan
     return None
 
 
-def _split_slots(add: bool) -> dict:
-    """The register slots of the forward's split variants, by (vectorized, element size): the most a block's row has
-    (the fused add's fewer, FWD_ADD_MAX_SLOTS, for odd rows too: their 8 slots spill)."""
-    return FWD_ADD_MAX_SLOTS if add else FWD_MAX_SLOTS
+def _split_slots(add: bool, itemsize: int) -> int:
+    """The register slots of the forward's split variants: the most a block's 16-byte row has (the fused add's
+    fewer, FWD_ADD_MAX_SLOTS, for odd rows too: their 8 slots spill)."""
+    return (FWD_ADD_MAX_SLOTS if add else FWD_MAX_SLOTS)[True, itemsize]
 
 
 def _blocks_per_wave(kernel, plan, device) -> int:
@@ -396,8 +396,8 @@ def _plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit, shifte
     fewest blocks that hold the parts (_split_parts; shifted: a part's chunks as the reread kernel's shifted row,
     with the weight's copy); its grid one cluster a row (cap_split_grid caps it). None where no cluster size does."""
     itemsize = _arrays.ITEMSIZE[dtype]
-    for split, length in _split_parts(hidden, itemsize, shifted=shifted):
-        part = _plan_reread(dtype, weight_dtype, rows, length * itemsize // 16, shared_limit, shifted)
+    for split, chunks in _split_parts(hidden, itemsize, shifted=shifted):
+        part = _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
         if part:
             name = (f"cupyrope::rms_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {part.slots}, {split}, "
                     f"{'true' if shifted else 'false'}>")
@@ -428,7 +428,7 @@ def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=Non
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto",
                   shared_limit=SHARED_OPTIN_LIMIT, lean=False, clusters=False) -> NormPlan:
     """lean: a staged plan takes the LEAN variant (the caller decides, see lean_staged). clusters: the GPU
-    runs thread block clusters (sm_90+), so aligned rows past rms_norm_bwd_reread may be split over one."""
+    runs thread block clusters (sm_90+), so rows past rms_norm_bwd_reread may be split over one."""
     weight_dtype = weight.dtype if weight is not None else "float32"
     long_rows = hidden * _arrays.ITEMSIZE[x.dtype] >= LONG_ROW_BYTES
     elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD
@@ -475,9 +475,7 @@ def cap_split_grid(plan, max_clusters: int, rows: int) -> int:
     """A split plan's grid: one cluster a row, at most max_clusters (at least one), each of plan.split blocks; where
     clusters walk several rows, a multiple of plan.cluster_step clusters (the shifted backward's, see cap_grid)."""
     clusters = max(1, min(rows, max_clusters))
-    if clusters < rows:
-        clusters = max(plan.cluster_step, clusters // plan.cluster_step * plan.cluster_step)
-    return plan.split * clusters
+    return plan.split * (_whole_steps(clusters, plan.cluster_step) if clusters < rows else clusters)
 
 
 def _fit_clusters(plan, kernel, rows: int, device: int) -> bool:
@@ -497,9 +495,14 @@ def cap_grid(plan, max_blocks: int, rows: int, dtype) -> int:
     grid = max(1, min(plan.grid, max_blocks))
     rows_per_block = plan.block[1]
     if plan.shifted and grid * rows_per_block < rows:
-        period = max(1, 16 // _arrays.ITEMSIZE[dtype] // rows_per_block)
-        grid = max(period, grid // period * period)  # blocks past the last row add zero partials
+        grid = _whole_steps(grid, max(1, 16 // _arrays.ITEMSIZE[dtype] // rows_per_block))
     return grid
+
+
+def _whole_steps(count: int, step: int) -> int:
+    """count rounded down to a multiple of step, at least step (blocks or clusters past the last row add zero
+    partials)."""
+    return max(step, count // step * step)
 
 
 def all_variants():
@@ -515,7 +518,7 @@ def all_variants():
                             for shift in shifts:
                                 yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, {add}, {shift}>"
                                 min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add == "true", size[1], shift == "true"))
-                                if vec == "true" and min_blocks and slots == _split_slots(add == "true")[size]:
+                                if vec == "true" and min_blocks and slots == _split_slots(add == "true", size[1]):
                                     for split in (s for s in SPLIT_SIZES if s >= min_blocks):  # parts: long rows
                                         yield SOURCE, (f"cupyrope::rms_norm_fwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, "
                                                        f"{slots}, {add}, {split}, {shift}>")
