@@ -230,10 +230,11 @@ __device__ __forceinline__ V cluster_sum(V sums, V (&slots)[SPLIT]) {
 }
 
 // The columns of a row that the block of this cluster rank holds when the SPLIT blocks split it (rms_norm_fwd_split,
-// rms_norm_bwd_split): whole E-element chunks, hidden / E / SPLIT of them rounded up, the last part shorter (or
-// empty). Returns its length; `offset` gets its first column. SHIFT (rows `shift` elements past a 16-byte
-// boundary): the parts split the chunks from that boundary, as many as a row of any shift spans (rmsnorm.py's
-// _row_chunks), so that block 0's part is `shift` elements shorter and every other part starts on a boundary.
+// rms_norm_bwd_split's aligned rows): whole E-element chunks, hidden / E / SPLIT of them rounded up, the last part
+// shorter (or empty). Returns its length; `offset` gets its first column. SHIFT (the forward's rows `shift` elements
+// past a 16-byte boundary): the parts split the chunks from that boundary, as many as a row of any shift spans
+// (rmsnorm.py's _row_chunks), so that block 0's part is `shift` elements shorter and every other part starts on a
+// boundary.
 template <int E, int SPLIT, bool SHIFT = false>
 __device__ __forceinline__ i64 cluster_part(i64 hidden, i64& offset, int shift = 0) {
     if constexpr (SHIFT) {
@@ -246,6 +247,17 @@ __device__ __forceinline__ i64 cluster_part(i64 hidden, i64& offset, int shift =
         offset = cluster_rank() * part;
         return max(i64(0), min(part, hidden - offset));
     }
+}
+
+// The columns of an odd row that the block of this cluster rank holds in rms_norm_bwd_split: whole E-column chunks
+// counted from the row's first column, hidden / E / SPLIT of them rounded up (the last part shorter, or empty), so
+// every part starts at the row's shift and holds the same columns whatever it is. Returns its length; `offset`
+// gets its first column. A part spans one 16-byte chunk more than its columns (rmsnorm.py's _split_parts).
+template <int E, int SPLIT>
+__device__ __forceinline__ i64 cluster_columns(i64 hidden, i64& offset) {
+    const i64 part = ((hidden + E - 1) / E + SPLIT - 1) / SPLIT * E;
+    offset = cluster_rank() * part;
+    return max(i64(0), min(part, hidden - offset));
 }
 
 // N elements to and from fp32, through load_pack / store_pack (VEC: 16-byte accesses at a

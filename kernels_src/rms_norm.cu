@@ -855,17 +855,27 @@ __device__ __forceinline__ Pack<W, E> staged_weight(const NormBwdParams& p, cons
 }
 
 // A staged kernel's dweight sums (none without a weight) into the block's partial row, my_partial. SHIFT: float
-// columns off 16-byte boundaries, one by one. `hidden` as the kernel holds it (i64 or int: either kernel's SASS kept).
+// columns off 16-byte boundaries, one by one; `accumulate` adds them to what the row holds (rms_norm_bwd_split's
+// odd rows, from their second class on). `hidden` as the kernel holds it (i64 or int: either kernel's SASS kept).
 template <bool SHIFT, int NPT, int E, typename I>
 __device__ __forceinline__ void store_staged_partial(const NormBwdParams& p, float* my_partial, const Pack<float, E> (&dw)[NPT],
-                                                     int first, int lane, int step, I hidden) {
+                                                     int first, int lane, int step, I hidden, bool accumulate = false) {
     if (!p.weight) return;
 #pragma unroll
     for (int i = 0; i < NPT; ++i) {
         const int col = staged_column<SHIFT, E>(first, lane, i, step);
         if (col < hidden) {
-            if constexpr (SHIFT) store_chunk<false, true, E>(my_partial, col, (int)hidden, dw[i]);
-            else store_pack<true, E>(my_partial + col, dw[i]);
+            if constexpr (SHIFT) {
+                Pack<float, E> sums = dw[i];
+                if (accumulate) {
+                    const Pack<float, E> held = load_chunk<false, true, E>(my_partial, col, (int)hidden);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) sums.v[e] += held.v[e];
+                }
+                store_chunk<false, true, E>(my_partial, col, (int)hidden, sums);
+            } else {
+                store_pack<true, E>(my_partial + col, dw[i]);
+            }
         }
     }
 }
@@ -969,12 +979,12 @@ __device__ __forceinline__ Pack<W, E> reread_weight(const NormBwdParams& p, cons
     return load_weight<W, true, E>(p.weight, col);
 }
 
-// rms_norm_bwd_reread's rows (SPLIT 1), or rms_norm_bwd_split's (SPLIT > 1: a cluster's; p describes the block's
-// part of them, p.partial its part of the cluster's partial row; the row sums are added over the cluster).
+// Rows first_row, + row_step, ... below p.rows: rms_norm_bwd_reread's (SPLIT 1), or rms_norm_bwd_split's (SPLIT > 1:
+// a cluster's; p describes the block's part of them, p.partial its part of the cluster's partial row; the row sums
+// are added over the cluster). `accumulate`: the dweight sums are added to the partial row (SHIFT only).
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT, int SPLIT>
-__device__ __forceinline__ void reread_rows(const NormBwdParams& p) {
+__device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_row, i64 row_step, bool accumulate = false) {
     constexpr int E = 16 / sizeof(T);
-    const i64 first_row = blockIdx.x / SPLIT, row_step = gridDim.x / SPLIT;
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
     __shared__ float2 cluster_slots[2][SPLIT];  // SPLIT > 1: the row sums of the cluster's blocks (cluster_sum)
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]; SHIFT: then the weight
@@ -1049,12 +1059,33 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p) {
         stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
     copy_async_wait<0>();  // no copy may outlive the block
-    store_staged_partial<SHIFT>(p, SPLIT > 1 ? p.partial : p.partial + first_row * p.hidden, dw, first, lane, step, hidden);
+    store_staged_partial<SHIFT>(p, SPLIT > 1 ? p.partial : p.partial + first_row * p.hidden, dw, first, lane, step, hidden,
+                                accumulate);
 }
 
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT>
 __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdParams p) {
-    reread_rows<T, W, NPT, STAGES, SHIFT, 1>(p);
+    reread_rows<T, W, NPT, STAGES, SHIFT, 1>(p, blockIdx.x, gridDim.x);
+}
+
+// The rows that follow place `place` (below `end`) in the order of rows 0, E, 2E, ..., then 1, E + 1, ... (class k:
+// the rows r = k mod E, q + 1 of them for k < rows mod E, else q = rows / E) within one class: the first one
+// and how many (0 where place >= end).
+struct ClassRun {
+    int first_row, count;
+};
+template <int E>
+__device__ __forceinline__ ClassRun class_run(int place, int end, int rows) {
+    if (place >= end) return {0, 0};
+    const int q = rows / E, longer = rows % E;  // classes 0 .. longer - 1 have q + 1 rows
+    int k, i;
+    if (place < longer * (q + 1)) {
+        k = place / (q + 1), i = place % (q + 1);
+    } else {
+        k = longer + (place - longer * (q + 1)) / q, i = (place - longer * (q + 1)) % q;
+    }
+    const int class_rows = q + (k < longer);
+    return {k + i * E, min(end - place, class_rows - i)};
 }
 
 // ----------------------------------------------------------------- backward, rows split over a cluster
@@ -1062,25 +1093,48 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
 // rows: past what a stage and the weight's copy hold, fp16/bf16 over ~28.6K, fp32 over ~18.9K: the two-pass loop
 // of rms_norm_bwd read them twice from global memory) on a cluster of SPLIT blocks (sm_90+), each the reread
 // kernel on its part of every row: the block of rank r takes columns [r * part, (r + 1) * part), part = the row's
-// 16-byte chunks / SPLIT rounded up (the last part may be shorter; SHIFT: cluster_part), with one stage, and keeps
-// its dweight sums for those columns of the cluster's partial row. Only the two row sums cross blocks
-// (cluster_sum). SHIFT: the cluster's rows all start at the same offset from a 16-byte boundary (the planner
-// makes its row step a multiple of E), so its parts are the same columns in every row.
+// 16-byte chunks / SPLIT rounded up (the last part may be shorter), with one stage, and keeps its dweight sums for
+// those columns of the cluster's partial row. Only the two row sums cross blocks (cluster_sum).
+// SHIFT: part = the row's E-column chunks / SPLIT rounded up (cluster_columns), every part at the row's shift. The
+// dweight sums hold a thread's columns for one shift, and a row's shift repeats every E rows, so the clusters walk
+// the rows class by class (rows r = k mod E, class_run): cluster c takes places [c, c + 1) * rows / clusters of
+// the order class 0's rows, then class 1's, ..., which crosses few classes; at each new class the block adds its
+// sums to its columns of the partial row and starts again (reread_rows' `accumulate`).
+// SHIFT: at most this many threads (rmsnorm.py's SPLIT_SHIFT_MAX_THREADS), so 96 registers at 640 (at 64, for 1024
+// threads, the class walk's row bound pushed dweight sums out to local memory).
+#ifndef RMS_SPLIT_SHIFT_MAX_THREADS
+#define RMS_SPLIT_SHIFT_MAX_THREADS 640
+#endif
 template <typename T, typename W, int NPT, int SPLIT, bool SHIFT>
-__global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(1024, 1) rms_norm_bwd_split(const NormBwdParams p) {
+__global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(SHIFT ? RMS_SPLIT_SHIFT_MAX_THREADS : 1024, 1)
+    rms_norm_bwd_split(const NormBwdParams p) {
 #if CUPYROPE_CLUSTERS
     constexpr int E = 16 / sizeof(T);
-    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + blockIdx.x / SPLIT * p.x_stride);
     i64 offset;
-    const i64 length = cluster_part<E, SPLIT, SHIFT>(p.hidden, offset, shift);
+    const i64 length = SHIFT ? cluster_columns<E, SPLIT>(p.hidden, offset) : cluster_part<E, SPLIT>(p.hidden, offset);
     NormBwdParams mine = p;  // the block's part of the rows; inv_hidden stays the whole row's
     mine.dy = static_cast<const T*>(p.dy) + offset;
     mine.x = static_cast<const T*>(p.x) + offset;
     mine.dx = static_cast<T*>(p.dx) + offset;
     if (p.weight) mine.weight = static_cast<const W*>(p.weight) + offset;
     mine.hidden = length;
-    mine.partial = p.partial + blockIdx.x / SPLIT * p.hidden + offset;
-    reread_rows<T, W, NPT, 1, SHIFT, SPLIT>(mine);  // SHIFT: block 0's part keeps the rows' shift, the others none
+    const i64 cluster = blockIdx.x / SPLIT, clusters = gridDim.x / SPLIT;
+    mine.partial = p.partial + cluster * p.hidden + offset;
+    if constexpr (SHIFT) {
+        const int rows = (int)p.rows;  // < 2^31: rows of over 18K elements (planner)
+        int place = (int)(cluster * rows / clusters);
+        const int end = (int)((cluster + 1) * rows / clusters);
+        bool accumulate = false;
+        do {  // once at least: a cluster with no rows (the planner makes none) writes zero sums
+            const ClassRun run = class_run<E>(place, end, rows);
+            mine.rows = run.first_row + (run.count - 1) * E + 1;  // past the run's last row
+            reread_rows<T, W, NPT, 1, SHIFT, SPLIT>(mine, run.first_row, E, accumulate);
+            accumulate = true;
+            place += run.count;
+        } while (place < end);
+    } else {
+        reread_rows<T, W, NPT, 1, SHIFT, SPLIT>(mine, cluster, clusters);
+    }
 #else
     __trap();  // no clusters before sm_90: the planner never launches it there
 #endif
