@@ -96,9 +96,12 @@ STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMax
 # memory after the stage (fp16/bf16 from ~4090 elements, fp32 from ~4095, which rms_norm_bwd's registers held).
 REREAD_SLOTS = {4: 8, 2: 4}
 REREAD_MAX_THREADS = 1024
-# rms_norm_bwd_split's odd rows: at most this many threads a part (its launch bound: 96 registers, no spills;
-# rms_norm.cu's RMS_SPLIT_SHIFT_MAX_THREADS), so on 8 blocks up to ~163K elements, read twice past that
-SPLIT_SHIFT_MAX_THREADS = 640
+# rms_norm_bwd_split's odd rows on clusters of at least CLASS_WALK_MIN_SPLIT blocks walk their rows class by class
+# (v26, rms_norm.cu's CLASS_WALK_MIN_SPLIT), at most CLASS_WALK_MAX_THREADS a part (its launch bound: 96 registers,
+# no spills; rms_norm.cu's RMS_CLASS_WALK_MAX_THREADS): up to ~163K elements on 8 blocks, read twice past that.
+# On 2 blocks their clusters step over E rows (v25): 66 clusters become 64, and parts up to 1024 threads.
+CLASS_WALK_MIN_SPLIT = 4
+CLASS_WALK_MAX_THREADS = 640
 REREAD_STAGES = 1
 # Rows too long for one block (forward: its registers; backward: its shared memory) split over a cluster of this
 # many blocks (sm_90+): rms_norm_fwd_split, rms_norm_bwd_split. The first size whose parts one block holds; 8 is the
@@ -135,7 +138,7 @@ def _scalars(eps, offset, hidden) -> tuple[float, float, float]:
 
 class NormPlan:
     __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "small", "slots", "extents", "shared_mem",
-                 "shared_acc", "reread", "split", "out_layouts", "launch", "dw_launch", "new_output",
+                 "shared_acc", "reread", "split", "cluster_step", "out_layouts", "launch", "dw_launch", "new_output",
                  "new_rstd", "new_dx", "new_dweight", "new_partial")
 
     def __init__(self, name, grid, block, vectorized, slots):
@@ -150,6 +153,7 @@ class NormPlan:
         self.staged = False
         self.reread = False  # backward: rms_norm_bwd_reread (staged too: one row a block, rows copied ahead)
         self.split = 1  # blocks a row is split over (a cluster: rms_norm_fwd_split, rms_norm_bwd_split)
+        self.cluster_step = 1  # split: the cluster count a multiple of this where clusters walk several rows
         self.small = False  # forward: planned as a small input (FWD_SMALL_ELEMS_PER_THREAD)
 
     def __repr__(self):
@@ -288,16 +292,14 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     return plan
 
 
-def _split_parts(hidden: int, itemsize: int, min_blocks: int = 1, shifted: bool = False, by_columns: bool = False):
+def _split_parts(hidden: int, itemsize: int, min_blocks: int = 1, shifted: bool = False, walk: bool = False):
     """(blocks, 16-byte chunks of the longest part) for each cluster size of SPLIT_SIZES from min_blocks: a row's
     chunks (shifted: as many as a row of any shift spans) split into parts of whole chunks, the last one shorter
-    (the kernels' cluster_part). by_columns (the backward's shifted rows, cluster_columns): the row's E-column
-    chunks split so, each part at the row's shift, so spanning one 16-byte chunk more."""
-    if by_columns:
-        chunks = _row_chunks(hidden, itemsize, False)
-        return [(split, -(-chunks // split) + 1) for split in SPLIT_SIZES if split >= min_blocks]
-    chunks = _row_chunks(hidden, itemsize, shifted)
-    return [(split, -(-chunks // split)) for split in SPLIT_SIZES if split >= min_blocks]
+    (the kernels' cluster_part). walk (the backward's shifted rows), from CLASS_WALK_MIN_SPLIT blocks: the row's
+    E-column chunks split so (cluster_columns), each part at the row's shift, so spanning one chunk more."""
+    row_chunks, column_chunks = _row_chunks(hidden, itemsize, shifted), _row_chunks(hidden, itemsize, False)
+    return [(split, -(-column_chunks // split) + 1 if walk and split >= CLASS_WALK_MIN_SPLIT else -(-row_chunks // split))
+            for split in SPLIT_SIZES if split >= min_blocks]
 
 
 def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, shifted=False):
@@ -399,19 +401,22 @@ def _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted=False,
 
 def _plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False):
     """The plan of rms_norm_bwd_split: rms_norm_bwd_reread's plan for the longest part of a row split over the
-    fewest blocks that hold the parts (_split_parts; shifted: parts of columns, each a shifted row of the reread
-    kernel, with the weight's copy); its grid one cluster a row (cap_split_grid caps it). None where no cluster
-    size does."""
+    fewest blocks that hold the parts (_split_parts; shifted: a part's chunks as the reread kernel's shifted row,
+    with the weight's copy); its grid one cluster a row (cap_split_grid caps it). None where no cluster size does.
+    Shifted rows on 2 blocks: the clusters step over E rows (a cluster's rows share one shift); on more, they walk
+    the rows class by class (CLASS_WALK_MIN_SPLIT)."""
     itemsize = _arrays.ITEMSIZE[dtype]
-    for split, chunks in _split_parts(hidden, itemsize, by_columns=shifted):
+    for split, chunks in _split_parts(hidden, itemsize, shifted=shifted, walk=shifted):
+        walk = shifted and split >= CLASS_WALK_MIN_SPLIT
         part = _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted,
-                            SPLIT_SHIFT_MAX_THREADS if shifted else REREAD_MAX_THREADS)
+                            CLASS_WALK_MAX_THREADS if walk else REREAD_MAX_THREADS)
         if part:
             name = (f"cupyrope::rms_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {part.slots}, {split}, "
                     f"{'true' if shifted else 'false'}>")
             plan = NormPlan(name, rows * split, part.block, True, part.slots)
             plan.staged = plan.reread = True
             plan.shifted = shifted
+            plan.cluster_step = 16 // itemsize if shifted and not walk else 1  # rows of one shift (cap_grid)
             plan.shared_mem, plan.split = part.shared_mem, split
             return plan
     return None
@@ -479,8 +484,10 @@ def lean_staged(plan, rows: int) -> bool:
 
 
 def cap_split_grid(plan, max_clusters: int, rows: int) -> int:
-    """A split plan's grid: one cluster a row, at most max_clusters (at least one), each of plan.split blocks."""
-    return plan.split * max(1, min(rows, max_clusters))
+    """A split plan's grid: one cluster a row, at most max_clusters (at least one), each of plan.split blocks; where
+    clusters walk several rows, a multiple of plan.cluster_step clusters (the shifted backward's, see cap_grid)."""
+    clusters = max(1, min(rows, max_clusters))
+    return plan.split * (_whole_steps(clusters, plan.cluster_step) if clusters < rows else clusters)
 
 
 def _fit_clusters(plan, kernel, rows: int, device: int) -> bool:
@@ -500,9 +507,14 @@ def cap_grid(plan, max_blocks: int, rows: int, dtype) -> int:
     grid = max(1, min(plan.grid, max_blocks))
     rows_per_block = plan.block[1]
     if plan.shifted and grid * rows_per_block < rows:
-        step = max(1, 16 // _arrays.ITEMSIZE[dtype] // rows_per_block)
-        grid = max(step, grid // step * step)  # blocks past the last row add zero partials
+        grid = _whole_steps(grid, max(1, 16 // _arrays.ITEMSIZE[dtype] // rows_per_block))
     return grid
+
+
+def _whole_steps(count: int, step: int) -> int:
+    """count rounded down to a multiple of step, at least step (blocks or clusters past the last row add zero
+    partials)."""
+    return max(step, count // step * step)
 
 
 def all_variants():

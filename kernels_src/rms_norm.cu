@@ -1068,6 +1068,29 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
     reread_rows<T, W, NPT, STAGES, SHIFT, 1>(p, blockIdx.x, gridDim.x);
 }
 
+// ----------------------------------------------------------------- backward, rows split over a cluster
+// Rows too long for one block's shared memory (aligned fp16/bf16 over 32K elements, fp32 over ~29K; SHIFT, odd
+// rows: past what a stage and the weight's copy hold, fp16/bf16 over ~28.6K, fp32 over ~18.9K: the two-pass loop
+// of rms_norm_bwd read them twice from global memory) on a cluster of SPLIT blocks (sm_90+), each the reread
+// kernel on its part of every row: the block of rank r takes columns [r * part, (r + 1) * part), part = the row's
+// 16-byte chunks / SPLIT rounded up (the last part may be shorter), with one stage, and keeps its dweight sums for
+// those columns of the cluster's partial row. Only the two row sums cross blocks (cluster_sum).
+// SHIFT: the dweight sums hold a thread's columns for one shift (offset of the row from a 16-byte boundary), and a
+// row's shift repeats every E rows. On 2 blocks (v25) the clusters step over a multiple of E rows (the planner's
+// cluster_step), so a cluster's rows share one shift; the parts split the chunks a row of any shift spans
+// (cluster_part): block 0's keeps the shift, the others start on a boundary. From CLASS_WALK_MIN_SPLIT blocks (v26;
+// rounding their fewer clusters down to a multiple of E left SMs idle) the clusters walk the rows class by class
+// (rows r = k mod E, class_run): cluster c takes places [c, c + 1) * rows / clusters of the order class 0's rows,
+// then class 1's, ..., crossing few classes; at each new class the block adds its sums to its columns of the
+// partial row and starts again (reread_rows' `accumulate`). Its parts are whole E-column chunks, each at the row's
+// shift (cluster_columns), so that a block's columns stay the same across classes, on at most
+// RMS_CLASS_WALK_MAX_THREADS (96 registers at 640: at 64, for 1024 threads, the walk's row bound pushed dweight
+// sums out to local memory).
+constexpr int CLASS_WALK_MIN_SPLIT = 4;  // rmsnorm.py's
+#ifndef RMS_CLASS_WALK_MAX_THREADS
+#define RMS_CLASS_WALK_MAX_THREADS 640  // rmsnorm.py's CLASS_WALK_MAX_THREADS
+#endif
+
 // The rows that follow place `place` (below `end`) in the order of rows 0, E, 2E, ..., then 1, E + 1, ... (class k:
 // the rows r = k mod E, q + 1 of them for k < rows mod E, else q = rows / E) within one class: the first one
 // and how many (0 where place >= end).
@@ -1088,30 +1111,16 @@ __device__ __forceinline__ ClassRun class_run(int place, int end, int rows) {
     return {k + i * E, min(end - place, class_rows - i)};
 }
 
-// ----------------------------------------------------------------- backward, rows split over a cluster
-// Rows too long for one block's shared memory (aligned fp16/bf16 over 32K elements, fp32 over ~29K; SHIFT, odd
-// rows: past what a stage and the weight's copy hold, fp16/bf16 over ~28.6K, fp32 over ~18.9K: the two-pass loop
-// of rms_norm_bwd read them twice from global memory) on a cluster of SPLIT blocks (sm_90+), each the reread
-// kernel on its part of every row: the block of rank r takes columns [r * part, (r + 1) * part), part = the row's
-// 16-byte chunks / SPLIT rounded up (the last part may be shorter), with one stage, and keeps its dweight sums for
-// those columns of the cluster's partial row. Only the two row sums cross blocks (cluster_sum).
-// SHIFT: part = the row's E-column chunks / SPLIT rounded up (cluster_columns), every part at the row's shift. The
-// dweight sums hold a thread's columns for one shift, and a row's shift repeats every E rows, so the clusters walk
-// the rows class by class (rows r = k mod E, class_run): cluster c takes places [c, c + 1) * rows / clusters of
-// the order class 0's rows, then class 1's, ..., which crosses few classes; at each new class the block adds its
-// sums to its columns of the partial row and starts again (reread_rows' `accumulate`).
-// SHIFT: at most this many threads (rmsnorm.py's SPLIT_SHIFT_MAX_THREADS), so 96 registers at 640 (at 64, for 1024
-// threads, the class walk's row bound pushed dweight sums out to local memory).
-#ifndef RMS_SPLIT_SHIFT_MAX_THREADS
-#define RMS_SPLIT_SHIFT_MAX_THREADS 640
-#endif
 template <typename T, typename W, int NPT, int SPLIT, bool SHIFT>
-__global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(SHIFT ? RMS_SPLIT_SHIFT_MAX_THREADS : 1024, 1)
+__global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(SHIFT && SPLIT >= CLASS_WALK_MIN_SPLIT ? RMS_CLASS_WALK_MAX_THREADS : 1024, 1)
     rms_norm_bwd_split(const NormBwdParams p) {
 #if CUPYROPE_CLUSTERS
     constexpr int E = 16 / sizeof(T);
+    constexpr bool WALK = SHIFT && SPLIT >= CLASS_WALK_MIN_SPLIT;
     i64 offset;
-    const i64 length = SHIFT ? cluster_columns<E, SPLIT>(p.hidden, offset) : cluster_part<E, SPLIT>(p.hidden, offset);
+    const i64 length = WALK ? cluster_columns<E, SPLIT>(p.hidden, offset)
+                            : cluster_part<E, SPLIT, SHIFT>(p.hidden, offset,
+                                                            row_shift<SHIFT, E>(static_cast<const T*>(p.x) + blockIdx.x / SPLIT * p.x_stride));
     NormBwdParams mine = p;  // the block's part of the rows; inv_hidden stays the whole row's
     mine.dy = static_cast<const T*>(p.dy) + offset;
     mine.x = static_cast<const T*>(p.x) + offset;
@@ -1120,8 +1129,8 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(SHIFT ? RMS_SPLIT_SHIFT_MA
     mine.hidden = length;
     const i64 cluster = blockIdx.x / SPLIT, clusters = gridDim.x / SPLIT;
     mine.partial = p.partial + cluster * p.hidden + offset;
-    if constexpr (SHIFT) {
-        const int rows = (int)p.rows;  // < 2^31: rows of over 18K elements (planner)
+    if constexpr (WALK) {
+        const int rows = (int)p.rows;  // < 2^31: rows of over 18K elements
         int place = (int)(cluster * rows / clusters);
         const int end = (int)((cluster + 1) * rows / clusters);
         bool accumulate = false;
@@ -1132,7 +1141,7 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(SHIFT ? RMS_SPLIT_SHIFT_MA
             accumulate = true;
             place += run.count;
         } while (place < end);
-    } else {
+    } else {  // SHIFT: block 0's part keeps the rows' shift, the others none
         reread_rows<T, W, NPT, 1, SHIFT, SPLIT>(mine, cluster, clusters);
     }
 #else

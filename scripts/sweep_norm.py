@@ -92,7 +92,8 @@ if "--oddsplit" in sys.argv:  # odd rows past one block (v25, v25b: SHIFT on a c
     SHAPES = [(2048, 30001, torch.bfloat16), (2048, 40001, torch.bfloat16), (2048, 40000, torch.bfloat16),
               (1024, 65539, torch.bfloat16), (1024, 65536, torch.bfloat16), (2048, 36001, torch.float16),
               (512, 131075, torch.bfloat16), (2048, 20001, torch.float32), (2048, 20000, torch.float32),
-              (2048, 33001, torch.float32), (1024, 65537, torch.float32)]
+              (2048, 33001, torch.float32), (1024, 65537, torch.float32), (2048, 40961, torch.float16),
+              (1024, 50001, torch.bfloat16), (4096, 30001, torch.bfloat16)]
     if "--add" in sys.argv:  # only fp32 fused adds split (odd ones from 32761 elements)
         SHAPES = [(2048, 33001, torch.float32), (2048, 32768, torch.float32), (2048, 40001, torch.float32),
                   (1024, 65537, torch.float32), (2048, 24577, torch.float32)]

@@ -422,23 +422,27 @@ def test_rms_norm_backward_split_plans():
     assert plan(65536, clusters=False).slots == 0 and plan(65536, clusters=False).split == 1  # no clusters
     for p in (plan(524288), plan(65536, impl="scalar"), plan(30001, ptr=BASE + 2, clusters=False)):
         assert p.split == 1 and p.slots == 0 and p.name.startswith("cupyrope::rms_norm_bwd<"), p  # past 8, scalar, none
-    # Odd rows past the shifted reread kernel (v25, v26): the row's E-column chunks split, every part at the row's
-    # shift, so spanning one chunk more; the parts with the weight's copy after the stage, on at most 640 threads
-    # (SPLIT_SHIFT_MAX_THREADS); any cluster count (the clusters walk the rows class by class).
-    p = plan(30001, ptr=BASE + 2)  # 3751 column chunks: parts of 1876 (+ 1) on 480 threads x 4, weight 58.7 KiB
+    # Odd rows past the shifted reread kernel (v25, v26), with the weight's copy after the stage. On 2 blocks (v25):
+    # the chunks a row of any shift spans, split; clusters in steps of E rows (a cluster's rows share one shift),
+    # unless each cluster takes one row. On 4 or 8 (v26: the clusters walk the rows class by class, any count): the
+    # row's E-column chunks split, every part at the row's shift, so spanning one chunk more, on at most 640 threads.
+    p = plan(30001, ptr=BASE + 2)  # 3751 chunks: parts of 1876 on 480 threads x 4, stage 60 KiB + weight 58.6
     assert p.split == 2 and p.name == "cupyrope::rms_norm_bwd_split<__nv_bfloat16, float, 4, 2, true>", p
-    assert p.shifted and p.block == (480, 1) and p.shared_mem == 61440 + 1877 * 8 * 4 and p.grid == 2 * 66, p
-    assert p.name in names
-    p = plan(20001, "float32", ptr=BASE + 4)  # 5001 column chunks: parts of 2501 (+ 1) on 320 x 8; 66 clusters
-    assert p.split == 2 and p.shifted and p.block == (320, 1) and p.grid == 2 * 66 and p.name in names, p
-    p = plan(65539, ptr=BASE + 2, weight="bfloat16", rows=5)  # 8193: 2 parts need 1025 threads; 4 of 2049 (+ 1)
-    assert p.split == 4 and p.shifted and p.block == (544, 1) and p.grid == 4 * 5 and p.name in names, p
-    assert p.shared_mem == 2 * 4 * 544 * 16 + 2050 * 8 * 2
-    p = plan(50001, ptr=BASE + 2, weight="bfloat16")  # 6251: 2 parts need 800 threads (> 640); 4 of 1563 (+ 1)
-    assert p.split == 4 and p.block == (416, 1) and p.grid == 4 * 33, p
-    assert plan(28001, ptr=BASE + 2).split == 1 and plan(28001, ptr=BASE + 2).reread  # the reread kernel holds it
+    assert p.shifted and p.block == (480, 1) and p.shared_mem == 61440 + 1876 * 8 * 4 and p.grid == 2 * 64, p
+    assert p.name in names and p.cluster_step == 8
+    p = plan(20001, "float32", ptr=BASE + 4)  # 5001 chunks: parts of 2501 on 320 x 8; 66 clusters -> 64
+    assert p.split == 2 and p.shifted and p.block == (320, 1) and p.grid == 2 * 64 and p.name in names, p
+    p = plan(50001, ptr=BASE + 2, weight="bfloat16")  # 6252 chunks: parts of 3126 on 800 threads (up to 1024)
+    assert p.split == 2 and p.block == (800, 1) and p.grid == 2 * 64, p
+    p = plan(65539, ptr=BASE + 2, weight="bfloat16")  # 8193 column chunks: 2 parts need 1025 threads; 4 of 2049 (+ 1)
+    assert p.split == 4 and p.shifted and p.block == (544, 1) and p.grid == 4 * 33 and p.cluster_step == 1, p
+    assert p.shared_mem == 2 * 4 * 544 * 16 + 2050 * 8 * 2 and p.name in names
+    assert plan(65539, ptr=BASE + 2, rows=5).grid == 4 * 5  # one row a cluster
+    p = plan(100001, ptr=BASE + 2)  # 12501 column chunks: 4 parts of 3126 (+ 1) need 800 threads (> 640); 8 of 1563
+    assert p.split == 8 and p.block == (416, 1) and p.grid == 8 * 16, p
     assert plan(150001, ptr=BASE + 2).split == 8 and plan(150001, ptr=BASE + 2).block == (608, 1)  # 8 parts of 2344 (+ 1)
     assert plan(200001, ptr=BASE + 2).split == 1  # 8 parts need 800 threads: read twice
+    assert plan(28001, ptr=BASE + 2).split == 1 and plan(28001, ptr=BASE + 2).reread  # the reread kernel holds it
 
 
 def test_rms_norm_forward_split_plans():

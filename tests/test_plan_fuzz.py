@@ -182,16 +182,17 @@ def assert_runnable_norm(plan, arrays_):
     assert plan.name in VARIANTS, plan.name
     assert 1 <= plan.grid < 2**31 and 1 <= plan.block[0] * plan.block[1] <= 1024
     assert plan.grid % plan.split == 0 and (plan.split == 1 or plan.block[1] == 1)  # whole clusters, one row a block
-    assert plan.split == 1 or plan.grid // plan.split <= math.prod(arrays_[0].shape[:-1])  # no cluster without rows
-    if plan.split > 1 and plan.shifted and plan.name.startswith("cupyrope::rms_norm_bwd"):
-        assert plan.block[0] <= norm_module.SPLIT_SHIFT_MAX_THREADS  # its launch bound
+    if plan.split >= norm_module.CLASS_WALK_MIN_SPLIT and plan.shifted and plan.name.startswith("cupyrope::rms_norm_bwd"):
+        assert plan.block[0] <= norm_module.CLASS_WALK_MAX_THREADS  # its launch bound
+        assert plan.grid // plan.split <= math.prod(arrays_[0].shape[:-1])  # no cluster without rows
     assert plan.shared_mem <= SHARED_OPTIN - norm_module.STATIC_SHARED_BYTES
     if plan.vectorized and not plan.shifted:
         assert all(aligned_16(a) for a in arrays_ if a is not None)
     rows = math.prod(arrays_[0].shape[:-1])
     step = plan.grid // plan.split * plan.block[1]  # rows between a rows slot's rows
-    # A rows slot's sums over rows of one shift (the split backward walks its rows class by class instead)
-    if plan.shifted and plan.name.startswith("cupyrope::rms_norm_bwd") and plan.split == 1 and step < rows:
+    # A rows slot's sums over rows of one shift (the split backward on 4+ blocks walks its rows class by class)
+    walks = plan.split >= norm_module.CLASS_WALK_MIN_SPLIT
+    if plan.shifted and plan.name.startswith("cupyrope::rms_norm_bwd") and not walks and step < rows:
         assert step % (16 // ITEMSIZE[arrays_[0].dtype]) == 0, plan
 
 

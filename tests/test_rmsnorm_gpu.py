@@ -309,12 +309,13 @@ def test_forward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, split, 
 
 # rms_norm_bwd_split (v24, sm_90+): aligned rows too long for one block's shared memory (fp16/bf16 over 32K
 # elements, fp32 over ~29K) split over a cluster of 2, 4 or 8 blocks, only the row sums crossing blocks: parts of
-# whole chunks and a shorter last one (40968, 65544), strided rows (pad). Odd rows (SHIFT, v25, v26) past the
-# shifted reread kernel (fp16/bf16 over ~28.6K elements, fp32 over ~18.9K): parts of whole E-column chunks, each at
-# the row's shift; views into a wider buffer from column `start` with NaN around them, every row at another offset,
-# the clusters walking the rows class by class (rows r = k mod E share one offset; most clusters here cross a
-# class). More rows than clusters and fewer, a weight in x's dtype, fp32 or none, given rstd; every row checked,
-# dweight bitwise equal over two runs.
+# whole chunks and a shorter last one (40968, 65544), strided rows (pad). Odd rows (SHIFT) past the shifted reread
+# kernel (fp16/bf16 over ~28.6K elements, fp32 over ~18.9K), views into a wider buffer from column `start` with NaN
+# around them, every row at another offset: on 2 blocks (v25) block 0's part from the row's shift, the others from
+# 16-byte boundaries, a cluster's rows sharing one offset (its step a multiple of E); on 4 and 8 (v26) parts of
+# whole E-column chunks, each at the row's shift, the clusters walking the rows class by class (rows r = k mod E
+# share one offset; most clusters here cross a class). More rows than clusters and fewer, a weight in x's dtype,
+# fp32 or none, given rstd; every row checked, dweight bitwise equal over two runs.
 @pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hidden,rows,pad_or_start,weight_dtype,split", [
@@ -344,15 +345,15 @@ def test_backward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad_or
     assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
 
 
-# Odd rows split over clusters (v26) when each cluster's rows cross several classes: the clusters capped at 3, so
-# a cluster walks rows of 2-5 classes, adding its dweight sums to its partial row at each new class (50 rows of E = 8:
-# classes of 6-7 rows against 16-17 a cluster); fewer rows than classes (7 of E = 8: classes of one row and an empty
-# one), clusters of 4 blocks.
+# Odd rows split over 4 or 8 blocks (v26) where each cluster's rows cross several classes: the clusters capped at 3,
+# so a cluster walks rows of 2-5 classes, adding its dweight sums to its partial row at each new class (50 rows of
+# E = 8: classes of 6-7 rows against 16-17 a cluster; E = 4: 12-13); fewer rows than classes (7 of E = 8: classes
+# of one row and an empty one).
 @pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hidden,rows,start,weight_dtype,split", [
-    ("bfloat16", 40001, 50, 8, "float32", 2), ("float32", 20001, 50, 4, "float32", 2),
-    ("float16", 65539, 7, 0, "float16", 4), ("float16", 36001, 29, 0, "float32", 2)])
+    ("bfloat16", 65539, 50, 8, "float32", 4), ("float32", 40001, 50, 4, "float32", 4),
+    ("float16", 65539, 7, 0, "float16", 4), ("bfloat16", 131075, 29, 0, "bfloat16", 8)])
 def test_backward_split_odd_rows_across_classes(rng, monkeypatch, kind, dtype, hidden, rows, start, weight_dtype,
                                                 split):
     fresh_plans(monkeypatch)
