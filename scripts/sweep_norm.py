@@ -88,12 +88,13 @@ if "--split" in sys.argv:  # aligned rows past one block (registers, shared memo
               (4096, 49152, torch.bfloat16)]
     if "--add" in sys.argv:  # the fused add splits rows from 16K elements (its registers hold less)
         SHAPES += [(4096, 24576, torch.bfloat16), (4096, 20480, torch.float32), (8192, 16400, torch.bfloat16)]
-if "--oddsplit" in sys.argv:  # odd rows past one block (v25, v25b: SHIFT on a cluster) and aligned neighbours
+if "--oddsplit" in sys.argv:  # odd rows past one block (v25, v25b, v26: SHIFT on a cluster) and aligned neighbours
     SHAPES = [(2048, 30001, torch.bfloat16), (2048, 40001, torch.bfloat16), (2048, 40000, torch.bfloat16),
               (1024, 65539, torch.bfloat16), (1024, 65536, torch.bfloat16), (2048, 36001, torch.float16),
               (512, 131075, torch.bfloat16), (2048, 20001, torch.float32), (2048, 20000, torch.float32),
               (2048, 33001, torch.float32), (1024, 65537, torch.float32), (2048, 40961, torch.float16),
-              (1024, 50001, torch.bfloat16), (4096, 30001, torch.bfloat16)]
+              (1024, 50001, torch.bfloat16), (2048, 40001, torch.float32), (1024, 100001, torch.bfloat16),
+              (4096, 65539, torch.bfloat16)]
     if "--add" in sys.argv:  # only fp32 fused adds split (odd ones from 32761 elements)
         SHAPES = [(2048, 33001, torch.float32), (2048, 32768, torch.float32), (2048, 40001, torch.float32),
                   (1024, 65537, torch.float32), (2048, 24577, torch.float32)]
