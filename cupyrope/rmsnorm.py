@@ -292,14 +292,12 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     return plan
 
 
-def _split_parts(hidden: int, itemsize: int, min_blocks: int = 1, shifted: bool = False, walk: bool = False):
+def _split_parts(hidden: int, itemsize: int, min_blocks: int = 1, shifted: bool = False):
     """(blocks, 16-byte chunks of the longest part) for each cluster size of SPLIT_SIZES from min_blocks: a row's
     chunks (shifted: as many as a row of any shift spans) split into parts of whole chunks, the last one shorter
-    (the kernels' cluster_part). walk (the backward's shifted rows), from CLASS_WALK_MIN_SPLIT blocks: the row's
-    E-column chunks split so (cluster_columns), each part at the row's shift, so spanning one chunk more."""
-    row_chunks, column_chunks = _row_chunks(hidden, itemsize, shifted), _row_chunks(hidden, itemsize, False)
-    return [(split, -(-column_chunks // split) + 1 if walk and split >= CLASS_WALK_MIN_SPLIT else -(-row_chunks // split))
-            for split in SPLIT_SIZES if split >= min_blocks]
+    (the kernels' cluster_part)."""
+    chunks = _row_chunks(hidden, itemsize, shifted)
+    return [(split, -(-chunks // split)) for split in SPLIT_SIZES if split >= min_blocks]
 
 
 def _plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, shifted=False):
@@ -406,8 +404,10 @@ def _plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit, shifte
     Shifted rows on 2 blocks: the clusters step over E rows (a cluster's rows share one shift); on more, they walk
     the rows class by class (CLASS_WALK_MIN_SPLIT)."""
     itemsize = _arrays.ITEMSIZE[dtype]
-    for split, chunks in _split_parts(hidden, itemsize, shifted=shifted, walk=shifted):
+    for split, chunks in _split_parts(hidden, itemsize, shifted=shifted):
         walk = shifted and split >= CLASS_WALK_MIN_SPLIT
+        if walk:  # parts of whole E-column chunks, each at the row's shift (cluster_columns): one chunk more
+            chunks = -(-_row_chunks(hidden, itemsize, False) // split) + 1
         part = _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted,
                             CLASS_WALK_MAX_THREADS if walk else REREAD_MAX_THREADS)
         if part:

@@ -252,7 +252,7 @@ __device__ __forceinline__ i64 cluster_part(i64 hidden, i64& offset, int shift =
 // The columns of an odd row that the block of this cluster rank holds in rms_norm_bwd_split: whole E-column chunks
 // counted from the row's first column, hidden / E / SPLIT of them rounded up (the last part shorter, or empty), so
 // every part starts at the row's shift and holds the same columns whatever it is. Returns its length; `offset`
-// gets its first column. A part spans one 16-byte chunk more than its columns (rmsnorm.py's _split_parts).
+// gets its first column. A part spans one 16-byte chunk more than its columns (rmsnorm.py's _plan_backward_split).
 template <int E, int SPLIT>
 __device__ __forceinline__ i64 cluster_columns(i64 hidden, i64& offset) {
     const i64 part = ((hidden + E - 1) / E + SPLIT - 1) / SPLIT * E;

@@ -1111,16 +1111,17 @@ __device__ __forceinline__ ClassRun class_run(int place, int end, int rows) {
     return {k + i * E, min(end - place, class_rows - i)};
 }
 
+__host__ __device__ constexpr bool walks_classes(bool shift, int split) { return shift && split >= CLASS_WALK_MIN_SPLIT; }
+
 template <typename T, typename W, int NPT, int SPLIT, bool SHIFT>
-__global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(SHIFT && SPLIT >= CLASS_WALK_MIN_SPLIT ? RMS_CLASS_WALK_MAX_THREADS : 1024, 1)
+__global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(walks_classes(SHIFT, SPLIT) ? RMS_CLASS_WALK_MAX_THREADS : 1024, 1)
     rms_norm_bwd_split(const NormBwdParams p) {
 #if CUPYROPE_CLUSTERS
     constexpr int E = 16 / sizeof(T);
-    constexpr bool WALK = SHIFT && SPLIT >= CLASS_WALK_MIN_SPLIT;
+    constexpr bool WALK = walks_classes(SHIFT, SPLIT);
+    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + blockIdx.x / SPLIT * p.x_stride);  // not WALK
     i64 offset;
-    const i64 length = WALK ? cluster_columns<E, SPLIT>(p.hidden, offset)
-                            : cluster_part<E, SPLIT, SHIFT>(p.hidden, offset,
-                                                            row_shift<SHIFT, E>(static_cast<const T*>(p.x) + blockIdx.x / SPLIT * p.x_stride));
+    const i64 length = WALK ? cluster_columns<E, SPLIT>(p.hidden, offset) : cluster_part<E, SPLIT, SHIFT>(p.hidden, offset, shift);
     NormBwdParams mine = p;  // the block's part of the rows; inv_hidden stays the whole row's
     mine.dy = static_cast<const T*>(p.dy) + offset;
     mine.x = static_cast<const T*>(p.x) + offset;
