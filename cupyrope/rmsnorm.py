@@ -404,10 +404,11 @@ def _plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit, shifte
     Shifted rows on 2 blocks: the clusters step over E rows (a cluster's rows share one shift); on more, they walk
     the rows class by class (CLASS_WALK_MIN_SPLIT)."""
     itemsize = _arrays.ITEMSIZE[dtype]
+    column_parts = dict(_split_parts(hidden, itemsize))  # parts of whole E-column chunks (cluster_columns)
     for split, chunks in _split_parts(hidden, itemsize, shifted=shifted):
         walk = shifted and split >= CLASS_WALK_MIN_SPLIT
-        if walk:  # parts of whole E-column chunks, each at the row's shift (cluster_columns): one chunk more
-            chunks = -(-_row_chunks(hidden, itemsize, False) // split) + 1
+        if walk:  # parts of columns, each at the row's shift: one chunk more
+            chunks = column_parts[split] + 1
         part = _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted,
                             CLASS_WALK_MAX_THREADS if walk else REREAD_MAX_THREADS)
         if part:

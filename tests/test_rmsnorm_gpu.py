@@ -314,19 +314,28 @@ def test_forward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, split, 
 # around them, every row at another offset: on 2 blocks (v25) block 0's part from the row's shift, the others from
 # 16-byte boundaries, a cluster's rows sharing one offset (its step a multiple of E); on 4 and 8 (v26) parts of
 # whole E-column chunks, each at the row's shift, the clusters walking the rows class by class (rows r = k mod E
-# share one offset; most clusters here cross a class). More rows than clusters and fewer, a weight in x's dtype,
-# fp32 or none, given rstd; every row checked, dweight bitwise equal over two runs.
+# share one offset; most clusters here cross a class). The last 4 cases cap the clusters at 3, so that a cluster
+# walks rows of 2-5 classes, adding its dweight sums to its partial row at each new class (50 rows of E = 8:
+# classes of 6-7 rows against 16-17 a cluster; E = 4: 12-13), and fewer rows than classes (7 of E = 8: classes of
+# one row and an empty one). More rows than clusters and fewer, a weight in x's dtype, fp32 or none, given rstd;
+# every row checked, dweight bitwise equal over two runs.
 @pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype,hidden,rows,pad_or_start,weight_dtype,split", [
-    ("bfloat16", 65536, 301, 0, "float32", 2), ("float16", 40968, 70, 8, "float16", 2),
-    ("float32", 32768, 199, 4, "float32", 2), ("bfloat16", 131072, 40, 0, "bfloat16", 4),
-    ("float32", 65544, 150, 0, "float32", 4), ("bfloat16", 262144, 5, 8, "float32", 8),
-    ("bfloat16", 30001, 301, 8, "float32", 2), ("float16", 40961, 70, 0, "float16", 2),  # odd: start
-    ("float32", 20001, 199, 4, "float32", 2), ("bfloat16", 65539, 40, 0, "bfloat16", 4),
-    ("float32", 65537, 33, 0, "float32", 4), ("bfloat16", 150001, 5, 8, "float32", 8)])
-def test_backward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad_or_start, weight_dtype, split):
+@pytest.mark.parametrize("dtype,hidden,rows,pad_or_start,weight_dtype,split,max_clusters", [
+    ("bfloat16", 65536, 301, 0, "float32", 2, None), ("float16", 40968, 70, 8, "float16", 2, None),
+    ("float32", 32768, 199, 4, "float32", 2, None), ("bfloat16", 131072, 40, 0, "bfloat16", 4, None),
+    ("float32", 65544, 150, 0, "float32", 4, None), ("bfloat16", 262144, 5, 8, "float32", 8, None),
+    ("bfloat16", 30001, 301, 8, "float32", 2, None), ("float16", 40961, 70, 0, "float16", 2, None),  # odd: start
+    ("float32", 20001, 199, 4, "float32", 2, None), ("bfloat16", 65539, 40, 0, "bfloat16", 4, None),
+    ("float32", 65537, 33, 0, "float32", 4, None), ("bfloat16", 150001, 5, 8, "float32", 8, None),
+    ("bfloat16", 65539, 50, 8, "float32", 4, 3), ("float32", 40001, 50, 4, "float32", 4, 3),  # across classes
+    ("float16", 65539, 7, 0, "float16", 4, 3), ("bfloat16", 131075, 29, 0, "bfloat16", 8, 3)])
+def test_backward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad_or_start, weight_dtype, split,
+                             max_clusters):
     fresh_plans(monkeypatch)
+    if max_clusters:
+        resident = rmsnorm.resident_clusters
+        monkeypatch.setattr(rmsnorm, "resident_clusters", lambda *args: min(max_clusters, resident(*args)))
     x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), weight_dtype, rng)
     odd = hidden * (4 if dtype == "float32" else 2) % 16 != 0  # rows off 16-byte boundaries
@@ -341,32 +350,7 @@ def test_backward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad_or
     plan = planned("bwd")
     assert plan.split == split and plan.name.startswith("cupyrope::rms_norm_bwd_split<"), plan
     assert plan.shifted == odd and plan.grid % split == 0 and plan.grid // split <= rows, plan
-    assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
-    assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
-
-
-# Odd rows split over 4 or 8 blocks (v26) where each cluster's rows cross several classes: the clusters capped at 3,
-# so a cluster walks rows of 2-5 classes, adding its dweight sums to its partial row at each new class (50 rows of
-# E = 8: classes of 6-7 rows against 16-17 a cluster; E = 4: 12-13); fewer rows than classes (7 of E = 8: classes
-# of one row and an empty one).
-@pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype,hidden,rows,start,weight_dtype,split", [
-    ("bfloat16", 65539, 50, 8, "float32", 4), ("float32", 40001, 50, 4, "float32", 4),
-    ("float16", 65539, 7, 0, "float16", 4), ("bfloat16", 131075, 29, 0, "bfloat16", 8)])
-def test_backward_split_odd_rows_across_classes(rng, monkeypatch, kind, dtype, hidden, rows, start, weight_dtype,
-                                                split):
-    fresh_plans(monkeypatch)
-    resident = rmsnorm.resident_clusters
-    monkeypatch.setattr(rmsnorm, "resident_clusters", lambda *args: min(3, resident(*args)))
-    x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
-    w_host = random_host((hidden,), weight_dtype, rng)
-    x, dy = (unaligned_view(h, dtype, kind, start, 16)[1] for h in (x_host, dy_host))
-    w = to_device(w_host, weight_dtype, kind)
-    fill_next_allocation_with_nan((rows, hidden), dtype, kind)
-    dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
-    plan = planned("bwd")
-    assert plan.split == split and plan.shifted and plan.grid == 3 * split, plan
+    assert not max_clusters or plan.grid == max_clusters * split, plan
     assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
     assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
 
