@@ -175,12 +175,62 @@ __device__ __forceinline__ void store_chunk(T* row, I col, I hidden, const Pack<
     store_pack<VEC, E>(row + col, pk);
 }
 
-template <typename W, bool VEC, bool SHIFT, int E, typename I>
+// 1: the forward and fused add of shifted fp16/bf16 rows with an fp32 weight take the weight's chunks away from the
+// row's ends from the 16-byte units they straddle (straddling_weight, straddles()); 0: element by element everywhere.
+#ifndef RMS_WEIGHT_STRADDLE
+#define RMS_WEIGHT_STRADDLE 1
+#endif
+
+// Whether the forward's shifted rows (rms_norm_fwd, rms_norm_fwd_split; with or without the fused add) load weights
+// through straddling_weight (docs/perf-notes.md v27). An fp32 weight of fp16/bf16 rows, 8 scalar loads a chunk
+// otherwise, measured 6-20% faster at hidden 2053-40001 (forward) and up to 11% (fused add). Not for one chunk a
+// thread (small inputs: ~0.4 us slower at [512, 1027]: the lanes at the row's ends wait for two rounds of loads),
+// a weight of the row's dtype (0-5% slower) or the backward (no faster: its weights are loaded once a block).
+template <typename T, typename W, int NPT>
+__device__ constexpr bool straddles() {
+    return RMS_WEIGHT_STRADDLE && sizeof(W) > sizeof(T) && NPT != 1;
+}
+
+// The weight's E elements from column col (w 16-byte aligned): the 16-byte units they touch as vector loads
+// (neighbouring threads load the same units: L1 hits), then their words moved down by col's offset in its unit,
+// instead of E scalar loads. The offset is the same for all threads of a row, so the selects do not diverge.
+// Reads columns col - col % U ... col + E + U - 1 (U: elements a unit).
+template <typename W, int E, typename I>
+__device__ __forceinline__ Pack<W, E> straddling_weight(const W* w, I col) {
+    constexpr int U = 16 / (int)sizeof(W), WORDS = E * (int)sizeof(W) / 4;
+    static_assert(WORDS % 4 == 0, "whole 16-byte units");
+    const int offset = (int)(col % U) * (int)sizeof(W);  // bytes
+    const uint4* units = reinterpret_cast<const uint4*>(w + (col - col % U));
+    unsigned z[WORDS + 4];
+#pragma unroll
+    for (int u = 0; u <= WORDS / 4; ++u) {
+        const uint4 unit = units[u];
+        z[4 * u] = unit.x, z[4 * u + 1] = unit.y, z[4 * u + 2] = unit.z, z[4 * u + 3] = unit.w;
+    }
+    const int words = offset / 4;  // 0-3
+    unsigned moved[WORDS + 1];  // z from word `words` on (selects: an in-place move became a local-memory memmove)
+#pragma unroll
+    for (int k = 0; k <= WORDS; ++k) {
+        const unsigned even = words & 1 ? z[k + 1] : z[k], odd = words & 1 ? z[k + 3] : z[k + 2];
+        moved[k] = words & 2 ? odd : even;
+    }
+    Pack<W, E> pk;
+#pragma unroll
+    for (int k = 0; k < WORDS; ++k) set_word(pk, k, __funnelshift_r(moved[k], moved[k + 1], 8 * (offset % 4)));
+    return pk;
+}
+
+// The weight for columns col ... col + E - 1 of a row (SHIFT: as load_chunk's; 0 outside the row). STRADDLE: see
+// straddles().
+template <typename W, bool VEC, bool SHIFT, int E, bool STRADDLE = false, typename I>
 __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I col, I hidden) {
-    if constexpr (SHIFT) {  // the weight's own alignment is unrelated to the row's: element by element
+    if constexpr (SHIFT) {  // the weight's own alignment is unrelated to the row's
         if (!weight) return load_weight<W, false, E>(weight, col);
         const W* w = static_cast<const W*>(weight);
-        Pack<W, E> pk;
+        constexpr int U = 16 / (int)sizeof(W);
+        if (STRADDLE && col >= 0 && col - col % U + E + U <= hidden && (reinterpret_cast<size_t>(w) & 15) == 0)
+            return straddling_weight<W, E>(w, col);
+        Pack<W, E> pk;  // element by element
 #pragma unroll
         for (int e = 0; e < E; ++e) pk.v[e] = inside<I>(col + e, hidden) ? w[col + e] : from_float<W>(0.f);
         return pk;
@@ -284,6 +334,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
     float sum_sq = 0.f;
 
     constexpr bool EARLY = weight_early<W, VEC, NPT, E, ADD, SHIFT>();
+    constexpr bool STRADDLE = straddles<T, W, NPT>();
     // A branch of its own: the words must be what the loads produce and the loop holds. The Pack path
     // below with only its output converting from word_of(v[i], k) kept 54-56 registers (v14 review).
     if constexpr (RMS_FWD_WORDS && sizeof(T) == 2 && VEC && NPT >= 2 && !ADD) {  // see RMS_FWD_WORDS
@@ -303,7 +354,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
 #pragma unroll
                 for (int k = 0; k < 4; ++k) words[i][k] = word_of(v, k);
                 if constexpr (EARLY) {
-                    const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
+                    const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E, STRADDLE>(p.weight, col, hidden);
 #pragma unroll
                     for (int k = 0; k < WEIGHT_WORDS; ++k) weight_words[EARLY ? i : 0][k] = word_of(w, k);
                 }
@@ -329,7 +380,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
 #pragma unroll
                     for (int k = 0; k < WEIGHT_WORDS; ++k) set_word(w, k, weight_words[EARLY ? i : 0][k]);
                 } else {
-                    w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
+                    w = load_weight_chunk<W, VEC, SHIFT, E, STRADDLE>(p.weight, col, hidden);
                 }
                 Pack<T, E> y;
 #pragma unroll
@@ -363,7 +414,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         for (int i = 0; i < NPT; ++i) {
             const int col = first + i * step;
             if (active && col < hidden) {
-                if constexpr (EARLY) w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
+                if constexpr (EARLY) w[i] = load_weight_chunk<W, VEC, SHIFT, E, STRADDLE>(p.weight, col, hidden);
                 v[i] = load_chunk<VEC, SHIFT, E>(x_row, col, hidden);
                 if constexpr (ADD) r[ADD ? i : 0] = load_chunk<VEC, SHIFT, E>(res_row, col, hidden);
             }
@@ -388,7 +439,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
                 const int col = first + i * step;
-                if (col < hidden) w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
+                if (col < hidden) w[i] = load_weight_chunk<W, VEC, SHIFT, E, STRADDLE>(p.weight, col, hidden);
             }
         }
 #pragma unroll
@@ -396,7 +447,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
             const int col = first + i * step;
             if (col < hidden) {
                 if constexpr (!EARLY && !RMS_WEIGHT_BATCH)
-                    w[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
+                    w[i] = load_weight_chunk<W, VEC, SHIFT, E, STRADDLE>(p.weight, col, hidden);
                 store_chunk<VEC, SHIFT, E>(y_row, col, hidden, output<T, W, VEC, E, BY_SHIFT>(p, v[i], rstd, w[i]));
             }
         }
@@ -460,7 +511,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
             for (int u = 0; u < U; ++u) {  // the weight (cached) as it is used: fewer registers held
                 const i64 col = base + u * step;
                 if (col >= p.hidden) break;
-                const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
+                const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E, STRADDLE>(p.weight, col, p.hidden);
                 store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, output<T, W, VEC, E>(p, v[u], rstd, w));
             }
         }

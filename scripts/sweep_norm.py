@@ -1,6 +1,6 @@
 """RMSNorm tuning sweep on a GPU (not the benchmark suite): planner settings x shapes, with peers.
 
-Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--bwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long|--odd|--oddbwd|--reread|--split|--oddsplit] [--half|--f32] [--plans] SETTING ...
+Usage: python scripts/sweep_norm.py [--no-peers] [--fwd|--bwd|--add] [--big|--mid|--small|--lost|--latency|--decode|--scalar|--words|--long|--odd|--oddbwd|--reread|--split|--oddsplit] [--shifted] [--half|--f32] [--w32] [--plans] SETTING ...
 --add times fused_add_rms_norm (in place; no peers) instead of the forward and backward; --fwd and --bwd one of them.
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "FWD_ELEMS_PER_THREAD=8,FWD_BLOCK_THREADS=256"
 or entries of their tables, e.g. "FWD_MAX_SLOTS[True:2]=8", and NVRTC=... for kernel knobs of that
@@ -119,6 +119,13 @@ if "--odd" in sys.argv:  # rows read twice (v21): odd ones in shifted 16-byte ch
         SHAPES = [(4096, 20001, torch.bfloat16), (2048, 24577, torch.float16), (2048, 40001, torch.bfloat16),
                   (2048, 33001, torch.float32), (4096, 32768, torch.bfloat16), (2048, 65536, torch.bfloat16),
                   (2048, 20000, torch.float32)]
+if "--shifted" in sys.argv:  # odd rows in 16-byte chunks from the row's shift (weights: straddling_weight) and aligned ones
+    SHAPES = [(8192, 1027, torch.bfloat16), (32768, 1027, torch.bfloat16), (2048, 1027, torch.bfloat16),
+              (512, 1027, torch.bfloat16), (8192, 2053, torch.bfloat16), (8192, 4099, torch.bfloat16),
+              (8192, 8191, torch.bfloat16), (2048, 12289, torch.bfloat16), (4096, 16389, torch.bfloat16),
+              (2048, 20001, torch.bfloat16), (8192, 1027, torch.float16), (8192, 1027, torch.float32),
+              (8192, 4099, torch.float32), (4096, 16387, torch.float32), (8192, 1024, torch.bfloat16),
+              (8192, 4096, torch.bfloat16)]
 if "--mid" in sys.argv:
     SHAPES = [(32768, 4096, torch.bfloat16), (8192, 1027, torch.float32), (8192, 4096, torch.float32)]
     SHAPES += [(8192, h, torch.bfloat16) for h in (256, 512, 1024, 1027, 2048)]
@@ -227,7 +234,8 @@ def main():
         copies = []
         for _ in range(bench.copies_for(nbytes)):
             x = torch.randn(rows, hidden, device=dev, dtype=dt)
-            copies.append((x, torch.randn(hidden, device=dev, dtype=dt), torch.randn_like(x)))
+            weight_dtype = torch.float32 if "--w32" in sys.argv else dt  # --w32: fp32 weights (mixed precision)
+            copies.append((x, torch.randn(hidden, device=dev, dtype=weight_dtype), torch.randn_like(x)))
         results = {op: [] for op in ops}
         pristine = [t.clone() for t in copies[0]]  # the fused add's timing rewrites the copies in place
         for setting in settings:

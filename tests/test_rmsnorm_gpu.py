@@ -131,6 +131,43 @@ def test_unaligned_rows(rng, kind, dtype, hidden, start, pad):
     np.testing.assert_allclose(to_host(dw), ref_dw, rtol=1e-4, atol=1e-4 * np.abs(ref_dw).max())
 
 
+# The forward and fused add of shifted fp16/bf16 rows with an fp32 weight (2+ chunks a thread, or rows read twice)
+# take a chunk's weight from the 16-byte units it straddles (straddling_weight) when the weight is 16-byte aligned,
+# else element by element, as every other weight of shifted rows: weights that start 0, 1 and 3 elements past a
+# boundary, NaN around them (a column read from outside the weight shows), both weight dtypes, 2 and 4 chunks a
+# thread and rows read twice (33001), the backward too.
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [2053, 4099, 33001])
+@pytest.mark.parametrize("weight_start", [0, 1, 3])
+def test_shifted_rows_weight_alignment(rng, monkeypatch, kind, dtype, hidden, weight_start):
+    rows, start = (300 if hidden < 10000 else 40), 3
+    x_host, r_host = random_host((rows, hidden), dtype, rng, scale=2.0), random_host((rows, hidden), dtype, rng)
+    dy_host = random_host((rows, hidden), dtype, rng)
+    for weight_dtype in sorted({dtype, "float32"}):
+        w_host = random_host((hidden,), weight_dtype, rng)
+        padded = np.full(hidden + 8, np.nan)
+        padded[weight_start:weight_start + hidden] = w_host
+        w = to_device(padded, weight_dtype, kind)[weight_start:weight_start + hidden]
+        _, x = unaligned_view(x_host, dtype, kind, start, 8)
+        out_buf, out = unaligned_view(np.full((rows, hidden), np.nan), dtype, kind, start, 8)
+        fresh_plans(monkeypatch)
+        cupyrope.rms_norm(x, w, 1e-6, out=out)
+        assert planned("fwd").shifted and planned("fwd").slots != 1, planned("fwd")
+        assert_matches(to_host(out), reference.rms_norm(x_host, w_host, 1e-6), dtype, scale=2.0)
+        assert np.isnan(outside_rows(out_buf, start, hidden)).all(), "wrote outside the rows"
+        _, r = unaligned_view(r_host, dtype, kind, start, 8)
+        cupyrope.fused_add_rms_norm(x, r, w, 1e-6)
+        ref_y, ref_r = reference.fused_add_rms_norm(x_host, r_host, w_host, 1e-6, dtype=dtype)
+        np.testing.assert_array_equal(to_host(r), ref_r)
+        assert_matches(to_host(x), ref_y, dtype, scale=2.0)
+        _, x = unaligned_view(x_host, dtype, kind, start, 8)
+        _, dy = unaligned_view(dy_host, dtype, kind, start, 8)
+        fill_next_allocation_with_nan((rows, hidden), dtype, kind)
+        dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
+        assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
+
+
 @pytest.mark.parametrize("hidden", [1, 61, 130, 1027, 4096, 16384, 65536])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward(rng, dtype, hidden):
