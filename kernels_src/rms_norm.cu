@@ -275,10 +275,10 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I co
 #ifndef RMS_ADD_MIN_BLOCKS_2
 #define RMS_ADD_MIN_BLOCKS_2 2
 #endif
-#ifndef RMS_ADD_MIN_BLOCKS_4  // fp16/bf16 rows of 4+ slots (512-thread blocks): aligned ones, shifted ones
+#ifndef RMS_ADD_MIN_BLOCKS_4  // fp16/bf16 rows of 4+ slots, in blocks of 512 threads: aligned rows
 #define RMS_ADD_MIN_BLOCKS_4 2
 #endif
-#ifndef RMS_ADD_SHIFT_MIN_BLOCKS_4
+#ifndef RMS_ADD_SHIFT_MIN_BLOCKS_4  // and shifted rows
 #define RMS_ADD_SHIFT_MIN_BLOCKS_4 1
 #endif
 // 1: the forward holds its row pointers (row_base) where that measured faster; 0: nowhere (v14).
