@@ -182,41 +182,34 @@ __device__ __forceinline__ void store_chunk(T* row, I col, I hidden, const Pack<
 #endif
 
 // Whether the forward's shifted rows (rms_norm_fwd, rms_norm_fwd_split; with or without the fused add) load weights
-// through straddling_weight (docs/perf-notes.md v27). An fp32 weight of fp16/bf16 rows, 8 scalar loads a chunk
+// through straddling_weight (docs/perf-notes.md v27): an fp32 weight of fp16/bf16 rows, 8 scalar loads a chunk
 // otherwise, measured 6-20% faster at hidden 2053-40001 (forward) and up to 11% (fused add). Not for one chunk a
 // thread (small inputs: ~0.4 us slower at [512, 1027]: the lanes at the row's ends wait for two rounds of loads),
 // a weight of the row's dtype (0-5% slower) or the backward (no faster: its weights are loaded once a block).
 template <typename T, typename W, int NPT>
 __device__ constexpr bool straddles() {
-    return RMS_WEIGHT_STRADDLE && sizeof(W) > sizeof(T) && NPT != 1;
+    return RMS_WEIGHT_STRADDLE && sizeof(W) == 4 && sizeof(T) == 2 && NPT != 1;
 }
 
-// The weight's E elements from column col (w 16-byte aligned): the 16-byte units they touch as vector loads
-// (neighbouring threads load the same units: L1 hits), then their words moved down by col's offset in its unit,
-// instead of E scalar loads. The offset is the same for all threads of a row, so the selects do not diverge.
-// Reads columns col - col % U ... col + E + U - 1 (U: elements a unit).
-template <typename W, int E, typename I>
-__device__ __forceinline__ Pack<W, E> straddling_weight(const W* w, I col) {
-    constexpr int U = 16 / (int)sizeof(W), WORDS = E * (int)sizeof(W) / 4;
-    static_assert(WORDS % 4 == 0, "whole 16-byte units");
-    const int offset = (int)(col % U) * (int)sizeof(W);  // bytes
-    const uint4* units = reinterpret_cast<const uint4*>(w + (col - col % U));
-    unsigned z[WORDS + 4];
+// An fp32 weight's E values from column col (w 16-byte aligned): the 16-byte units they touch as vector loads
+// (neighbouring threads load the same units: L1 hits), then moved down by col's offset in its unit (0-3 values)
+// through selects, instead of E scalar loads. The offset is the same for all threads of a row: the selects do not
+// diverge. Reads columns col - col % 4 ... col - col % 4 + E + 3.
+template <int E, typename I>
+__device__ __forceinline__ Pack<float, E> straddling_weight(const float* w, I col) {
+    static_assert(E % 4 == 0, "whole 16-byte units");
+    const int offset = (int)(col % 4);
+    Pack<float, 4> units[E / 4 + 1];
 #pragma unroll
-    for (int u = 0; u <= WORDS / 4; ++u) {
-        const uint4 unit = units[u];
-        z[4 * u] = unit.x, z[4 * u + 1] = unit.y, z[4 * u + 2] = unit.z, z[4 * u + 3] = unit.w;
+    for (int u = 0; u <= E / 4; ++u) units[u] = load_pack<true, 4>(w + (col - offset) + 4 * u);
+    const auto unit_value = [&](int i) { return units[i / 4].v[i % 4]; };
+    Pack<float, E> pk;  // selects: an in-place move of the values became a local-memory memmove
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+        const float even = offset & 1 ? unit_value(k + 1) : unit_value(k);
+        const float odd = offset & 1 ? unit_value(k + 3) : unit_value(k + 2);
+        pk.v[k] = offset & 2 ? odd : even;
     }
-    const int words = offset / 4;  // 0-3
-    unsigned moved[WORDS + 1];  // z from word `words` on (selects: an in-place move became a local-memory memmove)
-#pragma unroll
-    for (int k = 0; k <= WORDS; ++k) {
-        const unsigned even = words & 1 ? z[k + 1] : z[k], odd = words & 1 ? z[k + 3] : z[k + 2];
-        moved[k] = words & 2 ? odd : even;
-    }
-    Pack<W, E> pk;
-#pragma unroll
-    for (int k = 0; k < WORDS; ++k) set_word(pk, k, __funnelshift_r(moved[k], moved[k + 1], 8 * (offset % 4)));
     return pk;
 }
 
@@ -227,9 +220,10 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I co
     if constexpr (SHIFT) {  // the weight's own alignment is unrelated to the row's
         if (!weight) return load_weight<W, false, E>(weight, col);
         const W* w = static_cast<const W*>(weight);
-        constexpr int U = 16 / (int)sizeof(W);
-        if (STRADDLE && col >= 0 && col - col % U + E + U <= hidden && (reinterpret_cast<size_t>(w) & 15) == 0)
-            return straddling_weight<W, E>(w, col);
+        if constexpr (STRADDLE) {
+            if (col >= 0 && col - col % 4 + E + 4 <= hidden && (reinterpret_cast<size_t>(w) & 15) == 0)
+                return straddling_weight<E>(w, col);
+        }
         Pack<W, E> pk;  // element by element
 #pragma unroll
         for (int e = 0; e < E; ++e) pk.v[e] = inside<I>(col + e, hidden) ? w[col + e] : from_float<W>(0.f);
