@@ -175,20 +175,29 @@ __device__ __forceinline__ void store_chunk(T* row, I col, I hidden, const Pack<
     store_pack<VEC, E>(row + col, pk);
 }
 
-// 1: the forward and fused add of shifted fp16/bf16 rows with an fp32 weight take the weight's chunks away from the
-// row's ends from the 16-byte units they straddle (straddling_weight, straddles()); 0: element by element everywhere.
+// 1: the forward and fused add of shifted fp16/bf16 rows take an fp32 weight's chunks away from the row's ends from the
+// 16-byte units they straddle (straddling_weight, straddles()); 0: element by element everywhere.
 #ifndef RMS_WEIGHT_STRADDLE
 #define RMS_WEIGHT_STRADDLE 1
 #endif
+// 1: ... and a 16-bit weight's, where straddles() takes it, from the 32-bit words they straddle (word_straddling_weight).
+#ifndef RMS_WEIGHT_WORDS
+#define RMS_WEIGHT_WORDS 1
+#endif
 
 // Whether the forward's shifted rows (rms_norm_fwd, rms_norm_fwd_split; with or without the fused add) load weights
-// through straddling_weight (docs/perf-notes.md v27): an fp32 weight of fp16/bf16 rows, 8 scalar loads a chunk
-// otherwise, measured 6-20% faster at hidden 2053-40001 (forward) and up to 11% (fused add). Not for one chunk a
-// thread (small inputs: ~0.4 us slower at [512, 1027]: the lanes at the row's ends wait for two rounds of loads),
-// a weight of the row's dtype (0-5% slower) or the backward (no faster: its weights are loaded once a block).
-template <typename T, typename W, int NPT>
+// through straddling_weight or word_straddling_weight instead of E scalar loads a chunk, by where they measured faster:
+// - an fp32 weight of fp16/bf16 rows (docs/perf-notes.md v27): 6-20% at hidden 2053-40001 (forward), up to 11% (fused
+//   add); not for one chunk a thread (small inputs: ~0.4 us slower at [512, 1027]: the lanes at the row's ends wait
+//   for two rounds of loads);
+// - a weight of the rows' fp16/bf16 dtype (v28): 2-7% for rows read twice (NPT 0) and rows split over a cluster; 1-4%
+//   slower for rows held in registers by one block (hidden 1027-8191), which keep scalar loads.
+// fp32 rows keep scalar loads (straddling_weight<4> measured 2-9% slower for long odd fp32 rows, v28), and so does the
+// backward (no faster: it loads its weights once a block).
+template <typename T, typename W, int NPT, int SPLIT>
 __device__ constexpr bool straddles() {
-    return RMS_WEIGHT_STRADDLE && sizeof(W) == 4 && sizeof(T) == 2 && NPT != 1;
+    if (sizeof(T) != 2 || NPT == 1) return false;
+    return sizeof(W) == 4 ? RMS_WEIGHT_STRADDLE : RMS_WEIGHT_WORDS && (NPT == 0 || SPLIT > 1);
 }
 
 // An fp32 weight's E values from column col (w 16-byte aligned): the 16-byte units they touch as vector loads
@@ -213,6 +222,24 @@ __device__ __forceinline__ Pack<float, E> straddling_weight(const float* w, I co
     return pk;
 }
 
+// A 16-bit weight's E values from w (4-byte aligned where `odd` is 0, 2 bytes past that where it is 1): the E / 2 + odd
+// 32-bit words they touch, each value pair funnel-shifted out of two neighbouring words by odd (the same for all
+// threads of a row: nothing diverges), instead of E scalar loads and their bounds checks. Reads w - odd ... w + E - 1
+// + odd.
+template <int E, typename W>
+__device__ __forceinline__ Pack<W, E> word_straddling_weight(const W* w, int odd) {
+    static_assert(sizeof(W) == 2 && E % 2 == 0, "16-bit values in whole words");
+    const unsigned* words = reinterpret_cast<const unsigned*>(w - odd);
+    unsigned u[E / 2 + 1];
+#pragma unroll
+    for (int k = 0; k < E / 2; ++k) u[k] = words[k];
+    u[E / 2] = odd ? words[E / 2] : 0u;
+    Pack<W, E> pk;
+#pragma unroll
+    for (int k = 0; k < E / 2; ++k) set_word(pk, k, __funnelshift_r(u[k], u[k + 1], 16 * odd));
+    return pk;
+}
+
 // The weight for columns col ... col + E - 1 of a row (SHIFT: as load_chunk's; 0 outside the row). STRADDLE: see
 // straddles().
 template <typename W, bool VEC, bool SHIFT, int E, bool STRADDLE = false, typename I>
@@ -220,9 +247,12 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I co
     if constexpr (SHIFT) {  // the weight's own alignment is unrelated to the row's
         if (!weight) return load_weight<W, false, E>(weight, col);
         const W* w = static_cast<const W*>(weight);
-        if constexpr (STRADDLE) {
+        if constexpr (STRADDLE && sizeof(W) == 4) {
             if (col >= 0 && col - col % 4 + E + 4 <= hidden && (reinterpret_cast<size_t>(w) & 15) == 0)
                 return straddling_weight<E>(w, col);
+        } else if constexpr (STRADDLE) {  // a 16-bit weight (2-byte aligned): odd = w + col's offset in its word
+            const int odd = (int)((reinterpret_cast<size_t>(w) / 2 + col) & 1);
+            if (col >= odd && col + E + odd <= hidden) return word_straddling_weight<E>(w + col, odd);
         }
         Pack<W, E> pk;  // element by element
 #pragma unroll
@@ -347,7 +377,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
     float sum_sq = 0.f;
 
     constexpr bool EARLY = weight_early<W, VEC, NPT, E, ADD, SHIFT>();
-    constexpr bool STRADDLE = straddles<T, W, NPT>();
+    constexpr bool STRADDLE = straddles<T, W, NPT, SPLIT>();
     // A branch of its own: the words must be what the loads produce and the loop holds. The Pack path
     // below with only its output converting from word_of(v[i], k) kept 54-56 registers (v14 review).
     if constexpr (RMS_FWD_WORDS && sizeof(T) == 2 && VEC && NPT >= 2 && !ADD) {  // see RMS_FWD_WORDS

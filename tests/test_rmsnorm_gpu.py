@@ -131,14 +131,15 @@ def test_unaligned_rows(rng, kind, dtype, hidden, start, pad):
     np.testing.assert_allclose(to_host(dw), ref_dw, rtol=1e-4, atol=1e-4 * np.abs(ref_dw).max())
 
 
-# The forward and fused add of shifted fp16/bf16 rows with an fp32 weight (2+ chunks a thread, or rows read twice)
-# take a chunk's weight from the 16-byte units it straddles (straddling_weight) when the weight is 16-byte aligned,
-# else element by element, as every other weight of shifted rows: weights that start 0, 1 and 3 elements past a
+# The forward and fused add of shifted fp16/bf16 rows take a chunk's weight from what it straddles: an fp32 weight's
+# 16-byte units (straddling_weight; 2+ chunks a thread, rows read twice or split) when it is 16-byte aligned, a 16-bit
+# weight's 32-bit words (word_straddling_weight; rows read twice or split), from either parity of a 2-byte offset;
+# else element by element, as every other weight of shifted rows. Weights that start 0, 1 and 3 elements past a
 # boundary, NaN around them (a column read from outside the weight shows), both weight dtypes, 2 and 4 chunks a
-# thread and rows read twice (33001), the backward too.
+# thread, rows read twice (33001) and split over a cluster (65539, on sm_90+), the backward too.
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [2053, 4099, 33001])
+@pytest.mark.parametrize("hidden", [2053, 4099, 33001, 65539])
 @pytest.mark.parametrize("weight_start", [0, 1, 3])
 def test_shifted_rows_weight_alignment(rng, monkeypatch, kind, dtype, hidden, weight_start):
     rows, start = (300 if hidden < 10000 else 40), 3
