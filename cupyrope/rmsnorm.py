@@ -35,6 +35,11 @@ FWD_MAX_SLOTS = {(True, 4): 8, (True, 2): 4, (False, 4): 8, (False, 2): 8}
 # the new residual back from the L2, measured faster: [8192, 16384] 982 -> 831 us, [512, 16384] 66 -> 56
 # (docs/perf-notes.md v15). Shifted rows keep FWD_MAX_SLOTS.
 FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 4): 4}
+# The fp16/bf16 fused add's shifted rows past 2 slots (hidden ~8190-16380) are read twice with the row cache: in 4
+# slots the kernel holds x and residual on one block of 416-512 threads an SM (2 spill), and read twice measured
+# faster: [2048, 12289] 122.8 -> 96.9 us, [8192, 8191] 268.6 -> 239.3, [2048, 8195] 70.3 -> 65.6 (docs/perf-notes.md
+# v28b).
+FWD_ADD_SHIFTED_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 2): 2}
 # Threads a 16-byte row may have, by (fused add, element size), where MAX_WIDTH threads cannot hold it in
 # registers (else the two-pass loop; the kernel allows 1024 for 4+ slots: FwdBounds); one block an SM.
 # Measured against the two-pass loop (docs/perf-notes.md v19, v20): fp32 [4096, 24576] 410 -> 279 us, odd
@@ -280,9 +285,9 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
                      wide_first=FWD_WIDE_FIRST.get(key, ()))
 
     plan = plan_with(FWD_MAX_SLOTS)
-    aligned_add = residual is not None and plan.vectorized and not plan.shifted
-    if aligned_add and plan.slots > FWD_ADD_MAX_SLOTS[True, itemsize]:
-        plan = plan_with(FWD_ADD_MAX_SLOTS)
+    add_slots = FWD_ADD_SHIFTED_MAX_SLOTS if plan.shifted else FWD_ADD_MAX_SLOTS
+    if residual is not None and plan.vectorized and plan.slots > add_slots[True, itemsize]:
+        plan = plan_with(add_slots)
     long_row = hidden * itemsize >= FWD_SPLIT_MIN_ROW_BYTES
     min_blocks = FWD_SPLIT_MIN_BLOCKS.get((*key, plan.shifted)) if long_row else None
     if clusters and min_blocks and plan.vectorized and not plan.slots:  # else read twice
@@ -529,6 +534,8 @@ def all_variants():
                     if slots <= FWD_MAX_SLOTS[size]:
                         for add in ("false", "true"):
                             for shift in shifts:
+                                if add == shift == "true" and slots > FWD_ADD_SHIFTED_MAX_SLOTS[size]:
+                                    continue  # read twice instead
                                 yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, {add}, {shift}>"
                                 min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add == "true", size[1], shift == "true"))
                                 if vec == "true" and min_blocks and slots == _split_slots(add == "true", size[1]):

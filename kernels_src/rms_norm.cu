@@ -291,19 +291,17 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I co
 #define RMS_FWD_MIN_BLOCKS_4 2
 #endif
 // The fused add's (v27b): it holds x and residual, and at the forward's budgets its shifted rows spilled (24-48
-// bytes at 1-2 slots, 96 at 4); one block fewer an SM measured up to 30% faster there (docs/perf-notes.md v27b).
-// Aligned rows of 4 slots keep 2 blocks: 1 was 2-3% faster from 2048 rows but 4-9% slower at 512.
+// bytes at 1-2 slots); one block fewer an SM measured up to 30% faster there (docs/perf-notes.md v27b). fp16/bf16
+// rows of 4 slots are aligned (the planner reads shifted ones twice: FWD_ADD_SHIFTED_MAX_SLOTS, v28b) and keep 2
+// blocks: 1 was 2-3% faster from 2048 rows but 4-9% slower at 512.
 #ifndef RMS_ADD_MIN_BLOCKS_1
 #define RMS_ADD_MIN_BLOCKS_1 3
 #endif
 #ifndef RMS_ADD_MIN_BLOCKS_2
 #define RMS_ADD_MIN_BLOCKS_2 2
 #endif
-#ifndef RMS_ADD_MIN_BLOCKS_4  // fp16/bf16 rows of 4+ slots, in blocks of 512 threads: aligned rows
+#ifndef RMS_ADD_MIN_BLOCKS_4  // fp16/bf16 rows of 4+ slots, in blocks of 512 threads
 #define RMS_ADD_MIN_BLOCKS_4 2
-#endif
-#ifndef RMS_ADD_SHIFT_MIN_BLOCKS_4  // and shifted rows
-#define RMS_ADD_SHIFT_MIN_BLOCKS_4 1
 #endif
 // 1: the forward holds its row pointers (row_base) where that measured faster; 0: nowhere (v14).
 #ifndef RMS_FWD_HELD
@@ -345,14 +343,14 @@ __device__ constexpr bool weight_early() {
 // half as many blocks, which leaves their register budget unchanged. The fp16/bf16 fused add's rows have
 // at most 512 threads (FWD_MAX_WIDTH), so its bound at 4+ slots counts blocks of 512.
 static_assert(RMS_FWD_MIN_BLOCKS_4 % 2 == 0, "RMS_FWD_MIN_BLOCKS_4 counts 512-thread blocks: even");
-template <typename T, int NPT, bool ADD, bool SHIFT>
+template <typename T, int NPT, bool ADD>
 struct FwdBounds {
     static constexpr bool narrow_add = ADD && sizeof(T) == 2 && NPT >= 4;
     static constexpr bool wide = NPT >= 4 && !narrow_add;
     static constexpr int threads = wide ? 1024 : 512;
     static constexpr int min_blocks = NPT == 1     ? (ADD ? RMS_ADD_MIN_BLOCKS_1 : RMS_FWD_MIN_BLOCKS_1)
                                       : NPT == 2   ? (ADD ? RMS_ADD_MIN_BLOCKS_2 : RMS_FWD_MIN_BLOCKS_2)
-                                      : narrow_add ? (SHIFT ? RMS_ADD_SHIFT_MIN_BLOCKS_4 : RMS_ADD_MIN_BLOCKS_4)
+                                      : narrow_add ? RMS_ADD_MIN_BLOCKS_4
                                                    : RMS_FWD_MIN_BLOCKS_4 / (wide ? 2 : 1);
 };
 
@@ -562,7 +560,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
 }
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
-__global__ void __launch_bounds__(FwdBounds<T, NPT, ADD, SHIFT>::threads, FwdBounds<T, NPT, ADD, SHIFT>::min_blocks) rms_norm_fwd(const NormParams p) {
+__global__ void __launch_bounds__(FwdBounds<T, NPT, ADD>::threads, FwdBounds<T, NPT, ADD>::min_blocks) rms_norm_fwd(const NormParams p) {
     float no_cluster[1];  // unused: one block sums its rows
     norm_row<T, W, VEC, NPT, ADD, SHIFT, 1>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
 }
@@ -591,7 +589,7 @@ __device__ __forceinline__ void narrow_to_part(NormParams& p, int shift) {
 // (cluster_sum: two slot sets by row parity, as in reread_rows). Rank 0 writes rstd. SHIFT (odd rows): each row's
 // parts from its own shift (cluster_part), block 0's in shifted chunks, the others' from 16-byte boundaries.
 template <typename T, typename W, int NPT, bool ADD, int SPLIT, bool SHIFT>
-__global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<T, NPT, ADD, SHIFT>::threads, FwdBounds<T, NPT, ADD, SHIFT>::min_blocks)
+__global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<T, NPT, ADD>::threads, FwdBounds<T, NPT, ADD>::min_blocks)
     rms_norm_fwd_split(const NormParams p) {
 #if CUPYROPE_CLUSTERS
     NormParams mine = p;  // the block's part of the rows (SHIFT: each row's own, below)

@@ -542,7 +542,8 @@ def test_fused_add_row_cache_plan():
     ("bfloat16", 16384, False, 512, 4, False), ("bfloat16", 24576, False, 768, 4, False),
     ("bfloat16", 32768, False, 1024, 4, False), ("bfloat16", 40000, False, 512, 0, False),
     ("bfloat16", 32768, True, 512, 0, False), ("bfloat16", 12291, False, 416, 4, True),
-    ("bfloat16", 20001, False, 640, 4, True), ("float16", 12291, True, 416, 4, True)])
+    ("bfloat16", 20001, False, 640, 4, True), ("float16", 12291, True, 512, 0, True),
+    ("bfloat16", 8191, True, 512, 0, True), ("bfloat16", 6151, True, 416, 2, True)])
 def test_rms_norm_forward_takes_wide_rows(dtype, hidden, add, threads, slots, shifted):
     # Rows that 512 threads cannot hold in registers take up to 1024 threads (v19, v20; not the fp16/bf16
     # fused add), and fp32 rows that 512 threads hold in 8 chunks take them too (not shifted plain ones).

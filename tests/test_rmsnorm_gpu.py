@@ -538,9 +538,10 @@ def test_fused_add(rng, kind, dtype, hidden):
 
 
 # The fused add with rows of 2+ chunks a thread, aligned and shifted (held row pointers there, v15): x and
-# residual are views with NaN around the rows; every row checked, nothing outside written.
+# residual are views with NaN around the rows; every row checked, nothing outside written. (Shifted fp16/bf16
+# rows past 2 chunks a thread are read twice since v28b: test_fused_add_row_cache.)
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("hidden,start", [(16384, 0), (4099, 3), (12289, 5)])
+@pytest.mark.parametrize("hidden,start", [(16384, 0), (4099, 3), (6151, 5), (12289, 5)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_add_chunks(rng, monkeypatch, kind, dtype, hidden, start):
     fresh_plans(monkeypatch)
@@ -552,7 +553,8 @@ def test_fused_add_chunks(rng, monkeypatch, kind, dtype, hidden, start):
     cupyrope.fused_add_rms_norm(x, r, to_device(w_host, dtype, kind), 1e-6)
     plan = planned("add")
     shifted = start * _arrays.ITEMSIZE[dtype] % 16 != 0
-    assert plan.shifted == shifted and plan.slots >= 2, plan
+    read_twice = shifted and _arrays.ITEMSIZE[dtype] == 2 and hidden > 8190
+    assert plan.shifted == shifted and (plan.slots == 0 if read_twice else plan.slots >= 2), plan
     ref_y, ref_r = reference.fused_add_rms_norm(x_host, r_host, w_host, 1e-6, dtype=dtype)
     np.testing.assert_array_equal(to_host(r), ref_r)
     assert_matches(to_host(x), ref_y, dtype, scale=2.0)
@@ -576,7 +578,8 @@ def two_pass_cache_bytes(dtype, hidden, impl):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hidden,start,impl", [("float32", 20000, 0, "auto"), ("bfloat16", 32768, 0, "auto"),
                                                      ("float16", 20001, 0, "auto"), ("bfloat16", 20001, 3, "auto"),
-                                                     ("float32", 33001, 1, "auto"), ("float16", 20001, 3, "scalar")])
+                                                     ("float32", 33001, 1, "auto"), ("float16", 20001, 3, "scalar"),
+                                                     ("bfloat16", 8191, 0, "auto")])
 @pytest.mark.parametrize("cache", [False, True])
 def test_fused_add_row_cache(rng, monkeypatch, kind, dtype, hidden, start, impl, cache):
     fresh_plans(monkeypatch)
