@@ -33,11 +33,11 @@ LONG_ROW_BYTES = 8192
 FWD_MAX_SLOTS = {(True, 4): 8, (True, 2): 4, (False, 4): 8, (False, 2): 8}
 # The fp32 fused add of 8 chunks a thread spills (ptxas: 132-180 bytes); its two-pass loop, which reads
 # the new residual back from the L2, measured faster: [8192, 16384] 982 -> 831 us, [512, 16384] 66 -> 56
-# (docs/perf-notes.md v15). Shifted rows keep FWD_MAX_SLOTS.
+# (docs/perf-notes.md v15). Shifted rows: FWD_ADD_SHIFTED_MAX_SLOTS.
 FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 4): 4}
 # The fp16/bf16 fused add's shifted rows past 2 slots (hidden ~8190-16380) are read twice with the row cache: in 4
-# slots the kernel holds x and residual on one block of 416-512 threads an SM (2 spill), and read twice measured
-# faster: [2048, 12289] 122.8 -> 96.9 us, [8192, 8191] 268.6 -> 239.3, [2048, 8195] 70.3 -> 65.6 (docs/perf-notes.md
+# slots the kernel holds x and residual on one block of 416-512 threads an SM (two blocks spill 96 bytes), and read
+# twice measured faster: [2048, 12289] 122.8 -> 96.9 us, [8192, 8191] 268.6 -> 239.3, [2048, 8195] 70.3 -> 65.6 (docs/perf-notes.md
 # v28b).
 FWD_ADD_SHIFTED_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 2): 2}
 # Threads a 16-byte row may have, by (fused add, element size), where MAX_WIDTH threads cannot hold it in
