@@ -37,8 +37,8 @@ FWD_MAX_SLOTS = {(True, 4): 8, (True, 2): 4, (False, 4): 8, (False, 2): 8}
 FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 4): 4}
 # The fp16/bf16 fused add's shifted rows past 2 slots (hidden ~8190-16380) are read twice with the row cache: in 4
 # slots the kernel holds x and residual on one block of 416-512 threads an SM (two blocks spill 96 bytes), and read
-# twice measured faster: [2048, 12289] 122.8 -> 96.9 us, [8192, 8191] 268.6 -> 239.3, [2048, 8195] 70.3 -> 65.6 (docs/perf-notes.md
-# v28b).
+# twice measured faster: [2048, 12289] 122.8 -> 96.9 us, [8192, 8191] 268.6 -> 239.3, [2048, 8195] 70.3 -> 65.6
+# (docs/perf-notes.md v28b).
 FWD_ADD_SHIFTED_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 2): 2}
 # Threads a 16-byte row may have, by (fused add, element size), where MAX_WIDTH threads cannot hold it in
 # registers (else the two-pass loop; the kernel allows 1024 for 4+ slots: FwdBounds); one block an SM.

@@ -119,7 +119,7 @@ if "--odd" in sys.argv:  # rows read twice (v21): odd ones in shifted 16-byte ch
         SHAPES = [(4096, 20001, torch.bfloat16), (2048, 24577, torch.float16), (2048, 40001, torch.bfloat16),
                   (2048, 33001, torch.float32), (4096, 32768, torch.bfloat16), (2048, 65536, torch.bfloat16),
                   (2048, 20000, torch.float32)]
-if "--shifted" in sys.argv:  # odd rows in 16-byte chunks from the row's shift (weights: straddling_weight) and aligned ones
+if "--shifted" in sys.argv:  # odd rows in 16-byte chunks from the row's shift (v27, v28: the weight's loads), aligned ones
     SHAPES = [(8192, 1027, torch.bfloat16), (32768, 1027, torch.bfloat16), (2048, 1027, torch.bfloat16),
               (512, 1027, torch.bfloat16), (8192, 2053, torch.bfloat16), (8192, 4099, torch.bfloat16),
               (8192, 8191, torch.bfloat16), (2048, 12289, torch.bfloat16), (4096, 16389, torch.bfloat16),
