@@ -261,7 +261,7 @@ def main():
                 results["bwd"].append(time_us(bwd, copies, capture=False) if runs else math.nan)
         for op, times in results.items():
             moved = nbytes * {"fwd": 1, "bwd": 1.5, "add": 2}[op]
-            cells = [f"{t:.1f} us {100 * moved / t / 1e3 / bw:.0f}%" for t in times]
+            cells = [f"{t:.{2 if t < 10 else 1}f} us {100 * moved / t / 1e3 / bw:.0f}%" for t in times]
             print(f"| {rows}x{hidden} {str(dt)[6:]} | {op} | " + " | ".join(cells) + " |", flush=True)
     apply("")
 
