@@ -40,6 +40,15 @@ FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 4): 4}
 # twice measured faster: [2048, 12289] 122.8 -> 96.9 us, [8192, 8191] 268.6 -> 239.3, [2048, 8195] 70.3 -> 65.6
 # (docs/perf-notes.md v28b).
 FWD_ADD_SHIFTED_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 2): 2}
+
+
+def fwd_max_slots(add: bool, shifted: bool) -> dict:
+    """The register-slot table of rms_norm_fwd's rows: the planner's and all_variants' one rule."""
+    if not add:
+        return FWD_MAX_SLOTS
+    return FWD_ADD_SHIFTED_MAX_SLOTS if shifted else FWD_ADD_MAX_SLOTS
+
+
 # Threads a 16-byte row may have, by (fused add, element size), where MAX_WIDTH threads cannot hold it in
 # registers (else the two-pass loop; the kernel allows 1024 for 4+ slots: FwdBounds); one block an SM.
 # Measured against the two-pass loop (docs/perf-notes.md v19, v20): fp32 [4096, 24576] 410 -> 279 us, odd
@@ -285,8 +294,8 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
                      wide_first=FWD_WIDE_FIRST.get(key, ()))
 
     plan = plan_with(FWD_MAX_SLOTS)
-    add_slots = FWD_ADD_SHIFTED_MAX_SLOTS if plan.shifted else FWD_ADD_MAX_SLOTS
-    if residual is not None and plan.vectorized and plan.slots > add_slots[True, itemsize]:
+    add_slots = fwd_max_slots(residual is not None, plan.shifted)
+    if plan.vectorized and plan.slots > add_slots[True, itemsize]:
         plan = plan_with(add_slots)
     long_row = hidden * itemsize >= FWD_SPLIT_MIN_ROW_BYTES
     min_blocks = FWD_SPLIT_MIN_BLOCKS.get((*key, plan.shifted)) if long_row else None
@@ -534,8 +543,8 @@ def all_variants():
                     if slots <= FWD_MAX_SLOTS[size]:
                         for add in ("false", "true"):
                             for shift in shifts:
-                                if add == shift == "true" and slots > FWD_ADD_SHIFTED_MAX_SLOTS[size]:
-                                    continue  # read twice instead
+                                if slots > fwd_max_slots(add == "true", shift == "true")[size]:
+                                    continue  # never planned: read twice instead
                                 yield SOURCE, f"cupyrope::rms_norm_fwd<{w}, {add}, {shift}>"
                                 min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add == "true", size[1], shift == "true"))
                                 if vec == "true" and min_blocks and slots == _split_slots(add == "true", size[1]):

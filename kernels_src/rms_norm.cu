@@ -292,16 +292,14 @@ __device__ __forceinline__ Pack<W, E> load_weight_chunk(const void* weight, I co
 #endif
 // The fused add's (v27b): it holds x and residual, and at the forward's budgets its shifted rows spilled (24-48
 // bytes at 1-2 slots); one block fewer an SM measured up to 30% faster there (docs/perf-notes.md v27b). fp16/bf16
-// rows of 4 slots are aligned (the planner reads shifted ones twice: FWD_ADD_SHIFTED_MAX_SLOTS, v28b) and keep 2
-// blocks: 1 was 2-3% faster from 2048 rows but 4-9% slower at 512.
+// rows of 4 slots are aligned (the planner reads shifted ones twice: FWD_ADD_SHIFTED_MAX_SLOTS, v28b) and keep the
+// forward's budget: half of it (RMS_FWD_MIN_BLOCKS_4 = 1 for 512-thread blocks) was 2-3% faster from 2048 rows but
+// 4-9% slower at 512.
 #ifndef RMS_ADD_MIN_BLOCKS_1
 #define RMS_ADD_MIN_BLOCKS_1 3
 #endif
 #ifndef RMS_ADD_MIN_BLOCKS_2
 #define RMS_ADD_MIN_BLOCKS_2 2
-#endif
-#ifndef RMS_ADD_MIN_BLOCKS_4  // fp16/bf16 rows of 4+ slots, in blocks of 512 threads
-#define RMS_ADD_MIN_BLOCKS_4 2
 #endif
 // 1: the forward holds its row pointers (row_base) where that measured faster; 0: nowhere (v14).
 #ifndef RMS_FWD_HELD
@@ -340,18 +338,16 @@ __device__ constexpr bool weight_early() {
 
 // Launch bounds by register slots. Blocks have at most 512 threads (rmsnorm.py: MAX_WIDTH,
 // FWD_BLOCK_THREADS), but rows of 4+ slots may have 1024 (FWD_MAX_WIDTH: long rows); those ask for
-// half as many blocks, which leaves their register budget unchanged. The fp16/bf16 fused add's rows have
-// at most 512 threads (FWD_MAX_WIDTH), so its bound at 4+ slots counts blocks of 512.
+// half as many blocks, which leaves their register budget unchanged (the fp16/bf16 fused add's rows stay
+// at 512 threads: FWD_MAX_WIDTH).
 static_assert(RMS_FWD_MIN_BLOCKS_4 % 2 == 0, "RMS_FWD_MIN_BLOCKS_4 counts 512-thread blocks: even");
-template <typename T, int NPT, bool ADD>
+template <int NPT, bool ADD>
 struct FwdBounds {
-    static constexpr bool narrow_add = ADD && sizeof(T) == 2 && NPT >= 4;
-    static constexpr bool wide = NPT >= 4 && !narrow_add;
+    static constexpr bool wide = NPT >= 4;
     static constexpr int threads = wide ? 1024 : 512;
-    static constexpr int min_blocks = NPT == 1     ? (ADD ? RMS_ADD_MIN_BLOCKS_1 : RMS_FWD_MIN_BLOCKS_1)
-                                      : NPT == 2   ? (ADD ? RMS_ADD_MIN_BLOCKS_2 : RMS_FWD_MIN_BLOCKS_2)
-                                      : narrow_add ? RMS_ADD_MIN_BLOCKS_4
-                                                   : RMS_FWD_MIN_BLOCKS_4 / (wide ? 2 : 1);
+    static constexpr int min_blocks = NPT == 1   ? (ADD ? RMS_ADD_MIN_BLOCKS_1 : RMS_FWD_MIN_BLOCKS_1)
+                                      : NPT == 2 ? (ADD ? RMS_ADD_MIN_BLOCKS_2 : RMS_FWD_MIN_BLOCKS_2)
+                                                 : RMS_FWD_MIN_BLOCKS_4 / (wide ? 2 : 1);  // NPT 0: 512 threads
 };
 
 // The sum of v over the row's threads and, SPLIT > 1 (rms_norm_fwd_split), over the cluster's blocks (the
@@ -560,7 +556,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
 }
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
-__global__ void __launch_bounds__(FwdBounds<T, NPT, ADD>::threads, FwdBounds<T, NPT, ADD>::min_blocks) rms_norm_fwd(const NormParams p) {
+__global__ void __launch_bounds__(FwdBounds<NPT, ADD>::threads, FwdBounds<NPT, ADD>::min_blocks) rms_norm_fwd(const NormParams p) {
     float no_cluster[1];  // unused: one block sums its rows
     norm_row<T, W, VEC, NPT, ADD, SHIFT, 1>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
 }
@@ -589,7 +585,7 @@ __device__ __forceinline__ void narrow_to_part(NormParams& p, int shift) {
 // (cluster_sum: two slot sets by row parity, as in reread_rows). Rank 0 writes rstd. SHIFT (odd rows): each row's
 // parts from its own shift (cluster_part), block 0's in shifted chunks, the others' from 16-byte boundaries.
 template <typename T, typename W, int NPT, bool ADD, int SPLIT, bool SHIFT>
-__global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<T, NPT, ADD>::threads, FwdBounds<T, NPT, ADD>::min_blocks)
+__global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT, ADD>::threads, FwdBounds<NPT, ADD>::min_blocks)
     rms_norm_fwd_split(const NormParams p) {
 #if CUPYROPE_CLUSTERS
     NormParams mine = p;  // the block's part of the rows (SHIFT: each row's own, below)

@@ -184,7 +184,7 @@ def assert_runnable_norm(plan, arrays_):
     assert plan.grid % plan.split == 0 and (plan.split == 1 or plan.block[1] == 1)  # whole clusters, one row a block
     dtype, _, _, slots, add = plan.name.split("<")[1].split(", ")[:5]
     if plan.name.startswith("cupyrope::rms_norm_fwd<") and add == "true" and dtype != "float" and int(slots) >= 4:
-        assert plan.block[0] * plan.block[1] <= 512  # the fp16/bf16 fused add's launch bound (FwdBounds)
+        assert plan.block[0] * plan.block[1] <= 512  # the fp16/bf16 fused add stays at 512 threads (FWD_MAX_WIDTH)
     if plan.split >= norm_module.CLASS_WALK_MIN_SPLIT and plan.shifted and plan.name.startswith("cupyrope::rms_norm_bwd"):
         assert plan.block[0] <= norm_module.CLASS_WALK_MAX_THREADS  # its launch bound
         assert plan.grid // plan.split <= math.prod(arrays_[0].shape[:-1])  # no cluster without rows
