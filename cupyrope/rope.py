@@ -32,7 +32,7 @@ DIRECT_WITH_CACHE = True
 DIRECT_THREADS = 64  # threads per block of the direct kernel: small blocks spread a call over the SMs
 
 # Mirrors RopeParams in kernels_src/rope.cu: six pointers, then this tail.
-_TAIL = struct.Struct("<3q16q3q2q3q3qdq4q")
+_TAIL = struct.Struct("<3q3q4q16q2q3q3qdq")
 
 
 class RopePlan:
@@ -107,6 +107,15 @@ def _vector_blockers(tensors, dtype, style, rotary_dim, head_dim, copies) -> lis
     return reasons
 
 
+def _cache_in_packs(cache, dtype, style) -> bool:
+    """Whether the direct kernel's 16-byte items can read their cos/sin from this cache as packs
+    (kernels_src/rope.cu: cached_cos_sin_pack): its pointer and row stride aligned to a pack. rotary_dim's
+    own alignment follows from the items'."""
+    freqs = 16 // _arrays.ITEMSIZE[dtype] // (1 if style == "neox" else 2)
+    pack_bytes = min(16, freqs * _arrays.ITEMSIZE[cache.dtype])
+    return cache.ptr % pack_bytes == 0 and cache.strides[0] * _arrays.ITEMSIZE[cache.dtype] % pack_bytes == 0
+
+
 def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, impl, n_sm, freq_stride=0) -> RopePlan:
     """groups: [(input, output), ...] Arrays: q's pair, then k's (optional). All checked already.
     positions of dtype TOKEN_ROWS: the leading dimensions of per-token cos/sin tensors (their strides
@@ -136,6 +145,8 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
     # Direct calls with in-kernel cos/sin: one pair a thread measured 0.1-0.4 us faster than 16-byte items
     # (whose 8 cos/sin are computed by 8 threads and gathered by shuffles), so auto takes it.
     vectorized = can_vectorize and not (direct and cache is None and impl == "auto")
+    if direct and vectorized and cache is not None and positions.dtype != TOKEN_ROWS:
+        direct = _cache_in_packs(cache, dtype, style)  # else the block kernel, which reads any cache
 
     elems = 16 // _arrays.ITEMSIZE[dtype] if vectorized else (2 if style == "gptj" else 1)
     rot_lanes = rotary_dim // 2 // elems if style == "neox" else rotary_dim // elems
@@ -163,16 +174,17 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         cache_fields = (freq_stride, 0)
     else:
         cache_fields = (cache.strides[0], cache.shape[0]) if use_cache else (0, 0)
+    lanes = rot_lanes + copy_lanes
     tail = (
         n_tokens, layout.token_sizes[1], layout.token_sizes[2],
-        *strides,
         *layout.pos_strides,
+        *(fast_divisor(d) if direct else 0
+          for d in (n_heads * lanes, layout.token_sizes[2], layout.token_sizes[1], lanes)),
+        *strides,
         *cache_fields,
         n_q_heads, n_heads, tokens,
         rotary_dim, rot_lanes, copy_lanes,
         -2.0 * math.log(theta) / rotary_dim, int(bool(inverse)),
-        *(fast_divisor(d) if direct else 0
-          for d in (rot_lanes + copy_lanes, n_heads, layout.token_sizes[2], layout.token_sizes[1])),
     )  # fmt: skip
     name = kernel_name(dtype, cache.dtype if use_cache else "float32", positions.dtype, style, vectorized, use_cache,
                        direct)
@@ -231,8 +243,9 @@ def _check_cache(cache, like, like_name, rotary_dim):
         return None
     _arrays.check_same_device(like, cache, like_name, "cos_sin_cache")
     _check_table_dtype(cache, "cos_sin_cache", like, like_name)
-    if len(cache.shape) != 2:
-        raise ValueError(f"cos_sin_cache: expected shape (max_position, rotary_dim), got {cache.shape}")
+    if len(cache.shape) != 2 or cache.shape[0] == 0:
+        raise ValueError(f"cos_sin_cache: expected shape (max_position, rotary_dim) with max_position >= 1, got "
+                         f"{tuple(cache.shape)}")
     if cache.shape[1] != rotary_dim:
         relation = "narrower" if cache.shape[1] < rotary_dim else "wider"
         raise ValueError(

@@ -29,6 +29,7 @@ ROPE_CASES = [
     (lambda: cupyrope.rope(A(X), pos(), cos_sin_cache=A((100, 32))), ValueError, r"cos_sin_cache: .*narrower"),
     (lambda: cupyrope.rope(A(X), pos(), cos_sin_cache=A((100, 64), "float16")), TypeError, r"cos_sin_cache: expected dtype float32 \(like x\), got float16"),
     (lambda: cupyrope.rope(A(X), pos(), cos_sin_cache=A((64,))), ValueError, r"cos_sin_cache: expected shape \(max_position, rotary_dim\)"),
+    (lambda: cupyrope.rope(A(X), pos(), cos_sin_cache=A((0, 64))), ValueError, r"cos_sin_cache: .*max_position >= 1, got \(0, 64\)"),
     (lambda: cupyrope.rope(A(X), pos(), out=A((6, 4, 32))), ValueError, r"out: expected shape \(6, 4, 64\)"),
     (lambda: cupyrope.rope(A(X), pos(), out=A(X, "float16")), TypeError, "out: expected dtype float32"),
     (lambda: cupyrope.rope(A(X), pos(), out=A(X, device=1)), ValueError, "out: expected a cupy array on cuda:0"),

@@ -138,8 +138,15 @@ def test_cache_variant_and_alignment():
     cache = arr((100, 64), "float32")
     p = plan([(x, x)], arr((5,), "int32"), cache)
     assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, int, 0, true, true>"
-    odd_cache = arr((100, 64), "float32", ptr=BASE + 4)  # read element by element: any alignment
-    assert plan([(x, x)], arr((5,), "int32"), odd_cache).vectorized
+    # The direct kernel reads an item's cos/sin as packs: a cache whose pointer or row stride is not aligned
+    # to one goes to the block kernel, which reads any cache element by element, still with 16-byte items.
+    for odd_cache in (arr((100, 64), "float32", ptr=BASE + 4), arr((100, 64), "float32", strides=(66, 1))):
+        odd = plan([(x, x)], arr((5,), "int32"), odd_cache)
+        assert odd.vectorized and odd.name.startswith("cupyrope::rope_kernel<")
+    # The pack is F frequencies of the cache's dtype: 4 bf16 (8 bytes) for GPT-J's 16-byte bf16 items.
+    gptj_cache = arr((100, 64), "bfloat16", ptr=BASE + 8, strides=(68, 1))
+    assert "rope_direct_kernel<" in plan([(x, x)], arr((5,), "int32"), gptj_cache, style="gptj").name
+    assert "rope_kernel<" in plan([(x, x)], arr((5,), "int32"), gptj_cache).name  # NeoX: 16-byte packs
 
 
 def test_transformers_cos_sin_rows_are_read_where_they_lie():
@@ -157,8 +164,8 @@ def test_transformers_cos_sin_rows_are_read_where_they_lie():
     assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, cupyrope::TokenRows, 0, true, true>"
     tail = struct.unpack(_TAIL.format, p.tail)
     assert tail[0] == 2 * 2048  # tokens: (B, S); the heads of q and k share each token's row
-    assert tail[19:22] == (0, 2048 * 128, 128)  # cos's token strides (B merged away: padded to 3)
-    assert tail[22:24] == (2, 0)  # freq_stride, no max_position
+    assert tail[3:6] == (0, 2048 * 128, 128)  # cos's token strides (B merged away: padded to 3)
+    assert tail[26:28] == (2, 0)  # freq_stride, no max_position
 
 
 @pytest.mark.parametrize(

@@ -70,7 +70,7 @@ def assert_clear_error(error):
     event(f"refused: {str(error).split(':')[0]}")
 
 
-def assert_runnable_rope(plan, arrays_):
+def assert_runnable_rope(plan, arrays_, cache=None, style="neox"):
     event(f"planned: {plan.name.split('<')[0].removeprefix('cupyrope::')}, vectorized {plan.vectorized}")
     assert plan.name in VARIANTS, plan.name
     assert 1 <= plan.grid < 2**31 and 1 <= plan.block[0] <= 1024
@@ -79,6 +79,10 @@ def assert_runnable_rope(plan, arrays_):
         assert plan.grid * plan.block[0] < 2**31  # the kernel's unsigned thread index
     if plan.vectorized:
         assert all(aligned_16(a) for a in arrays_)
+        if cache is not None and "rope_direct_kernel" in plan.name:  # an item's cos/sin read as two packs
+            freqs = 16 // ITEMSIZE[arrays_[0].dtype] // (2 if style == "gptj" else 1)
+            pack = min(16, freqs * ITEMSIZE[cache.dtype])
+            assert cache.ptr % pack == 0 and cache.strides[0] * ITEMSIZE[cache.dtype] % pack == 0
     assert len(plan.tail) == rope_module._TAIL.size
 
 
@@ -118,7 +122,7 @@ def test_rope_plans_are_runnable_or_refused_clearly(call):
     except (TypeError, ValueError) as error:
         assert_clear_error(error)
         return
-    assert_runnable_rope(plan, [x, out or x])
+    assert_runnable_rope(plan, [x, out or x], cache, options["style"])
 
 
 @SETTINGS
@@ -131,7 +135,7 @@ def test_rope_qk_plans_are_runnable_or_refused_clearly(call, new):
     except (TypeError, ValueError) as error:
         assert_clear_error(error)
         return
-    assert_runnable_rope(plan, [q, k])
+    assert_runnable_rope(plan, [q, k], cache, options["style"])
     assert len(plan.new_output) == 2 if new else not hasattr(plan, "new_output")
 
 

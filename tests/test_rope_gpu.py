@@ -194,12 +194,13 @@ def test_layouts_and_broadcast_positions(rng, x_shape, pos_shape, transpose, ker
     assert_ran(kernel)
 
 
-def test_out_of_range_cache_positions_give_nan_and_never_read_outside(rng, kernel):
+@pytest.mark.parametrize("impl", ["vector", "scalar"])
+def test_out_of_range_cache_positions_give_nan_and_never_read_outside(rng, kernel, impl):
     host = random_host((6, 2, 64), "float32", rng)
     cache = cupyrope.rope_cache(100, 32)
     pos_host = np.array([0, 99, 100, -1, 2**40, 5])
     out = to_host(cupyrope.rope(to_device(host, "float32", "cupy"), index_to_device(pos_host, "cupy"),
-                                rotary_dim=32, cos_sin_cache=cache))
+                                rotary_dim=32, cos_sin_cache=cache, impl=impl))
     assert np.isnan(out[2:5, :, :32]).all() and not np.isnan(out[[0, 1, 5]]).any()
     np.testing.assert_array_equal(out[:, :, 32:], host[:, :, 32:])  # the unrotated tail is still copied
     assert_ran(kernel)
@@ -207,8 +208,12 @@ def test_out_of_range_cache_positions_give_nan_and_never_read_outside(rng, kerne
 
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
-def test_cache_rows_off_16_byte_boundaries(rng, style, cache_dtype, kernel):
-    """A column-offset cache view (rows off 16-byte boundaries): the same results as an aligned cache."""
+@pytest.mark.parametrize("impl,kernel", [("vector", "rope_kernel<"), ("scalar", "rope_direct_kernel<")])
+def test_cache_rows_off_16_byte_boundaries(rng, style, cache_dtype, impl, kernel, monkeypatch):
+    """A column-offset cache view (rows off 16-byte boundaries): the same results as an aligned cache. The
+    direct kernel reads a 16-byte item's cos/sin as packs, so 16-byte items take the block kernel here
+    (which reads any cache element by element); one pair a thread stays in the direct kernel."""
+    monkeypatch.setattr(rope_module, "_plans", _arrays.PlanCache())
     shape, rotary_dim, max_pos = (21, 3, 128), 128, 500
     x_host = random_host(shape, "bfloat16", rng)
     table = reference.round_to(reference.rope_cache(max_pos, rotary_dim, 10000.0), cache_dtype)
@@ -217,7 +222,7 @@ def test_cache_rows_off_16_byte_boundaries(rng, style, cache_dtype, kernel):
     cache = to_device(padded, cache_dtype, "cupy")[:, 1:]
     pos_host = rng.integers(0, max_pos, shape[0])
     out = cupyrope.rope(to_device(x_host, "bfloat16", "cupy"), index_to_device(pos_host, "cupy"), style=style,
-                        cos_sin_cache=cache, impl="vector")
+                        cos_sin_cache=cache, impl=impl)
     assert_matches(to_host(out), reference.rope(x_host, pos_host, style=style, cos_sin_cache=table), "bfloat16")
     assert_ran(kernel)
 
