@@ -124,7 +124,8 @@ __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000)
 
 // The cache row of pos; row 0 (rope.py checks that the cache has one) when pos is out of range, whose
 // values the caller replaces by NaN (documented). Loading a valid row and selecting afterwards keeps
-// the loads free of a branch on the position: measured 0.1 us faster at decode (docs/perf-notes.md).
+// the loads free of a branch on the position: up to 0.1 us faster at decode on one of two H100s, the
+// same on the other (docs/perf-notes.md, session 31).
 template <typename C>
 __device__ __forceinline__ const C* cache_row(const RopeParams& p, bool in_range, i64 pos) {
     return static_cast<const C*>(p.cache) + (in_range ? pos : 0) * p.cache_stride;
@@ -147,7 +148,7 @@ __device__ __forceinline__ void cached_cos_sin(const RopeParams& p, i64 pos, int
 }
 
 // An item's F cached cos and F sin (frequencies f0..) as two packs (rope.py checked the cache's
-// alignment): a bf16 cache's 16 two-byte loads cost 0.2 us at decode.
+// alignment): a bf16 cache's 16 two-byte loads cost up to 0.2 us at decode (on one of two H100s).
 template <typename C, int F>
 __device__ __forceinline__ void cached_cos_sin_pack(const RopeParams& p, i64 pos, i64 f0, i64 half,
                                                     Pack<float, F>& c, Pack<float, F>& s) {
