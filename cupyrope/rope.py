@@ -107,11 +107,10 @@ def _vector_blockers(tensors, dtype, style, rotary_dim, head_dim, copies) -> lis
     return reasons
 
 
-def _cache_in_packs(cache, dtype, style) -> bool:
-    """Whether the direct kernel's 16-byte items can read their cos/sin from this cache as packs
-    (kernels_src/rope.cu: cached_cos_sin_pack): its pointer and row stride aligned to a pack. rotary_dim's
-    own alignment follows from the items'."""
-    freqs = 16 // _arrays.ITEMSIZE[dtype] // (1 if style == "neox" else 2)
+def _cache_in_packs(cache, freqs) -> bool:
+    """Whether the direct kernel's 16-byte items, of `freqs` frequencies, can read their cos/sin from this
+    cache as packs (kernels_src/rope.cu: cache_cos_sin): its pointer and row stride aligned to a pack.
+    rotary_dim's own alignment follows from the items'."""
     pack_bytes = min(16, freqs * _arrays.ITEMSIZE[cache.dtype])
     return cache.ptr % pack_bytes == 0 and cache.strides[0] * _arrays.ITEMSIZE[cache.dtype] % pack_bytes == 0
 
@@ -145,17 +144,17 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
     # Direct calls with in-kernel cos/sin: one pair a thread measured 0.1-0.4 us faster than 16-byte items
     # (whose 8 cos/sin are computed by 8 threads and gathered by shuffles), so auto takes it.
     vectorized = can_vectorize and not (direct and cache is None and impl == "auto")
-    if direct and vectorized and cache is not None and positions.dtype != TOKEN_ROWS:
-        direct = _cache_in_packs(cache, dtype, style)  # else the block kernel, which reads any cache
-
     elems = 16 // _arrays.ITEMSIZE[dtype] if vectorized else (2 if style == "gptj" else 1)
+    freqs = elems if style == "neox" else elems // 2  # frequencies an item rotates (the kernels' F)
+    if direct and vectorized and cache is not None and positions.dtype != TOKEN_ROWS:
+        direct = _cache_in_packs(cache, freqs)  # else the block kernel, which reads any cache
     rot_lanes = rotary_dim // 2 // elems if style == "neox" else rotary_dim // elems
     copy_lanes = (head_dim - rotary_dim) // (elems if vectorized else 1) if copies else 0
     if n_tokens >= 2**31 or n_tokens * n_heads * max(rot_lanes, copy_lanes, 1) >= 2**32:
         raise ValueError(f"x: {n_tokens} tokens x {n_heads} heads is too many for one call; split it")
     if direct:  # items (token, head, lane), lanes rotating then copying; one thread each, or one per
         # frequency of a 16-byte item when the kernel computes the cos/sin
-        per_item = (elems if style == "neox" else elems // 2) if vectorized and cache is None else 1
+        per_item = freqs if vectorized and cache is None else 1
         tokens, block = 0, DIRECT_THREADS
         grid = -(-n_tokens * n_heads * (rot_lanes + copy_lanes) * per_item // block)
     else:

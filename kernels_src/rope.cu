@@ -4,8 +4,8 @@
 // is computed (or read from the cache) exactly once, into shared memory. Phase 2: the block's threads
 // stream independent items (token, head, lane) -- all q heads, then all k heads -- each item one
 // 16-byte chunk of a head (or one pair when scalar), several items in flight per thread.
-// Small calls (decode) and calls with a cos/sin cache take rope_direct_kernel instead: one item a
-// thread, no shared memory (see there).
+// Small calls (decode) and calls with a cos/sin cache (pack-aligned: rope.py) take rope_direct_kernel
+// instead: one item a thread, no shared memory (see there).
 // Template parameters pick the variant:
 //   T      element type of q/k (float, __half, __nv_bfloat16)
 //   C      element type of the cos/sin cache (float or T; unused without CACHE)
@@ -120,19 +120,28 @@ __device__ __forceinline__ void load_block_tokens(const RopeParams& p, unsigned 
     for (int t = threadIdx.x; t < count; t += blockDim.x) bt.position[t] = token_rows<P>(p, first + t, bt.offset[t]);
 }
 
-__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
-
-// The cache row of pos; row 0 (rope.py checks that the cache has one) when pos is out of range, whose
-// values the caller replaces by NaN (documented). Loading a valid row and selecting afterwards keeps
-// the loads free of a branch on the position: up to 0.1 us faster at decode on one of two H100s, the
-// same on the other (docs/perf-notes.md, session 31).
-template <typename C>
-__device__ __forceinline__ const C* cache_row(const RopeParams& p, bool in_range, i64 pos) {
-    return static_cast<const C*>(p.cache) + (in_range ? pos : 0) * p.cache_stride;
+// The cache's F cos and F sin of frequencies f0.. at pos (vLLM layout: cos half, then sin half), as two packs
+// where VEC (rope.py checked the cache's alignment: a bf16 cache's 16 two-byte loads of a 16-byte item cost up
+// to 0.2 us at decode on one of two H100s). A position out of range reads row 0 (rope.py checks that the cache
+// has one) and its values become NaN (documented): loading a valid row and selecting afterwards keeps the loads
+// free of a branch on the position, up to 0.1 us faster at decode on one of two H100s, the same on the other
+// (docs/perf-notes.md, session 31).
+template <typename C, int F, bool VEC>
+__device__ __forceinline__ void cache_cos_sin(const RopeParams& p, i64 pos, i64 f0, i64 half, Pack<float, F>& c,
+                                              Pack<float, F>& s) {
+    const bool in_range = pos >= 0 && pos < p.max_position;
+    const C* row = static_cast<const C*>(p.cache) + (in_range ? pos : 0) * p.cache_stride;
+    const Pack<C, F> cc = load_pack<VEC, F>(row + f0), ss = load_pack<VEC, F>(row + half + f0);
+    const float nan = __int_as_float(0x7fc00000);
+#pragma unroll
+    for (int i = 0; i < F; ++i) {
+        c.v[i] = in_range ? to_float(cc.v[i]) : nan;
+        s.v[i] = in_range ? to_float(ss.v[i]) : nan;
+    }
 }
 
-// The cache's cos/sin of frequency f at pos (vLLM layout: cos half, then sin half). TokenRows: pos is
-// where the token's row starts in cos and sin (in range by construction: rope.py checked the shapes).
+// The cos/sin of frequency f at pos: from the cache, or TokenRows: pos is where the token's row starts in
+// cos and sin (in range by construction: rope.py checked the shapes).
 template <typename C, typename P>
 __device__ __forceinline__ void cached_cos_sin(const RopeParams& p, i64 pos, int f, int half, float& c, float& s) {
     if constexpr (TOKEN_ROWS<P>) {
@@ -140,25 +149,9 @@ __device__ __forceinline__ void cached_cos_sin(const RopeParams& p, i64 pos, int
         c = to_float(static_cast<const C*>(p.cos)[at]);
         s = to_float(static_cast<const C*>(p.sin)[at]);
     } else {
-        const bool in_range = pos >= 0 && pos < p.max_position;
-        const C* row = cache_row<C>(p, in_range, pos);
-        c = in_range ? to_float(row[f]) : quiet_nan();
-        s = in_range ? to_float(row[half + f]) : quiet_nan();
-    }
-}
-
-// An item's F cached cos and F sin (frequencies f0..) as two packs (rope.py checked the cache's
-// alignment): a bf16 cache's 16 two-byte loads cost up to 0.2 us at decode (on one of two H100s).
-template <typename C, int F>
-__device__ __forceinline__ void cached_cos_sin_pack(const RopeParams& p, i64 pos, i64 f0, i64 half,
-                                                    Pack<float, F>& c, Pack<float, F>& s) {
-    const bool in_range = pos >= 0 && pos < p.max_position;
-    const C* row = cache_row<C>(p, in_range, pos);
-    const Pack<C, F> cc = load_pack<true, F>(row + f0), ss = load_pack<true, F>(row + half + f0);
-#pragma unroll
-    for (int i = 0; i < F; ++i) {
-        c.v[i] = in_range ? to_float(cc.v[i]) : quiet_nan();
-        s.v[i] = in_range ? to_float(ss.v[i]) : quiet_nan();
+        Pack<float, 1> cp, sp;
+        cache_cos_sin<C, 1, false>(p, pos, f, half, cp, sp);
+        c = cp.v[0], s = sp.v[0];
     }
 }
 
@@ -380,8 +373,8 @@ __global__ void __launch_bounds__(DIRECT_MAX_THREADS) rope_direct_kernel(const R
         }
         if (k != 0) return;
     } else {
-        if constexpr (CACHE && VEC && !TOKEN_ROWS<P>) {
-            cached_cos_sin_pack<C, F>(p, pos, f0, half, c, s);
+        if constexpr (CACHE && !TOKEN_ROWS<P>) {
+            cache_cos_sin<C, F, VEC>(p, pos, f0, half, c, s);
         } else {
 #pragma unroll
             for (int i = 0; i < F; ++i) {
