@@ -3,6 +3,8 @@
 Kernels that take one struct of N bytes (two pointers, then padding) and copy 512 floats on 4 blocks of
 128 threads (a decode call's launch shape), timed as the benchmark suite times calls (CUDA-graph
 replay, per call), beside cupyrope's decode RoPE (RopeParams: 336 bytes) and torch.compile's kernel.
+Then what reading the block costs: kernels that add K 8-byte fields, GAP bytes apart, into the same copy
+(GAP 64: one constant-cache line each).
 Usage: python scripts/param_size.py
 """
 
@@ -19,7 +21,16 @@ template <int N> __global__ void copy(const P<N> p) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     p.out[i] = p.in[i] * 2.f;
 }
+struct Fields { const float* in; float* out; long long f[126]; };
+template <int K, int GAP> __global__ void touch(const Fields p) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    long long sum = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) sum += p.f[k * (GAP / 8)];
+    p.out[i] = p.in[i] * 2.f + (float)sum;
+}
 """
+FIELDS = ((1, 8), (2, 64), (4, 64), (8, 64), (4, 256), (16, 8))  # (K, GAP)
 
 
 class _Kernel:  # what _launch.Launch needs of a kernel
@@ -29,7 +40,8 @@ class _Kernel:  # what _launch.Launch needs of a kernel
 
 def main():
     names = [f"copy<{n}>" for n in SIZES]
-    module = cupy.RawModule(code=SOURCE, options=("-std=c++17",), name_expressions=names)
+    touches = [f"touch<{k}, {gap}>" for k, gap in FIELDS]
+    module = cupy.RawModule(code=SOURCE, options=("-std=c++17",), name_expressions=names + touches)
     x = torch.randn(512, device="cuda")
     y = torch.empty_like(x)
     print(f"{torch.cuda.get_device_name()}: GPU us per call (graph replay), 4 x 128 threads")
@@ -39,6 +51,13 @@ def main():
             launch = _launch.Launch(_Kernel(module.get_function(name)), 4, (128, 1), 2, bytes(n - 16), 0, "torch")
             fn = lambda launch=launch: launch(x.data_ptr(), y.data_ptr())  # noqa: E731
             cells.append(f"{n} B {bench.gpu_time_us(torch, [fn]):.3f}")
+        print(" | ".join(cells), flush=True)
+    for _ in range(2):
+        cells = []
+        for (k, gap), name in zip(FIELDS, touches):
+            launch = _launch.Launch(_Kernel(module.get_function(name)), 4, (128, 1), 2, bytes(1008), 0, "torch")
+            fn = lambda launch=launch: launch(x.data_ptr(), y.data_ptr())  # noqa: E731
+            cells.append(f"{k} fields {gap} B apart {bench.gpu_time_us(torch, [fn]):.3f}")
         print(" | ".join(cells), flush=True)
     q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
     pos = torch.randint(0, 4096, (1,), device="cuda")
