@@ -12,15 +12,15 @@ import pytest
 
 import cupyrope
 from cupyrope import reference
-from helpers import (DTYPES, assert_matches, data_ptr, has_torch_cuda, index_to_device, poisoned_allocations, random_host,
-                     requires_gpu, to_device, to_host)
+from helpers import (DTYPES, assert_matches, data_ptr, has_torch_cuda, index_to_device, poisoned_allocations,
+                     random_host, requires_gpu, to_device, to_host)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-FUZZ = settings(max_examples=int(os.environ.get("CUPYROPE_FUZZ_EXAMPLES", "25")), deadline=None, derandomize=False,
+FUZZ = settings(max_examples=int(os.environ.get("CUPYROPE_FUZZ_EXAMPLES", "25")), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 KIND = st.sampled_from(["cupy", "torch"] if has_torch_cuda() else ["cupy"])
 START = st.sampled_from([0, 0, 0, 1, 2, 3, 5, 8])  # elements from the buffer's (256-byte aligned) start
@@ -30,6 +30,9 @@ HIDDEN = st.one_of(st.integers(1, 300), st.integers(300, 5000),
                    st.sampled_from([1024, 2048, 4096, 4099, 5120, 8191, 8192, 10240, 16384, 16389, 20001, 28672, 32768,
                                     32769, 40960, 65536, 65539]))
 MAX_ELEMENTS = 2**21  # per tensor: keeps the float64 references quick
+IMPL = st.sampled_from(["auto", "auto", "scalar", "vector"])
+SEED = st.integers(0, 2**32 - 1)
+NORM_CALL = given(data=st.data(), dtype=st.sampled_from(DTYPES), kind=KIND, hidden=HIDDEN, seed=SEED)
 
 
 class Buffer:
@@ -63,6 +66,14 @@ def rows_for(draw, hidden, most=3000):
     return (2, rows // 2) if split else (rows,)
 
 
+def norm_rows(data, seed, dtype, kind, hidden, count):
+    """(draw, rng, shape, Buffers): `count` row tensors of one random (..., hidden) shape, each at its own
+    offset and row padding."""
+    rng, draw = np.random.default_rng(seed), data.draw
+    shape = (*rows_for(draw, hidden), hidden)
+    return draw, rng, shape, [Buffer(rng, dtype, kind, shape, draw(START), draw(PAD)) for _ in range(count)]
+
+
 def weight_of(rng, draw, dtype, kind, hidden):
     """None, or a weight of fp32 or x's dtype at a random offset."""
     choice = draw(st.sampled_from(["none", "float32", "same"]))
@@ -90,15 +101,13 @@ def call_or_refused(call, impl, kind, new_output=None):
 
 
 @FUZZ
-@given(data=st.data(), dtype=st.sampled_from(DTYPES), kind=KIND, hidden=HIDDEN, seed=st.integers(0, 2**32 - 1))
+@NORM_CALL
 def test_fuzz_rms_norm_forward(data, dtype, kind, hidden, seed):
-    rng, draw = np.random.default_rng(seed), data.draw
-    shape = (*rows_for(draw, hidden), hidden)
-    x = Buffer(rng, dtype, kind, shape, draw(START), draw(PAD))
+    draw, rng, shape, (x,) = norm_rows(data, seed, dtype, kind, hidden, 1)
     w = weight_of(rng, draw, dtype, kind, hidden)
     out = Buffer(rng, dtype, kind, shape, draw(START), draw(PAD), values=False) if draw(st.booleans()) else None
     offset, eps = draw(st.sampled_from([0.0, 1.0])), draw(st.sampled_from([1e-6, 1e-2]))
-    impl = draw(st.sampled_from(["auto", "auto", "scalar", "vector"]))
+    impl = draw(IMPL)
     result = call_or_refused(lambda: cupyrope.rms_norm(x.view, None if w is None else w.view, eps, offset=offset,
                                                        out=None if out is None else out.view, return_rstd=True,
                                                        impl=impl), impl, kind,
@@ -116,15 +125,12 @@ def test_fuzz_rms_norm_forward(data, dtype, kind, hidden, seed):
 
 
 @FUZZ
-@given(data=st.data(), dtype=st.sampled_from(DTYPES), kind=KIND, hidden=HIDDEN, seed=st.integers(0, 2**32 - 1))
+@NORM_CALL
 def test_fuzz_fused_add_rms_norm(data, dtype, kind, hidden, seed):
-    rng, draw = np.random.default_rng(seed), data.draw
-    shape = (*rows_for(draw, hidden), hidden)
-    x = Buffer(rng, dtype, kind, shape, draw(START), draw(PAD))
-    residual = Buffer(rng, dtype, kind, shape, draw(START), draw(PAD))
+    draw, rng, shape, (x, residual) = norm_rows(data, seed, dtype, kind, hidden, 2)
     w = Buffer(rng, draw(st.sampled_from(["float32", dtype])), kind, (hidden,), draw(START))
     offset = draw(st.sampled_from([0.0, 1.0]))
-    impl = draw(st.sampled_from(["auto", "auto", "scalar", "vector"]))
+    impl = draw(IMPL)
     if call_or_refused(lambda: cupyrope.fused_add_rms_norm(x.view, residual.view, w.view, 1e-6, offset=offset,
                                                            impl=impl), impl, kind) is None:
         return
@@ -137,17 +143,14 @@ def test_fuzz_fused_add_rms_norm(data, dtype, kind, hidden, seed):
 
 
 @FUZZ
-@given(data=st.data(), dtype=st.sampled_from(DTYPES), kind=KIND, hidden=HIDDEN, seed=st.integers(0, 2**32 - 1))
+@NORM_CALL
 def test_fuzz_rms_norm_backward(data, dtype, kind, hidden, seed):
-    rng, draw = np.random.default_rng(seed), data.draw
-    shape = (*rows_for(draw, hidden), hidden)
-    dy = Buffer(rng, dtype, kind, shape, draw(START), draw(PAD))
-    x = Buffer(rng, dtype, kind, shape, draw(START), draw(PAD))
+    draw, rng, shape, (dy, x) = norm_rows(data, seed, dtype, kind, hidden, 2)
     w = weight_of(rng, draw, dtype, kind, hidden)
     weight = None if w is None else w.view
     offset, eps = draw(st.sampled_from([0.0, 0.25, 1.0])), draw(st.sampled_from([1e-6, 1e-2]))
     rstd = cupyrope.rms_norm(x.view, None, eps, return_rstd=True)[1] if draw(st.booleans()) else None
-    impl = draw(st.sampled_from(["auto", "auto", "scalar", "vector"]))
+    impl = draw(IMPL)
     result = call_or_refused(lambda: cupyrope.rms_norm_backward(dy.view, x.view, weight, rstd, eps, offset,
                                                                 impl=impl), impl, kind, (shape, dtype))
     if result is None:
@@ -218,7 +221,7 @@ def rope_operands(rng, draw, layout, lead, hq, hk, head_dim, dtype, kind):
 
 
 @FUZZ
-@given(data=st.data(), dtype=st.sampled_from(DTYPES), kind=KIND, layout=rope_layouts(), seed=st.integers(0, 2**32 - 1))
+@given(data=st.data(), dtype=st.sampled_from(DTYPES), kind=KIND, layout=rope_layouts(), seed=SEED)
 def test_fuzz_rope_qk(data, dtype, kind, layout, seed):
     rng, draw = np.random.default_rng(seed), data.draw
     layout, lead, hq, hk, pos_shape = layout
@@ -244,7 +247,7 @@ def test_fuzz_rope_qk(data, dtype, kind, layout, seed):
     if placement == "views":
         outs = [Buffer(rng, dtype, kind, q_host.shape, draw(START), draw(PAD), values=False),
                 Buffer(rng, dtype, kind, k_host.shape, draw(START), draw(PAD), values=False)]
-    impl = draw(st.sampled_from(["auto", "auto", "scalar", "vector"]))
+    impl = draw(IMPL)
     options = dict(theta=theta, style=style, rotary_dim=rotary_dim, inverse=inverse, impl=impl,
                    cos_sin_cache=None if table is None else cache)
     out = {"in place": None, "new": "new", "views": None if outs is None else (outs[0].view, outs[1].view)}[placement]
