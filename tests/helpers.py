@@ -111,6 +111,22 @@ def poisoned_allocations(kind: str, shapes, dtype: str):
             yield ptrs
 
 
+def outside_rows(buffer, start, hidden):
+    """The columns of an unaligned_view's buffer around its rows, on the host."""
+    whole = to_host(buffer)
+    return np.concatenate([whole[:, :start], whole[:, start + hidden:]], axis=1)
+
+
+def unaligned_view(host, dtype, kind, start, pad):
+    """(buffer, view): the view is columns start .. start + hidden of a (rows, hidden + pad) buffer
+    holding `host` there and NaN around it."""
+    rows, hidden = host.shape
+    wide = np.full((rows, hidden + pad), np.nan)
+    wide[:, start:start + hidden] = host
+    buffer = to_device(wide, dtype, kind)
+    return buffer, buffer[:, start:start + hidden]
+
+
 def data_ptr(array) -> int:
     return array.data_ptr() if type(array).__module__.startswith("torch") else array.data.ptr
 

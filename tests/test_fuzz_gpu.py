@@ -12,8 +12,8 @@ import pytest
 
 import cupyrope
 from cupyrope import reference
-from helpers import (DTYPES, assert_matches, data_ptr, has_torch_cuda, index_to_device, poisoned_allocations,
-                     random_host, requires_gpu, to_device, to_host)
+from helpers import (DTYPES, assert_matches, data_ptr, has_torch_cuda, index_to_device, outside_rows,
+                     poisoned_allocations, random_host, requires_gpu, to_device, to_host, unaligned_view)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 hypothesis = pytest.importorskip("hypothesis")
@@ -36,25 +36,20 @@ NORM_CALL = given(data=st.data(), dtype=st.sampled_from(DTYPES), kind=KIND, hidd
 
 
 class Buffer:
-    """A NaN-filled device buffer holding one view of `shape` (last dimension contiguous) from element
-    `start`, rows `pad` elements apart; `host` is the view's float64 values."""
+    """A view of `shape` (last dimension contiguous) inside a NaN-filled buffer (helpers.unaligned_view): its rows
+    start `start` elements into rows of the buffer that are `start + pad` elements longer; `host` is the view's
+    float64 values (NaN where values=False: an output)."""
 
     def __init__(self, rng, dtype, kind, shape, start=0, pad=0, values=True):
         *lead, last = shape
-        rows = math.prod(lead)
-        span = rows * (last + pad)
-        base = np.full(start + span + 8, np.nan)
         self.host = random_host(shape, dtype, rng) if values else np.full(shape, np.nan)
-        base[start:start + span].reshape(*lead, last + pad)[..., :last] = self.host
-        self.dtype, self.before = dtype, base
-        self.base = to_device(base, dtype, kind)
-        self.view = self.base[start:start + span].reshape(*lead, last + pad)[..., :last]
-        self.outside = np.ones(base.shape, bool)
-        self.outside[start:start + span].reshape(*lead, last + pad)[..., :last] = False
+        self.dtype, self.start, self.last = dtype, start, last
+        self.base, rows = unaligned_view(self.host.reshape(-1, last), dtype, kind, start, start + pad)
+        self.view = rows.reshape(*lead, last)
+        self.before = to_host(self.base)
 
     def check_outside(self, what):
-        after = to_host(self.base)
-        assert np.isnan(after[self.outside]).all(), f"{what}: written outside the view"
+        assert np.isnan(outside_rows(self.base, self.start, self.last)).all(), f"{what}: written outside the view"
 
     def check_unchanged(self, what):
         np.testing.assert_array_equal(to_host(self.base), self.before, err_msg=f"{what}: input changed")

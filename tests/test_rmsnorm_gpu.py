@@ -8,8 +8,8 @@ import pytest
 import cupyrope
 from cupyrope import _arrays, reference, rmsnorm
 from cupyrope.reference import ulp
-from helpers import (DTYPES, KINDS, assert_matches, n_gpus, poison, random_host, requires_gpu, requires_torch_cuda,
-                     to_device, to_host)
+from helpers import (DTYPES, KINDS, assert_matches, n_gpus, outside_rows, poison, random_host, requires_gpu,
+                     requires_torch_cuda, to_device, to_host, unaligned_view)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -72,22 +72,6 @@ def fresh_plans(monkeypatch):
 def planned(op):
     """The plan the cache holds for op ("fwd", "add" or "bwd")."""
     return next(plan for key, plan in rmsnorm._plans._plans.items() if key[0] == op)
-
-
-def outside_rows(buffer, start, hidden):
-    """The columns of an unaligned_view's buffer around its rows, on the host."""
-    whole = to_host(buffer)
-    return np.concatenate([whole[:, :start], whole[:, start + hidden:]], axis=1)
-
-
-def unaligned_view(host, dtype, kind, start, pad):
-    """(buffer, view): the view is columns start .. start + hidden of a (rows, hidden + pad) buffer
-    holding `host` there and NaN around it."""
-    rows, hidden = host.shape
-    wide = np.full((rows, hidden + pad), np.nan)
-    wide[:, start:start + hidden] = host
-    buffer = to_device(wide, dtype, kind)
-    return buffer, buffer[:, start:start + hidden]
 
 
 @pytest.mark.parametrize("kind", KINDS)
