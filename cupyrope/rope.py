@@ -15,6 +15,7 @@ from ._arrays import (CTYPE, FLOAT_DTYPES, INDEX_DTYPES, EmptyPlan, check_not_ov
 from ._compile import get_kernel
 from ._device import sm_count
 from ._layout import canonical_layout
+from ._recall import RecentCalls
 
 SOURCE = "rope.cu"
 STYLES = {"neox": 0, "gptj": 1}
@@ -279,6 +280,7 @@ def _check_out(o, x, x_name):
 # ------------------------------------------------------------------------------------------ public API
 
 _plans = _arrays.PlanCache()
+_recent = {op: RecentCalls() for op in ("rope", "rope_qk", "rope_qk_cos_sin")}  # repeated calls with torch tensors
 
 
 def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False,
@@ -294,17 +296,28 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
     [0, max_position) become NaN. inverse=True rotates by -angle (the backward of RoPE).
     out=x rotates in place. Returns ``out`` (a new array of x's kind when out is None).
     """
-    x_key, x_ptr = fingerprint(x, "x")
-    p_key, p_ptr = fingerprint(positions, "positions")
-    c_key, c_ptr = fingerprint_optional(cos_sin_cache, "cos_sin_cache")
-    o_key, o_ptr = fingerprint_optional(out, "out")
-    key = ("rope", x_key, p_key, c_key, o_key, o_ptr == x_ptr, theta, style, rotary_dim, inverse, impl)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plan_rope_call(describe(x, "x"), describe(positions, "positions"),
-                               describe_optional(cos_sin_cache, "cos_sin_cache"), describe_optional(out, "out"),
-                               theta, style, rotary_dim, inverse, impl)
-        _plans.put(key, plan)
+    cache, plan, recall_options = cos_sin_cache, None, None
+    if out is None or out is x:  # a repeated call with torch tensors may be recalled (_recall.py)
+        recall_options = ("rope", out is None, cache is None, theta, style, rotary_dim, inverse, impl)
+        tensors = (x, positions) if cache is None else (x, positions, cache)
+        plan = _recent["rope"].recall(recall_options, tensors)
+    if plan is not None:
+        x_ptr, p_ptr, c_ptr = x.data_ptr(), positions.data_ptr(), 0 if cache is None else cache.data_ptr()
+        o_ptr = 0 if out is None else x_ptr
+    if plan is None or (x_ptr | p_ptr | c_ptr) & 15:
+        x_key, x_ptr = fingerprint(x, "x")
+        p_key, p_ptr = fingerprint(positions, "positions")
+        c_key, c_ptr = fingerprint_optional(cache, "cos_sin_cache")
+        o_key, o_ptr = fingerprint_optional(out, "out")
+        key = ("rope", x_key, p_key, c_key, o_key, o_ptr == x_ptr, theta, style, rotary_dim, inverse, impl)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plan_rope_call(describe(x, "x"), describe(positions, "positions"),
+                                   describe_optional(cache, "cos_sin_cache"), describe_optional(out, "out"),
+                                   theta, style, rotary_dim, inverse, impl)
+            _plans.put(key, plan)
+        if recall_options and x_key[0] in _arrays._TORCH_TYPES:
+            _recent["rope"].remember(recall_options, tensors, (x_ptr, p_ptr, c_ptr), key, plan)
     out, out_ptr = _arrays.output(x, x_ptr, out, o_ptr, plan)
     if plan.grid:
         plan.launch(x_ptr, out_ptr, x_ptr, out_ptr, p_ptr, c_ptr)
@@ -344,7 +357,15 @@ def _qk_call(op, q, k, a_name, a, b_name, b, out, options, plan_call):
     """One call of rope_qk or rope_qk_cos_sin: the plan cached by the fingerprints of q, k, the cos/sin
     source's two arrays (a, and b, which may be None: positions and the cache, or cos and sin) and out,
     and the options; plan_call makes it from (q, k, a, b, the outputs, *options). Then the launch with
-    this call's pointers."""
+    this call's pointers. In place and out="new", a repeated call with torch tensors is recalled instead."""
+    plan = recall_options = None
+    if out is None or isinstance(out, str):  # in place or new outputs: a repeated call with torch tensors may be recalled
+        recall_options, tensors = (op, out, b is None, *options), (q, k, a) if b is None else (q, k, a, b)
+        plan = _recent[op].recall(recall_options, tensors)
+    if plan is not None:
+        q_ptr, k_ptr, a_ptr, b_ptr = q.data_ptr(), k.data_ptr(), a.data_ptr(), 0 if b is None else b.data_ptr()
+        if not (q_ptr | k_ptr | a_ptr | b_ptr) & 15:
+            return _launch_qk(plan, q, k, (q_ptr, q_ptr, k_ptr, k_ptr, a_ptr, b_ptr), out)
     q_key, q_ptr = fingerprint(q, "q")
     k_key, k_ptr = fingerprint(k, "k")
     a_key, a_ptr = fingerprint(a, a_name)
@@ -357,6 +378,8 @@ def _qk_call(op, q, k, a_name, a, b_name, b, out, options, plan_call):
         plan = plan_call(qa, ka, describe(a, a_name), describe_optional(b, b_name),
                          *_describe_qk_outputs(qa, ka, q_out, k_out, out), *options)
         _plans.put(key, plan)
+    if recall_options and q_key[0] in _arrays._TORCH_TYPES:
+        _recent[op].remember(recall_options, tensors, (q_ptr, k_ptr, a_ptr, b_ptr), key, plan)
     return _launch_qk(plan, q, k, (q_ptr, qo_ptr, k_ptr, ko_ptr, a_ptr, b_ptr), out)
 
 

@@ -1,8 +1,8 @@
 """The Python side of a planned call, with no GPU: where a decode-size call's host time goes.
 
 CPU torch tensors stand in for CUDA ones and the three driver calls (current device, current stream,
-cuLaunchKernel) are no-ops, so what is timed is exactly cupyrope's own per-call code: fingerprints,
-plan-cache lookup, overlap checks, parameter packing, output allocation. Run it on the build machine
+cuLaunchKernel) are no-ops (tests/fakes.py), so what is timed is exactly cupyrope's own per-call code:
+fingerprints or recall, plan-cache lookup, overlap checks, parameter packing, output allocation. Run it on the build machine
 to try host-path changes between GPU sessions; scripts/overhead.py measures the real thing on a GPU.
 Host speed varies between machines and runs: compare rows of one run. Usage:
 PYTHONPATH=. python scripts/host_path_cpu.py
@@ -12,42 +12,16 @@ import statistics
 import sys
 import timeit
 import types
+from pathlib import Path
 
 import torch
 
 import cupyrope
-from cupyrope import _arrays, _launch
+from cupyrope import _launch
 from cupyrope._arrays import fingerprint
 
-rope_module, norm_module = sys.modules["cupyrope.rope"], sys.modules["cupyrope.rmsnorm"]
-
-
-def _describe_cpu(obj, name):
-    """describe() that takes a CPU tensor as if it were on cuda:0 (planning only)."""
-    if isinstance(obj, torch.Tensor):
-        array = _arrays._from_torch(obj)
-        array.device = 0  # a CPU tensor's get_device() is -1
-        return array
-    return _arrays.describe(obj, name)
-
-
-def stand_in_for_the_gpu():
-    _arrays._TORCH_TYPES.add(torch.Tensor)  # fingerprint() takes CPU tensors (device index -1)
-    no_kernel = types.SimpleNamespace(ptr=0, raw=types.SimpleNamespace(shared_size_bytes=0))
-    for module in (rope_module, norm_module):
-        module.describe = _describe_cpu
-        module.describe_optional = lambda obj, name: None if obj is None else _describe_cpu(obj, name)
-        module.get_kernel = lambda *args: no_kernel
-        module.sm_count = lambda device: 132  # an H100's
-    norm_module.shared_optin = lambda device: 227 * 1024
-    norm_module.allow_shared_memory = lambda *args: None
-    norm_module._blocks_per_wave = lambda *args: 132 * 4
-    norm_module._waves = lambda *args: 1
-    norm_module.runs_clusters = lambda device: True
-    _launch._bind = lambda: None
-    _launch._runtime = types.SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None)
-    _launch._driver = types.SimpleNamespace(launchKernel=lambda *args: None, CUDADriverError=RuntimeError)
-    _launch._torch_stream = _launch._cupy_stream = lambda device: 0
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from fakes import stand_in_for_the_gpu  # noqa: E402
 
 
 def rows():
@@ -59,6 +33,8 @@ def rows():
     cache = torch.randn(4096, 128)
     cos, sin = torch.randn(1, 1, 128, dtype=torch.bfloat16), torch.randn(1, 1, 128, dtype=torch.bfloat16)
     outs = torch.empty_like(q), torch.empty_like(k)
+    cupyrope.rope_qk(q, k, pos)  # remembered with its guard (cupyrope/_recall.py)
+    guard = sys.modules["cupyrope.rope"]._recent["rope_qk"]._recent[0][1]
     launcher = _launch.Launch(types.SimpleNamespace(ptr=0), 1, (32, 1), 1, b"", 0, "torch")
     key = ("rope_qk", fingerprint(q, "q")[0], fingerprint(k, "k")[0], fingerprint(pos, "positions")[0])
     return {
@@ -76,6 +52,7 @@ def rows():
         "fused_add_rms_norm": lambda: cupyrope.fused_add_rms_norm(x, residual, w),
         "  piece: launcher, 1 pointer (driver calls no-ops)": lambda: launcher(x.data_ptr()),
         "  piece: fingerprint of a tensor": lambda: fingerprint(q, "q"),
+        "  piece: guard check of q, k, positions": lambda: guard.check(q, k, pos),
         "  piece: hash of a rope_qk key": lambda: hash(key),
         "  piece: torch.empty_like": lambda: torch.empty_like(q),
     }

@@ -166,6 +166,8 @@ def test_inputs_on_another_gpu_run_there(rng):
     assert_matches(to_host(out), reference.rope(host, pos), "bfloat16")
     xt = torch.from_numpy(host).to("cuda:1", torch.bfloat16)
     w = torch.randn(128, device="cuda:1")
+    for _ in range(2):  # the same call on cuda:0 first: recalled plans (cupyrope/_recall.py) know the device
+        cupyrope.rms_norm(xt.to("cuda:0"), w.to("cuda:0"))
     y = cupyrope.rms_norm(xt, w)
     assert y.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
     assert_matches(to_host(y), reference.rms_norm(host, w.cpu().numpy()), "bfloat16", scale=2.0)

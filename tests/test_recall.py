@@ -1,0 +1,169 @@
+"""Recalled plans (cupyrope/_recall.py) on the CPU: a repeated call with torch tensors must launch exactly what
+the fingerprint path would have launched, and anything a fingerprint tells apart must not be recalled."""
+
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="recall serves torch tensors only")
+
+import cupyrope  # noqa: E402
+from cupyrope import _launch, _recall  # noqa: E402
+from fakes import stand_in_for_the_gpu  # noqa: E402
+
+
+def test_the_guard_passes_its_self_test_on_this_torch():
+    assert _recall._guards_usable(), "torch._C._dynamo.guards.TensorGuards failed the self-test: no recall"
+
+
+def test_recall_can_be_switched_off(monkeypatch):
+    monkeypatch.setattr(_recall, "_guard_class", None)
+    monkeypatch.setenv("CUPYROPE_RECALL", "0")
+    assert not _recall._guards_usable()
+    calls = _recall.RecentCalls()
+    _remembered(calls, ("op",), (torch.zeros(4),))
+    assert calls.recall(("op",), (torch.zeros(4),)) is None
+
+
+def _remembered(calls, options, tensors, plan="plan"):
+    key = ("key", len(calls._guards))
+    calls.remember(options, tensors, [t.data_ptr() for t in tensors], key, plan)
+    return key
+
+
+def test_recall_tells_apart_what_a_fingerprint_tells_apart():
+    calls = _recall.RecentCalls()
+    q, pos = torch.randn(1, 32, 128, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64)
+    _remembered(calls, ("op", 1.0), (q, pos))
+    assert calls.recall(("op", 1.0), (torch.ones_like(q), torch.ones_like(pos))) == "plan"  # other memory
+    for changed in (torch.empty_strided(q.shape, (5000, 128, 1), dtype=q.dtype),  # other strides
+                    q.float(), q[:, :16], q.reshape(32, 128), q.detach().requires_grad_(),
+                    q.as_subclass(type("Sub", (torch.Tensor,), {}))):
+        assert calls.recall(("op", 1.0), (changed, pos)) is None
+    assert calls.recall(("op", 1.0), (q, pos.int())) is None
+    assert calls.recall(("op", 2.0), (q, pos)) is None
+    assert calls.recall(("op", 1.0), (q, q)) is None
+
+
+def test_calls_with_misaligned_pointers_are_not_remembered():
+    calls = _recall.RecentCalls()
+    x = torch.randn(2, 130, dtype=torch.bfloat16)
+    _remembered(calls, ("op",), (x[:, 1:],))  # 2 bytes past a 16-byte boundary
+    assert calls.recall(("op",), (x[:, 1:],)) is None
+
+
+def test_the_last_few_calls_are_remembered_and_a_guard_built_once():
+    calls = _recall.RecentCalls()
+    tensors = [(torch.randn(n, 64),) for n in range(1, _recall.RECENT + 2)]
+    keys = [_remembered(calls, ("op",), t, plan=n) for n, t in enumerate(tensors)]
+    assert calls.recall(("op",), tensors[0]) is None  # the oldest one is forgotten
+    assert [calls.recall(("op",), t) for t in tensors[1:]] == list(range(1, _recall.RECENT + 1))
+    guard = calls._guards[keys[1]][1]
+    calls.remember(("op",), tensors[1], [tensors[1][0].data_ptr()], keys[1], 1)
+    assert calls._guards[keys[1]][1] is guard and calls._recent[0][2] == 1
+
+
+def _launch_log(monkeypatch, names):
+    """Records each launch: its grid, block, constants and its pointers by name (``names``: pointer -> name;
+    others are new outputs)."""
+    log = []
+
+    def record(launch, *pointers):
+        log.append((launch.grid, launch.block, launch.shared_mem, launch.tail,
+                     tuple(names.get(p, "new" if p else 0) for p in pointers)))
+
+    monkeypatch.setattr(_launch.Launch, "__call__", record)
+    return log
+
+
+def _calls():
+    """Decode-size calls of every op that recalls, each varied in what a plan depends on."""
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    q, k, pos = torch.randn(1, 32, 128, dtype=bf16), torch.randn(1, 8, 128, dtype=bf16), torch.zeros(1, dtype=torch.int64)
+    qkv = torch.randn(3, 48 * 128 + 8, dtype=bf16)  # fused qkv rows: q and k are strided; +8: misaligned rows
+    q_slice, k_slice = qkv[:, : 32 * 128].view(3, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(3, 8, 128)
+    q_off = qkv[:, 8 : 8 + 32 * 128].view(3, 32, 128)  # 16 bytes in
+    q_odd = qkv[:, 1 : 1 + 32 * 128].view(3, 32, 128)  # 2 bytes past a boundary
+    pos3, k3 = torch.tensor([0, 5, 9], dtype=torch.int32), torch.randn(3, 8, 128, dtype=bf16)
+    cache, cache16 = torch.randn(64, 128), torch.randn(64, 128, dtype=bf16)
+    cos, sin = torch.randn(1, 1, 128, dtype=bf16), torch.randn(1, 1, 128, dtype=bf16)
+    x, w, w32 = torch.randn(4, 4096, dtype=bf16), torch.randn(4096, dtype=bf16), torch.randn(4096)
+    residual, y, x_rows = torch.randn_like(x), torch.empty_like(x), torch.randn(4, 4104, dtype=bf16)[:, :4096]
+    # Like q and x but 2 bytes past a 16-byte boundary: only the pointer tells them apart.
+    q_moved = torch.randn(1 + q.numel(), dtype=bf16)[1:].view(q.shape)
+    x_moved = torch.randn(1 + x.numel(), dtype=bf16)[1:].view(x.shape)
+    arrays = dict(q=q, k=k, pos=pos, q_slice=q_slice, k_slice=k_slice, q_off=q_off, q_odd=q_odd, pos3=pos3, k3=k3,
+                  cache=cache, cache16=cache16, cos=cos, sin=sin, x=x, w=w, w32=w32, residual=residual, y=y,
+                  x_rows=x_rows, q_moved=q_moved, x_moved=x_moved)
+    calls = [
+        lambda: cupyrope.rope_qk(q, k, pos),
+        lambda: cupyrope.rope_qk(q_moved, k, pos, cos_sin_cache=cache),  # vector with q, scalar here
+        lambda: cupyrope.rope_qk(q, k, pos, cos_sin_cache=cache),
+        lambda: cupyrope.rope_qk(q, k, pos, cos_sin_cache=cache16),
+        lambda: cupyrope.rope_qk(q, k, pos, out="new"),
+        lambda: cupyrope.rope_qk(q, k, pos, theta=500000.0),
+        lambda: cupyrope.rope_qk(q, k, pos, style="gptj", rotary_dim=64, inverse=True),
+        lambda: cupyrope.rope_qk(q_slice, k_slice, pos3),
+        lambda: cupyrope.rope_qk(q_off, k3, pos3),
+        lambda: cupyrope.rope_qk(q_odd, k3, pos3),
+        lambda: cupyrope.rope_qk(q.float(), k.float(), pos),  # new tensors every time
+        lambda: cupyrope.rope_qk(q, k, pos.int()),
+        lambda: cupyrope.rope_qk(q, q, pos),  # overlapping: refused
+        lambda: cupyrope.rope_qk_cos_sin(q, k, cos, sin),
+        lambda: cupyrope.rope_qk_cos_sin(q, k, cos, sin, out="new"),
+        lambda: cupyrope.rope(q, pos),
+        lambda: cupyrope.rope(q, pos, out=q),
+        lambda: cupyrope.rope(q_moved, pos, cos_sin_cache=cache, out=q_moved),
+        lambda: cupyrope.rope(q_off, pos3, out=q_off),
+        lambda: cupyrope.rope(q, pos, cos_sin_cache=cache, out=q),
+        lambda: cupyrope.rms_norm(x, w),
+        lambda: cupyrope.rms_norm(x_moved, w),
+        lambda: cupyrope.rms_norm(x),
+        lambda: cupyrope.rms_norm(x, w32),
+        lambda: cupyrope.rms_norm(x, None, out=x),
+        lambda: cupyrope.rms_norm(x, w, out=y),
+        lambda: cupyrope.rms_norm(x, w, return_rstd=True),
+        lambda: cupyrope.rms_norm(x_rows, w, eps=1e-5),
+        lambda: cupyrope.rms_norm(x, w, offset=1.0),
+        lambda: cupyrope.fused_add_rms_norm(x, residual, w),
+        lambda: cupyrope.fused_add_rms_norm(x_moved, residual, w),
+        lambda: cupyrope.fused_add_rms_norm(x_rows, residual, w),
+        lambda: cupyrope.fused_add_rms_norm(x, residual, None),
+        lambda: cupyrope.fused_add_rms_norm(x, x, w),  # overlapping: refused
+    ]
+    return arrays, calls
+
+
+def _run(calls, log):
+    """Each call three times, twice in a row then after all the others (recall's hits and misses): what it
+    launched or the error it raised."""
+    outcomes = []
+    for order in (calls, calls, calls[::-1]):
+        for call in order:
+            start = len(log)
+            try:
+                call()
+                outcomes.append(tuple(log[start:]))
+            except (TypeError, ValueError) as error:
+                outcomes.append(repr(error))
+    return outcomes
+
+
+def _fresh_recall(monkeypatch, usable: bool):
+    monkeypatch.setattr(_recall, "_guard_class", None if usable else False)
+    for module in (sys.modules["cupyrope.rope"], sys.modules["cupyrope.rmsnorm"]):
+        monkeypatch.setattr(module, "_recent", {op: _recall.RecentCalls() for op in module._recent})
+
+
+def test_recalled_calls_launch_what_fingerprints_launch(monkeypatch):
+    stand_in_for_the_gpu(monkeypatch.setattr)
+    arrays, calls = _calls()
+    log = _launch_log(monkeypatch, {array.data_ptr(): name for name, array in reversed(arrays.items())})
+    _fresh_recall(monkeypatch, usable=False)
+    fingerprinted = _run(calls, log)
+    assert sum(isinstance(o, str) for o in fingerprinted) == 6  # the two refused calls, each three times
+    _fresh_recall(monkeypatch, usable=True)
+    recalled = _run(calls, log)
+    assert recalled == fingerprinted
+    assert sys.modules["cupyrope.rope"]._recent["rope_qk"]._recent, "nothing was remembered"
