@@ -5,7 +5,10 @@ caching allocator for torch inputs, so CUDA-graph capture and torch's memory acc
 """
 
 import sys
+from collections import defaultdict
+
 from ._cupy import import_cupy
+from ._recall import RecentCalls
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 INDEX_DTYPES = ("int32", "int64")
@@ -301,11 +304,13 @@ def contiguous_like(like: Array, shape, dtype: str) -> Array:
 
 class PlanCache:
     """Plans keyed by call signature: a repeated call skips the checks and the planning (pure Python,
-    tens of microseconds) and only substitutes its pointers."""
+    tens of microseconds) and only substitutes its pointers. ``recent[op]``: op's last calls with torch
+    tensors, recalled without fingerprints (_recall.py); a new PlanCache forgets them too."""
 
     def __init__(self, limit: int = 4096):
         self._plans: dict = {}
         self._limit = limit
+        self.recent = defaultdict(RecentCalls)
 
     def get(self, key):
         try:

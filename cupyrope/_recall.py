@@ -41,7 +41,7 @@ class RecentCalls:
         """Put a call planned (or found) through its fingerprints first among the recent ones, when its arrays
         are torch tensors (distinct: a guard rejects a tensor passed twice) and all its pointers are 16-byte
         aligned. ``key`` is its plan-cache key."""
-        if any(p & 15 for p in pointers) or not _guards_usable():
+        if not _guards_usable() or any(p & 15 for p in pointers):
             return
         entry = self._guards.get(key)
         if entry is None or entry[2] is not plan or not entry[1].check(*tensors):  # new, or requires_grad changed

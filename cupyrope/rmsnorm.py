@@ -10,7 +10,6 @@ from ._arrays import (CTYPE, FLOAT_DTYPES, EmptyPlan, check_not_overlapping, des
 from ._compile import allow_shared_memory, get_kernel
 from ._device import resident_blocks, resident_clusters, runs_clusters, shared_optin, sm_count
 from ._layout import _merge
-from ._recall import RecentCalls
 
 SOURCE = "rms_norm.cu"
 REGISTER_SLOTS = (1, 2, 4, 8)  # NPT: accesses per thread kept in registers (0: two-pass loop)
@@ -626,7 +625,6 @@ def _rows(shape) -> int:
 # ------------------------------------------------------------------------------------------ public API
 
 _plans = _arrays.PlanCache()
-_recent = {"fwd": RecentCalls(), "add": RecentCalls()}  # repeated calls with torch tensors (_recall.py)
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=False, impl="auto"):
@@ -640,7 +638,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
     if out is None or out is x:  # a repeated call with torch tensors may be recalled (_recall.py)
         recall_options = ("fwd", weight is None, out is None, eps, offset, return_rstd, impl)
         tensors = (x,) if weight is None else (x, weight)
-        plan = _recent["fwd"].recall(recall_options, tensors)
+        plan = _plans.recent["fwd"].recall(recall_options, tensors)
     if plan is not None:
         x_ptr, w_ptr = x.data_ptr(), 0 if weight is None else weight.data_ptr()
         o_ptr = 0 if out is None else x_ptr
@@ -655,7 +653,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
                                       describe_optional(out, "out"), eps, offset, return_rstd, impl)
             _plans.put(key, plan)
         if recall_options and x_key[0] in _arrays._TORCH_TYPES:
-            _recent["fwd"].remember(recall_options, tensors, (x_ptr, w_ptr), key, plan)
+            _plans.recent["fwd"].remember(recall_options, tensors, (x_ptr, w_ptr), key, plan)
     out, out_ptr = _arrays.output(x, x_ptr, out, o_ptr, plan)
     rstd, rstd_ptr = plan.new_rstd(x) if return_rstd else (None, 0)
     if plan.grid:
@@ -669,7 +667,7 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"
     the new residual a second time, mostly from the L2). Returns (x, residual)."""
     recall_options = ("add", weight is None, eps, offset, impl)
     tensors = (x, residual) if weight is None else (x, residual, weight)
-    plan = _recent["add"].recall(recall_options, tensors)
+    plan = _plans.recent["add"].recall(recall_options, tensors)
     if plan is not None:
         x_ptr, r_ptr, w_ptr = x.data_ptr(), residual.data_ptr(), 0 if weight is None else weight.data_ptr()
     if plan is None or (x_ptr | r_ptr | w_ptr) & 15:
@@ -683,7 +681,7 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"
                                         describe_optional(weight, "weight"), eps, offset, impl)
             _plans.put(key, plan)
         if x_key[0] in _arrays._TORCH_TYPES:
-            _recent["add"].remember(recall_options, tensors, (x_ptr, r_ptr, w_ptr), key, plan)
+            _plans.recent["add"].remember(recall_options, tensors, (x_ptr, r_ptr, w_ptr), key, plan)
     if plan.grid:
         _arrays.check_disjoint(x_ptr, plan.extents[0], r_ptr, plan.extents[1], "x", "residual", "pass separate memory")
         plan.launch(x_ptr, x_ptr, r_ptr, w_ptr, 0)

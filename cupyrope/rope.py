@@ -15,7 +15,6 @@ from ._arrays import (CTYPE, FLOAT_DTYPES, INDEX_DTYPES, EmptyPlan, check_not_ov
 from ._compile import get_kernel
 from ._device import sm_count
 from ._layout import canonical_layout
-from ._recall import RecentCalls
 
 SOURCE = "rope.cu"
 STYLES = {"neox": 0, "gptj": 1}
@@ -280,7 +279,6 @@ def _check_out(o, x, x_name):
 # ------------------------------------------------------------------------------------------ public API
 
 _plans = _arrays.PlanCache()
-_recent = {op: RecentCalls() for op in ("rope", "rope_qk", "rope_qk_cos_sin")}  # repeated calls with torch tensors
 
 
 def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False,
@@ -300,7 +298,7 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
     if out is None or out is x:  # a repeated call with torch tensors may be recalled (_recall.py)
         recall_options = ("rope", out is None, cache is None, theta, style, rotary_dim, inverse, impl)
         tensors = (x, positions) if cache is None else (x, positions, cache)
-        plan = _recent["rope"].recall(recall_options, tensors)
+        plan = _plans.recent["rope"].recall(recall_options, tensors)
     if plan is not None:
         x_ptr, p_ptr, c_ptr = x.data_ptr(), positions.data_ptr(), 0 if cache is None else cache.data_ptr()
         o_ptr = 0 if out is None else x_ptr
@@ -317,7 +315,7 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
                                    theta, style, rotary_dim, inverse, impl)
             _plans.put(key, plan)
         if recall_options and x_key[0] in _arrays._TORCH_TYPES:
-            _recent["rope"].remember(recall_options, tensors, (x_ptr, p_ptr, c_ptr), key, plan)
+            _plans.recent["rope"].remember(recall_options, tensors, (x_ptr, p_ptr, c_ptr), key, plan)
     out, out_ptr = _arrays.output(x, x_ptr, out, o_ptr, plan)
     if plan.grid:
         plan.launch(x_ptr, out_ptr, x_ptr, out_ptr, p_ptr, c_ptr)
@@ -361,7 +359,7 @@ def _qk_call(op, q, k, a_name, a, b_name, b, out, options, plan_call):
     plan = recall_options = None
     if out is None or isinstance(out, str):  # in place or new outputs: a repeated call with torch tensors may be recalled
         recall_options, tensors = (op, out, b is None, *options), (q, k, a) if b is None else (q, k, a, b)
-        plan = _recent[op].recall(recall_options, tensors)
+        plan = _plans.recent[op].recall(recall_options, tensors)
     if plan is not None:
         q_ptr, k_ptr, a_ptr, b_ptr = q.data_ptr(), k.data_ptr(), a.data_ptr(), 0 if b is None else b.data_ptr()
         if not (q_ptr | k_ptr | a_ptr | b_ptr) & 15:
@@ -379,7 +377,7 @@ def _qk_call(op, q, k, a_name, a, b_name, b, out, options, plan_call):
                          *_describe_qk_outputs(qa, ka, q_out, k_out, out), *options)
         _plans.put(key, plan)
     if recall_options and q_key[0] in _arrays._TORCH_TYPES:
-        _recent[op].remember(recall_options, tensors, (q_ptr, k_ptr, a_ptr, b_ptr), key, plan)
+        _plans.recent[op].remember(recall_options, tensors, (q_ptr, k_ptr, a_ptr, b_ptr), key, plan)
     return _launch_qk(plan, q, k, (q_ptr, qo_ptr, k_ptr, ko_ptr, a_ptr, b_ptr), out)
 
 

@@ -34,7 +34,7 @@ def rows():
     cos, sin = torch.randn(1, 1, 128, dtype=torch.bfloat16), torch.randn(1, 1, 128, dtype=torch.bfloat16)
     outs = torch.empty_like(q), torch.empty_like(k)
     cupyrope.rope_qk(q, k, pos)  # remembered with its guard (cupyrope/_recall.py)
-    guard = sys.modules["cupyrope.rope"]._recent["rope_qk"]._recent[0][1]
+    guard = sys.modules["cupyrope.rope"]._plans.recent["rope_qk"]._recent[0][1]
     launcher = _launch.Launch(types.SimpleNamespace(ptr=0), 1, (32, 1), 1, b"", 0, "torch")
     key = ("rope_qk", fingerprint(q, "q")[0], fingerprint(k, "k")[0], fingerprint(pos, "positions")[0])
     return {

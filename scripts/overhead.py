@@ -1,8 +1,9 @@
 """Per-call host overhead at decode size, against a bare CuPy RawKernel launch in the same run.
 
 Eager time per call: a Python loop of calls, synchronized at the end (bench.eager_time_us). Each
-row is measured three times, interleaved with the others, and the median is printed; host speed
-differs between machines, so compare rows of one run only. Usage: python scripts/overhead.py
+row is measured three times, interleaved with the others, and the median is printed, with recall
+(cupyrope/_recall.py) off and on in alternate passes; host speed differs between machines, so
+compare rows of one run only. Usage: python scripts/overhead.py
 """
 
 import statistics
@@ -88,25 +89,42 @@ def pieces():
         print(f"  {name}: {timeit.timeit(fn, number=n) / n * 1e6:.2f} µs")
 
 
+def set_recall(on: bool) -> None:
+    """Recall (cupyrope/_recall.py) on or off in this process: both are timed in one run, round by round."""
+    from cupyrope import _recall
+
+    _recall._guard_class = None if on else False
+    for module in (sys.modules["cupyrope.rope"], sys.modules["cupyrope.rmsnorm"]):
+        module._plans.recent.clear()
+
+
 def main() -> int:
     rows = calls()
+    modes = ("recall off", "recall on")
+    eager = {(mode, name): [] for mode in modes for name in rows}
+    host = {}
     with torch.no_grad():
         for fn in rows.values():  # compile, plan, warm the allocator
             fn()
         torch.cuda.synchronize()
-        samples = {name: [] for name in rows}
-        host = {name: bench.host_only_us(fn, torch.cuda.synchronize) for name, fn in rows.items()}
+        for mode in modes:
+            set_recall(mode == "recall on")
+            host.update({(mode, name): bench.host_only_us(fn, torch.cuda.synchronize) for name, fn in rows.items()})
         for _ in range(3):
-            for name, fn in rows.items():
-                samples[name].append(bench.eager_time_us(torch, [fn]))
-    floor = statistics.median(samples["bare CuPy RawKernel launch (1 array)"])
+            for mode in modes:
+                set_recall(mode == "recall on")
+                for name, fn in rows.items():
+                    eager[mode, name].append(bench.eager_time_us(torch, [fn]))
+    floor = statistics.median(eager["recall on", "bare CuPy RawKernel launch (1 array)"])
     print(f"{torch.cuda.get_device_name()}, Python {sys.version.split()[0]}, torch {torch.__version__}, "
-          f"CuPy {cupy.__version__}")
-    print("| call (decode size) | eager µs per call | vs bare CuPy launch | host only µs |")
-    print("|---|---|---|---|")
-    for name, values in samples.items():
-        us = statistics.median(values)
-        print(f"| {name} | {us:.2f} | {us - floor:+.2f} | {host[name]:.2f} |")
+          f"CuPy {cupy.__version__}; µs per call, eager: medians of 3 interleaved rounds")
+    print("| call (decode size) | eager, recall off | eager, recall on | on vs bare CuPy launch (1 array) "
+          "| host only, off | host only, on |")
+    print("|---|---|---|---|---|---|")
+    for name in rows:
+        off, on = (statistics.median(eager[mode, name]) for mode in modes)
+        print(f"| {name} | {off:.2f} | {on:.2f} | {on - floor:+.2f} | {host['recall off', name]:.2f} "
+              f"| {host['recall on', name]:.2f} |")
     pieces()
     return 0
 

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="recall serves torch tensors only")
 
 import cupyrope  # noqa: E402
-from cupyrope import _launch, _recall  # noqa: E402
+from cupyrope import _arrays, _launch, _recall  # noqa: E402
 from fakes import stand_in_for_the_gpu  # noqa: E402
 
 
@@ -150,20 +150,20 @@ def _run(calls, log):
     return outcomes
 
 
-def _fresh_recall(monkeypatch, usable: bool):
-    monkeypatch.setattr(_recall, "_guard_class", None if usable else False)
+def _fresh_plans(monkeypatch, recall: bool):
+    monkeypatch.setattr(_recall, "_guard_class", None if recall else False)
     for module in (sys.modules["cupyrope.rope"], sys.modules["cupyrope.rmsnorm"]):
-        monkeypatch.setattr(module, "_recent", {op: _recall.RecentCalls() for op in module._recent})
+        monkeypatch.setattr(module, "_plans", _arrays.PlanCache())
 
 
 def test_recalled_calls_launch_what_fingerprints_launch(monkeypatch):
     stand_in_for_the_gpu(monkeypatch.setattr)
     arrays, calls = _calls()
     log = _launch_log(monkeypatch, {array.data_ptr(): name for name, array in reversed(arrays.items())})
-    _fresh_recall(monkeypatch, usable=False)
+    _fresh_plans(monkeypatch, recall=False)
     fingerprinted = _run(calls, log)
     assert sum(isinstance(o, str) for o in fingerprinted) == 6  # the two refused calls, each three times
-    _fresh_recall(monkeypatch, usable=True)
+    _fresh_plans(monkeypatch, recall=True)
     recalled = _run(calls, log)
     assert recalled == fingerprinted
-    assert sys.modules["cupyrope.rope"]._recent["rope_qk"]._recent, "nothing was remembered"
+    assert sys.modules["cupyrope.rope"]._plans.recent["rope_qk"]._recent, "nothing was remembered"
