@@ -357,7 +357,7 @@ def _qk_call(op, q, k, a_name, a, b_name, b, out, options, plan_call):
     and the options; plan_call makes it from (q, k, a, b, the outputs, *options). Then the launch with
     this call's pointers. In place and out="new", a repeated call with torch tensors is recalled instead."""
     plan = recall_options = None
-    if out is None or isinstance(out, str):  # in place or new outputs: a repeated call with torch tensors may be recalled
+    if out is None or isinstance(out, str):  # in place or new outputs: a repeated torch call may be recalled
         recall_options, tensors = (op, out, b is None, *options), (q, k, a) if b is None else (q, k, a, b)
         plan = _plans.recent[op].recall(recall_options, tensors)
     if plan is not None:

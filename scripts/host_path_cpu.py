@@ -1,8 +1,8 @@
 """The Python side of a planned call, with no GPU: where a decode-size call's host time goes.
 
 CPU torch tensors stand in for CUDA ones and the three driver calls (current device, current stream,
-cuLaunchKernel) are no-ops (tests/fakes.py), so what is timed is exactly cupyrope's own per-call code:
-fingerprints or recall, plan-cache lookup, overlap checks, parameter packing, output allocation. Run it on the build machine
+cuLaunchKernel) are no-ops (tests/fakes.py), so what is timed is exactly cupyrope's own per-call
+code: fingerprints or recall, plan-cache lookup, overlap checks, parameter packing, output allocation. Run it on the build machine
 to try host-path changes between GPU sessions; scripts/overhead.py measures the real thing on a GPU.
 Host speed varies between machines and runs: compare rows of one run. Usage:
 PYTHONPATH=. python scripts/host_path_cpu.py

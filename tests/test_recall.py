@@ -80,8 +80,9 @@ def _calls():
     """Decode-size calls of every op that recalls, each varied in what a plan depends on."""
     torch.manual_seed(0)
     bf16 = torch.bfloat16
-    q, k, pos = torch.randn(1, 32, 128, dtype=bf16), torch.randn(1, 8, 128, dtype=bf16), torch.zeros(1, dtype=torch.int64)
-    qkv = torch.randn(3, 48 * 128 + 8, dtype=bf16)  # fused qkv rows: q and k are strided; +8: misaligned rows
+    q, k = torch.randn(1, 32, 128, dtype=bf16), torch.randn(1, 8, 128, dtype=bf16)
+    pos = torch.zeros(1, dtype=torch.int64)
+    qkv = torch.randn(3, 48 * 128 + 8, dtype=bf16)  # fused qkv rows: q and k are strided; +8: room for q_off
     q_slice, k_slice = qkv[:, : 32 * 128].view(3, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(3, 8, 128)
     q_off = qkv[:, 8 : 8 + 32 * 128].view(3, 32, 128)  # 16 bytes in
     q_odd = qkv[:, 1 : 1 + 32 * 128].view(3, 32, 128)  # 2 bytes past a boundary
