@@ -635,7 +635,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
     out: where to write y (x's shape and dtype; out=x normalizes in place).
     """
     plan = recall_options = None
-    if out is None or out is x:  # a repeated call with torch tensors may be recalled (_recall.py)
+    if (out is None or out is x) and type(x) in _arrays._TORCH_TYPES:  # may be recalled (_recall.py)
         recall_options = ("fwd", weight is None, out is None, eps, offset, return_rstd, impl)
         tensors = (x,) if weight is None else (x, weight)
         plan = _plans.recent["fwd"].recall(recall_options, tensors)
@@ -652,7 +652,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
             plan = _plan_forward_call(describe(x, "x"), describe_optional(weight, "weight"),
                                       describe_optional(out, "out"), eps, offset, return_rstd, impl)
             _plans.put(key, plan)
-        if recall_options and x_key[0] in _arrays._TORCH_TYPES:
+        if recall_options:
             _plans.recent["fwd"].remember(recall_options, tensors, (x_ptr, w_ptr), key, plan)
     out, out_ptr = _arrays.output(x, x_ptr, out, o_ptr, plan)
     rstd, rstd_ptr = plan.new_rstd(x) if return_rstd else (None, 0)
@@ -665,9 +665,11 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"
     """vLLM's in-place fused residual add: residual <- x + residual (rounded to x's dtype), then
     x <- rms_norm(residual, weight, eps). Each tensor is read once and written once (rows over 64 KiB read
     the new residual a second time, mostly from the L2). Returns (x, residual)."""
-    recall_options = ("add", weight is None, eps, offset, impl)
-    tensors = (x, residual) if weight is None else (x, residual, weight)
-    plan = _plans.recent["add"].recall(recall_options, tensors)
+    plan = recall_options = None
+    if type(x) in _arrays._TORCH_TYPES:  # a repeated call may be recalled (_recall.py)
+        recall_options = ("add", weight is None, eps, offset, impl)
+        tensors = (x, residual) if weight is None else (x, residual, weight)
+        plan = _plans.recent["add"].recall(recall_options, tensors)
     if plan is not None:
         x_ptr, r_ptr, w_ptr = x.data_ptr(), residual.data_ptr(), 0 if weight is None else weight.data_ptr()
     if plan is None or (x_ptr | r_ptr | w_ptr) & 15:
@@ -680,7 +682,7 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"
             plan = _plan_fused_add_call(describe(x, "x"), describe(residual, "residual"),
                                         describe_optional(weight, "weight"), eps, offset, impl)
             _plans.put(key, plan)
-        if x_key[0] in _arrays._TORCH_TYPES:
+        if recall_options:
             _plans.recent["add"].remember(recall_options, tensors, (x_ptr, r_ptr, w_ptr), key, plan)
     if plan.grid:
         _arrays.check_disjoint(x_ptr, plan.extents[0], r_ptr, plan.extents[1], "x", "residual", "pass separate memory")

@@ -295,7 +295,7 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
     out=x rotates in place. Returns ``out`` (a new array of x's kind when out is None).
     """
     cache, plan, recall_options = cos_sin_cache, None, None
-    if out is None or out is x:  # a repeated call with torch tensors may be recalled (_recall.py)
+    if (out is None or out is x) and type(x) in _arrays._TORCH_TYPES:  # may be recalled (_recall.py)
         recall_options = ("rope", out is None, cache is None, theta, style, rotary_dim, inverse, impl)
         tensors = (x, positions) if cache is None else (x, positions, cache)
         plan = _plans.recent["rope"].recall(recall_options, tensors)
@@ -314,7 +314,7 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
                                    describe_optional(cache, "cos_sin_cache"), describe_optional(out, "out"),
                                    theta, style, rotary_dim, inverse, impl)
             _plans.put(key, plan)
-        if recall_options and x_key[0] in _arrays._TORCH_TYPES:
+        if recall_options:
             _plans.recent["rope"].remember(recall_options, tensors, (x_ptr, p_ptr, c_ptr), key, plan)
     out, out_ptr = _arrays.output(x, x_ptr, out, o_ptr, plan)
     if plan.grid:
@@ -357,7 +357,7 @@ def _qk_call(op, q, k, a_name, a, b_name, b, out, options, plan_call):
     and the options; plan_call makes it from (q, k, a, b, the outputs, *options). Then the launch with
     this call's pointers. In place and out="new", a repeated call with torch tensors is recalled instead."""
     plan = recall_options = None
-    if out is None or isinstance(out, str):  # in place or new outputs: a repeated torch call may be recalled
+    if (out is None or isinstance(out, str)) and type(q) in _arrays._TORCH_TYPES:  # in place or new outputs
         recall_options, tensors = (op, out, b is None, *options), (q, k, a) if b is None else (q, k, a, b)
         plan = _plans.recent[op].recall(recall_options, tensors)
     if plan is not None:
@@ -376,7 +376,7 @@ def _qk_call(op, q, k, a_name, a, b_name, b, out, options, plan_call):
         plan = plan_call(qa, ka, describe(a, a_name), describe_optional(b, b_name),
                          *_describe_qk_outputs(qa, ka, q_out, k_out, out), *options)
         _plans.put(key, plan)
-    if recall_options and q_key[0] in _arrays._TORCH_TYPES:
+    if recall_options:
         _plans.recent[op].remember(recall_options, tensors, (q_ptr, k_ptr, a_ptr, b_ptr), key, plan)
     return _launch_qk(plan, q, k, (q_ptr, qo_ptr, k_ptr, ko_ptr, a_ptr, b_ptr), out)
 
