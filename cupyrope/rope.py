@@ -30,14 +30,9 @@ BLOCKS_PER_SM = 2  # below this many blocks per SM, fewer tokens per block
 DIRECT_MAX_TOKENS = 64
 DIRECT_WITH_CACHE = True
 DIRECT_THREADS = 64  # threads per block of the direct kernel: small blocks spread a call over the SMs
-# Direct calls with one token dimension and 32-bit strides take rope_decode_kernel: the same kernel with its
-# parameters in 144 bytes instead of 336, so that its first loads wait on fewer constant-bank lines.
-COMPACT_PARAMS = True
 
-# Mirror RopeParams and DecodeParams in kernels_src/rope.cu: six pointers, then this tail.
+# Mirrors RopeParams in kernels_src/rope.cu: six pointers, then this tail.
 _TAIL = struct.Struct("<3q3q4q16q2q3q3qdq")
-_DECODE_TAIL = struct.Struct("<2q6i5ii4i2id")
-KERNELS = ("block", "direct", "decode")  # rope_kernel, rope_direct_kernel, rope_decode_kernel
 
 
 class RopePlan:
@@ -62,11 +57,10 @@ TOKEN_ROWS = "token rows"  # the "position dtype" of calls with per-token cos an
 _POSITION_CTYPE = {**CTYPE, TOKEN_ROWS: "cupyrope::TokenRows"}
 
 
-def kernel_name(dtype, cache_dtype, pos_dtype, style, vectorized, use_cache, kernel="block") -> str:
+def kernel_name(dtype, cache_dtype, pos_dtype, style, vectorized, use_cache, direct=False) -> str:
     cache_ctype = CTYPE[cache_dtype] if use_cache else "float"
-    function = "rope_kernel" if kernel == "block" else f"rope_{kernel}_kernel"
     return (
-        f"cupyrope::{function}<{CTYPE[dtype]}, {cache_ctype}, "
+        f"cupyrope::{'rope_direct_kernel' if direct else 'rope_kernel'}<{CTYPE[dtype]}, {cache_ctype}, "
         f"{_POSITION_CTYPE[pos_dtype]}, {STYLES[style]}, {'true' if vectorized else 'false'}, "
         f"{'true' if use_cache else 'false'}>"
     )
@@ -81,9 +75,9 @@ def all_variants():
         for table, pos in sources:
             for style in STYLES:
                 for vectorized in (False, True):
-                    for kernel in KERNELS:
+                    for direct in (False, True):
                         yield SOURCE, kernel_name(dtype, table or "float32", pos, style, vectorized,
-                                                  table is not None, kernel)
+                                                  table is not None, direct)
 
 
 def fast_divisor(d: int) -> int:
@@ -180,14 +174,6 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
     else:
         cache_fields = (cache.strides[0], cache.shape[0]) if use_cache else (0, 0)
     lanes = rot_lanes + copy_lanes
-    log_step = -2.0 * math.log(theta) / rotary_dim
-    if direct and COMPACT_PARAMS:
-        tail = _decode_tail(layout, strides, cache_fields, n_q_heads, n_heads, rot_lanes, copy_lanes, rotary_dim,
-                            log_step, inverse)
-        if tail is not None:
-            name = kernel_name(dtype, cache.dtype if use_cache else "float32", positions.dtype, style, vectorized,
-                               use_cache, "decode")
-            return RopePlan(name, grid, block, 0, tail, vectorized, tokens, (rot_lanes, copy_lanes))
     tail = (
         n_tokens, layout.token_sizes[1], layout.token_sizes[2],
         *layout.pos_strides,
@@ -197,33 +183,12 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         *cache_fields,
         n_q_heads, n_heads, tokens,
         rotary_dim, rot_lanes, copy_lanes,
-        log_step, int(bool(inverse)),
+        -2.0 * math.log(theta) / rotary_dim, int(bool(inverse)),
     )  # fmt: skip
     name = kernel_name(dtype, cache.dtype if use_cache else "float32", positions.dtype, style, vectorized, use_cache,
-                       "direct" if direct else "block")
+                       direct)
     return RopePlan(name, grid, block, tokens * rotary_dim * 4, _TAIL.pack(*tail), vectorized, tokens,
                     (rot_lanes, copy_lanes))
-
-
-def _decode_tail(layout, strides, cache_fields, n_q_heads, n_heads, rot_lanes, copy_lanes, rotary_dim, log_step,
-                 inverse):
-    """DecodeParams after the pointers (kernels_src/rope.cu), or None where they cannot describe the call: more
-    than one token dimension, or a size or stride past 32 bits. strides: RopePlan's, 3 token strides and a
-    head stride for each of q in, q out, k in, k out."""
-    if layout.token_sizes[0] != 1 or layout.token_sizes[1] != 1:
-        return None
-    lanes = rot_lanes + copy_lanes
-    token_s, head_s = strides[2::4], strides[3::4]  # q in, q out, k in, k out
-    fields = (
-        layout.n_tokens, n_heads, n_q_heads, rot_lanes, copy_lanes, rotary_dim,
-        token_s[0], token_s[2], layout.pos_strides[2], head_s[0], head_s[2],
-        int(bool(inverse)),
-        token_s[1], token_s[3], head_s[1], head_s[3],
-        *cache_fields,
-    )  # fmt: skip
-    if not all(-(2**31) <= v < 2**31 for v in fields):
-        return None
-    return _DECODE_TAIL.pack(fast_divisor(n_heads * lanes), fast_divisor(lanes), *fields, log_step)
 
 
 # ---------------------------------------------------------------------------------------------- checks

@@ -63,28 +63,6 @@ struct RopeParams {  // mirrored by rope.py's _TAIL (all 8-byte fields: no paddi
     i64 inverse;
 };
 
-// The direct kernel's parameters for calls with one token dimension and 32-bit strides (rope.py:
-// compact_params): 144 bytes where RopeParams takes 336. A call of a few tokens waits on each line of the
-// constant bank its first loads read (~10-15 ns a line, docs/perf-notes.md, session 33). On sm_90, where
-// parameters start at c[0x0][0x210], the position and x loads read the first two lines only (the pointers and
-// the fields up to `inverse`); the stores and the cos/sin read the third.
-struct DecodeParams {  // mirrored by rope.py's _DECODE_TAIL
-    const void* q_in;
-    void* q_out;
-    const void* k_in;
-    void* k_out;
-    union { const void* positions; const void* cos; };
-    union { const void* cache; const void* sin; };
-    i64 div_token_items, div_lanes;  // as in RopeParams
-    int n_tokens, n_heads, n_q_heads, rot_lanes, copy_lanes, rot_dim;
-    int q_in_t, k_in_t, pos_t, q_in_h, k_in_h;  // element strides of the token and head dimensions
-    int inverse;
-    int q_out_t, k_out_t, q_out_h, k_out_h;
-    union { int cache_stride; int freq_stride; };
-    int max_position;
-    double log_step;
-};
-
 // n / d for n < 2^31 with d's (magic, shift) from rope.py's fast_divisor: a multiply, an add and a
 // shift where a 32-bit division by a run-time value costs ~20 dependent instructions. The direct
 // kernel's index math comes before its first load.
@@ -137,17 +115,6 @@ __device__ __forceinline__ i64 token_rows(const RopeParams& p, unsigned token, i
     else return (i64) static_cast<const P*>(p.positions)[at];
 }
 
-// token_rows of DecodeParams: one token dimension.
-template <typename P, bool FAST = false>
-__device__ __forceinline__ i64 token_rows(const DecodeParams& p, unsigned token, i64 (&offset)[4]) {
-    const int t = (int)token;
-    offset[0] = (i64)t * p.q_in_t, offset[1] = (i64)t * p.q_out_t;
-    offset[2] = (i64)t * p.k_in_t, offset[3] = (i64)t * p.k_out_t;
-    const i64 at = (i64)t * p.pos_t;
-    if constexpr (TOKEN_ROWS<P>) return at;
-    else return (i64) static_cast<const P*>(p.positions)[at];
-}
-
 template <typename P>
 __device__ __forceinline__ void load_block_tokens(const RopeParams& p, unsigned first, int count, BlockTokens& bt) {
     for (int t = threadIdx.x; t < count; t += blockDim.x) bt.position[t] = token_rows<P>(p, first + t, bt.offset[t]);
@@ -159,8 +126,8 @@ __device__ __forceinline__ void load_block_tokens(const RopeParams& p, unsigned 
 // has one) and its values become NaN (documented): loading a valid row and selecting afterwards keeps the loads
 // free of a branch on the position, up to 0.1 us faster at decode on one of two H100s, the same on the other
 // (docs/perf-notes.md, session 31).
-template <typename C, int F, bool VEC, typename Params>
-__device__ __forceinline__ void cache_cos_sin(const Params& p, i64 pos, i64 f0, i64 half, Pack<float, F>& c,
+template <typename C, int F, bool VEC>
+__device__ __forceinline__ void cache_cos_sin(const RopeParams& p, i64 pos, i64 f0, i64 half, Pack<float, F>& c,
                                               Pack<float, F>& s) {
     const bool in_range = pos >= 0 && pos < p.max_position;
     const C* row = static_cast<const C*>(p.cache) + (in_range ? pos : 0) * p.cache_stride;
@@ -175,8 +142,8 @@ __device__ __forceinline__ void cache_cos_sin(const Params& p, i64 pos, i64 f0, 
 
 // The cos/sin of frequency f at pos: from the cache, or TokenRows: pos is where the token's row starts in
 // cos and sin (in range by construction: rope.py checked the shapes).
-template <typename C, typename P, typename Params>
-__device__ __forceinline__ void cached_cos_sin(const Params& p, i64 pos, int f, int half, float& c, float& s) {
+template <typename C, typename P>
+__device__ __forceinline__ void cached_cos_sin(const RopeParams& p, i64 pos, int f, int half, float& c, float& s) {
     if constexpr (TOKEN_ROWS<P>) {
         const i64 at = pos + f * p.freq_stride;
         c = to_float(static_cast<const C*>(p.cos)[at]);
@@ -190,8 +157,7 @@ __device__ __forceinline__ void cached_cos_sin(const Params& p, i64 pos, int f, 
 
 // theta^(-2f/rot_dim) in double as exp(f * log_step): as accurate as pow (exp's 1 ulp plus the
 // rounding of f * log_step, both far below fp32's resolution of the angle) at a third of the work.
-template <typename Params>
-__device__ __forceinline__ double inv_freq_of(const Params& p, int f) { return exp((double)f * p.log_step); }
+__device__ __forceinline__ double inv_freq_of(const RopeParams& p, int f) { return exp((double)f * p.log_step); }
 
 // cos_sin[t * rot_dim + f] = cos, cos_sin[t * rot_dim + rot_dim/2 + f] = sin (sin negated if inverse).
 template <typename C, typename P, bool CACHE>
@@ -228,17 +194,6 @@ __device__ __forceinline__ Item head_of(const RopeParams& p, const i64 (&offset)
                        : static_cast<const T*>(p.k_in) + offset[2] + kh * p.k_in_s[3];
     T* out = is_q ? static_cast<T*>(p.q_out) + offset[1] + h * p.q_out_s[3]
                   : static_cast<T*>(p.k_out) + offset[3] + kh * p.k_out_s[3];
-    return {in, out, t};
-}
-
-template <typename T>
-__device__ __forceinline__ Item head_of(const DecodeParams& p, const i64 (&offset)[4], int h, int t) {
-    const bool is_q = h < p.n_q_heads;
-    const int kh = h - p.n_q_heads;
-    const T* in = is_q ? static_cast<const T*>(p.q_in) + offset[0] + (i64)h * p.q_in_h
-                       : static_cast<const T*>(p.k_in) + offset[2] + (i64)kh * p.k_in_h;
-    T* out = is_q ? static_cast<T*>(p.q_out) + offset[1] + (i64)h * p.q_out_h
-                  : static_cast<T*>(p.k_out) + offset[3] + (i64)kh * p.k_out_h;
     return {in, out, t};
 }
 
@@ -374,8 +329,8 @@ __global__ void __launch_bounds__(BLOCK_THREADS, ROPE_MIN_BLOCKS) rope_kernel(co
 // item, except for in-kernel cos/sin of 16-byte items: there G = F threads share one, each computing
 // one frequency's cos/sin (an exp and a sincos: 8 in one thread measured 1.7x slower at decode), and
 // the group's first thread gathers them by shuffles and moves the item.
-template <typename T, typename C, typename P, int STYLE, bool VEC, bool CACHE, typename Params>
-__device__ __forceinline__ void direct_item(const Params& p) {
+template <typename T, typename C, typename P, int STYLE, bool VEC, bool CACHE>
+__global__ void __launch_bounds__(DIRECT_MAX_THREADS) rope_direct_kernel(const RopeParams p) {
     constexpr int E = ELEMS<T, STYLE, VEC>, EC = COPY_ELEMS<T, VEC>;
     constexpr int F = STYLE == NEOX ? E : E / 2;  // frequencies per item
     constexpr unsigned G = VEC && !CACHE ? F : 1;   // threads per item (a power of two, <= 8)
@@ -387,8 +342,8 @@ __device__ __forceinline__ void direct_item(const Params& p) {
     const unsigned in_token = item - token * (lanes * (unsigned)p.n_heads);
     const unsigned head = fast_div(in_token, p.div_lanes), lane = in_token - head * lanes;
     unsigned rotating = 0;  // the lanes of this warp whose item rotates (a group is all in or all out)
-    if constexpr (G > 1) rotating = __ballot_sync(0xffffffffu, token < (unsigned)p.n_tokens && lane < rot_lanes);
-    if (token >= (unsigned)p.n_tokens) return;
+    if constexpr (G > 1) rotating = __ballot_sync(0xffffffffu, token < p.n_tokens && lane < rot_lanes);
+    if (token >= p.n_tokens) return;
     i64 offset[4];
     const i64 pos = token_rows<P, true>(p, token, offset);
     const Item it = head_of<T>(p, offset, head, 0);
@@ -436,17 +391,6 @@ __device__ __forceinline__ void direct_item(const Params& p) {
         }
     }
     rotate_store<T, STYLE, VEC, E, F>(x1, x2, c, s, out, f0, half);
-}
-
-template <typename T, typename C, typename P, int STYLE, bool VEC, bool CACHE>
-__global__ void __launch_bounds__(DIRECT_MAX_THREADS) rope_direct_kernel(const RopeParams p) {
-    direct_item<T, C, P, STYLE, VEC, CACHE>(p);
-}
-
-// The direct kernel with DecodeParams (rope.py takes it wherever they can describe the call).
-template <typename T, typename C, typename P, int STYLE, bool VEC, bool CACHE>
-__global__ void __launch_bounds__(DIRECT_MAX_THREADS) rope_decode_kernel(const DecodeParams p) {
-    direct_item<T, C, P, STYLE, VEC, CACHE>(p);
 }
 
 }  // namespace cupyrope

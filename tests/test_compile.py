@@ -24,11 +24,10 @@ def test_variant_list_covers_both_ops_and_is_unique():
     rope = [name for source, name in variants if source == "rope.cu"]
     # (fp32: no cache, fp32 cache; fp16/bf16: no cache, fp32 cache, own-dtype cache) x 2 position
     # types, plus per-token cos/sin tensors (fp32 or q's dtype: 1 + 2 + 2), x 2 styles x scalar/vector x
-    # block/direct/decode kernel
-    assert len(rope) == ((2 + 3 + 3) * 2 + 1 + 2 + 2) * 2 * 2 * 3
-    assert sum("TokenRows" in name for name in rope) == (1 + 2 + 2) * 2 * 2 * 3
-    assert sum("rope_direct_kernel<" in name for name in rope) == len(rope) // 3
-    assert sum("rope_decode_kernel<" in name for name in rope) == len(rope) // 3
+    # block/direct kernel
+    assert len(rope) == ((2 + 3 + 3) * 2 + 1 + 2 + 2) * 2 * 2 * 2
+    assert sum("TokenRows" in name for name in rope) == (1 + 2 + 2) * 2 * 2 * 2
+    assert sum("rope_direct_kernel<" in name for name in rope) == len(rope) // 2
     norm = [name for source, name in variants if source == "rms_norm.cu"]
     assert any("rms_norm_bwd" in n for n in norm) and any("rms_norm_dw" in n for n in norm)
     assert any(n.endswith("true>") and "rms_norm_fwd" in n for n in norm)  # fused add

@@ -43,7 +43,7 @@ def test_llama_prefill_bf16_is_vectorized_and_shares_cos_sin():
 def test_decode_takes_the_direct_kernel_one_pair_a_thread():
     q, k = arr((1, 32, 128)), arr((1, 8, 128), ptr=BASE + 4096 * 2)
     p = plan([(q, q), (k, k)], arr((1,), "int32"))
-    assert p.name == "cupyrope::rope_decode_kernel<__nv_bfloat16, float, int, 0, false, false>"
+    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, int, 0, false, false>"
     assert p.lanes == (64, 0) and p.block == (64, 1) and p.grid == 40 and p.shared_mem == 0  # 40 heads x 64
     # Forced 16-byte items: each shared by the 8 threads computing its 8 cos/sin (40 heads x 8 lanes x 8).
     vector = plan([(q, q), (k, k)], arr((1,), "int32"), impl="vector")
@@ -56,7 +56,7 @@ def test_decode_takes_the_direct_kernel_one_pair_a_thread():
 def test_in_kernel_cos_sin_take_the_block_kernel_past_64_tokens(tokens, direct):
     x, y = arr((tokens, 32, 128)), arr((tokens, 32, 128), ptr=BASE + 2**30)
     p = plan([(x, y)], arr((tokens,), "int64"))
-    assert ("rope_decode_kernel<" in p.name) == direct and p.vectorized != direct
+    assert ("rope_direct_kernel<" in p.name) == direct and p.vectorized != direct
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 65, 32768])
@@ -64,42 +64,10 @@ def test_a_cos_sin_cache_takes_the_direct_kernel_at_every_size(tokens):
     x, y = arr((tokens, 32, 128)), arr((tokens, 32, 128), ptr=BASE + 2**30)
     cache = arr((32768, 128), "float32", ptr=BASE + 2**34)
     p = plan([(x, y)], arr((tokens,), "int64"), cache)
-    assert p.name == "cupyrope::rope_decode_kernel<__nv_bfloat16, float, long long, 0, true, true>"
+    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, long long, 0, true, true>"
     assert p.grid == -(-tokens * 32 * 8 // 64)  # one 16-byte pair of chunks a thread
     scalar = plan([(x, y)], arr((tokens,), "int64"), cache, impl="scalar")  # one pair a thread: block past 64
-    assert ("rope_decode_kernel<" in scalar.name) == (tokens <= 64) and not scalar.vectorized
-
-
-def test_decode_params_where_one_token_dimension_and_32_bit_strides_describe_the_call():
-    """DecodeParams (kernels_src/rope.cu) hold one token dimension and 32-bit sizes and strides; the other
-    direct calls keep RopeParams."""
-    import struct
-
-    from cupyrope.rope import _DECODE_TAIL, fast_divisor
-
-    row = (32 + 8 + 8) * 128  # q and k as column slices of a fused qkv tensor
-    q, k = arr((3, 32, 128), strides=(row, 128, 1)), arr((3, 8, 128), strides=(row, 128, 1), ptr=BASE + 8192)
-    qo, ko = arr((3, 32, 128), ptr=BASE + 2**30), arr((3, 8, 128), ptr=BASE + 2**31)
-    cache = arr((500, 64), "float32", ptr=BASE + 2**32)
-    p = plan([(q, qo), (k, ko)], arr((3,), "int64"), cache, rotary_dim=64, inverse=True)
-    assert p.name == "cupyrope::rope_decode_kernel<__nv_bfloat16, float, long long, 0, true, true>"
-    assert p.lanes == (4, 8)  # 32 pairs a head in 4 lanes of 8; out of place, 8 lanes copy the last 64
-    assert struct.unpack(_DECODE_TAIL.format, p.tail)[:-1] == (
-        fast_divisor(40 * 12), fast_divisor(12),
-        3, 40, 32, 4, 8, 64,  # tokens, heads (q + k), q heads, rotating and copying lanes, rotary_dim
-        row, row, 1, 128, 128,  # token strides of q in, k in and positions; head strides of q in, k in
-        1,  # inverse
-        32 * 128, 8 * 128, 128, 128,  # token and head strides of q out and k out
-        64, 500,  # the cache's row stride and rows
-    )  # fmt: skip
-    # Two token dimensions: x (B, H, S, D) with positions (B, 1, S).
-    x = arr((2, 4, 5, 128))
-    assert "rope_direct_kernel<" in plan([(x, x)], arr((2, 1, 5), "int64")).name
-    # A stride past 32 bits.
-    far = arr((2, 4, 128), strides=(2**31, 128, 1))
-    assert "rope_direct_kernel<" in plan([(far, far)], arr((2,), "int64")).name
-    near = arr((2, 4, 128), strides=(2**31 - 1024, 128, 1))
-    assert "rope_decode_kernel<" in plan([(near, near)], arr((2,), "int64")).name
+    assert ("rope_direct_kernel<" in scalar.name) == (tokens <= 64) and not scalar.vectorized
 
 
 def test_huge_calls_keep_the_block_kernel():  # the direct kernel's item index stays below 2^31
@@ -169,7 +137,7 @@ def test_cache_variant_and_alignment():
     x = arr((5, 2, 64))
     cache = arr((100, 64), "float32")
     p = plan([(x, x)], arr((5,), "int32"), cache)
-    assert p.name == "cupyrope::rope_decode_kernel<__nv_bfloat16, float, int, 0, true, true>"
+    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, int, 0, true, true>"
     # The direct kernel reads an item's cos/sin as packs: a cache whose pointer or row stride is not aligned
     # to one goes to the block kernel, which reads any cache element by element, still with 16-byte items.
     for odd_cache in (arr((100, 64), "float32", ptr=BASE + 4), arr((100, 64), "float32", strides=(66, 1))):
@@ -177,7 +145,7 @@ def test_cache_variant_and_alignment():
         assert odd.vectorized and odd.name.startswith("cupyrope::rope_kernel<")
     # The pack is F frequencies of the cache's dtype: 4 bf16 (8 bytes) for GPT-J's 16-byte bf16 items.
     gptj_cache = arr((100, 64), "bfloat16", ptr=BASE + 8, strides=(68, 1))
-    assert "rope_decode_kernel<" in plan([(x, x)], arr((5,), "int32"), gptj_cache, style="gptj").name
+    assert "rope_direct_kernel<" in plan([(x, x)], arr((5,), "int32"), gptj_cache, style="gptj").name
     assert "rope_kernel<" in plan([(x, x)], arr((5,), "int32"), gptj_cache).name  # NeoX: 16-byte packs
 
 

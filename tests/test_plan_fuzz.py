@@ -75,17 +75,15 @@ def assert_runnable_rope(plan, arrays_, cache=None, style="neox"):
     assert plan.name in VARIANTS, plan.name
     assert 1 <= plan.grid < 2**31 and 1 <= plan.block[0] <= 1024
     assert plan.shared_mem <= DEFAULT_SHARED
-    direct = "rope_direct_kernel" in plan.name or "rope_decode_kernel" in plan.name  # one item a thread
-    if direct:
+    if "rope_direct_kernel" in plan.name:
         assert plan.grid * plan.block[0] < 2**31  # the kernel's unsigned thread index
     if plan.vectorized:
         assert all(aligned_16(a) for a in arrays_)
-        if cache is not None and direct:  # an item's cos/sin read as two packs
+        if cache is not None and "rope_direct_kernel" in plan.name:  # an item's cos/sin read as two packs
             freqs = 16 // ITEMSIZE[arrays_[0].dtype] // (2 if style == "gptj" else 1)
             pack = min(16, freqs * ITEMSIZE[cache.dtype])
             assert cache.ptr % pack == 0 and cache.strides[0] * ITEMSIZE[cache.dtype] % pack == 0
-    decode = "rope_decode_kernel" in plan.name
-    assert len(plan.tail) == (rope_module._DECODE_TAIL if decode else rope_module._TAIL).size
+    assert len(plan.tail) == rope_module._TAIL.size
 
 
 @st.composite

@@ -17,26 +17,20 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 MAX_POS = 2**24
 
 
-@pytest.fixture(params=["block", "direct", "decode"])
+@pytest.fixture(params=["block", "direct"])
 def kernel(request, monkeypatch):
-    """Runs a test with each RoPE kernel: the block kernel (cos/sin shared by a block's heads), the direct
-    one (one item a thread; what the planner takes for small calls) and the direct one with DecodeParams
-    (which the planner takes instead where one token dimension and 32-bit strides describe the call; the
-    others stay on the direct kernel, tests/test_plan.py). Returns the start of the names it accepts."""
+    """Runs a test with each RoPE kernel: the block kernel (cos/sin shared by a block's heads) and the
+    direct one (one item a thread; what the planner takes for small calls). Returns its name's start."""
     monkeypatch.setattr(rope_module, "DIRECT_MAX_TOKENS", 0 if request.param == "block" else 2**31)
-    monkeypatch.setattr(rope_module, "DIRECT_WITH_CACHE", request.param != "block")
-    monkeypatch.setattr(rope_module, "COMPACT_PARAMS", request.param == "decode")
+    monkeypatch.setattr(rope_module, "DIRECT_WITH_CACHE", request.param == "direct")
     monkeypatch.setattr(rope_module, "_plans", _arrays.PlanCache())
-    return {"block": ("rope_kernel<",), "direct": ("rope_direct_kernel<",),
-            "decode": ("rope_decode_kernel<", "rope_direct_kernel<")}[request.param]
+    return "rope_direct_kernel<" if request.param == "direct" else "rope_kernel<"
 
 
 def assert_ran(kernel):
-    """Every plan made since the kernel fixture ran one of the kernels it accepts."""
-    if isinstance(kernel, str):
-        kernel = (kernel,)
+    """Every plan made since the kernel fixture ran that kernel."""
     names = [plan.name for plan in rope_module._plans._plans.values() if hasattr(plan, "name")]
-    assert names and all(any(k in name for k in kernel) for name in names), names
+    assert names and all(kernel in name for name in names), names
 
 
 def run_case(rng, *, dtype, style, source, impl, rotary_dim, in_place, kernel, shape=(37, 3, 128), kind="cupy",
@@ -214,11 +208,11 @@ def test_out_of_range_cache_positions_give_nan_and_never_read_outside(rng, kerne
 
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("impl,kernel", [("vector", "rope_kernel<"), ("scalar", "rope_decode_kernel<")])
+@pytest.mark.parametrize("impl,kernel", [("vector", "rope_kernel<"), ("scalar", "rope_direct_kernel<")])
 def test_cache_rows_off_16_byte_boundaries(rng, style, cache_dtype, impl, kernel, monkeypatch):
     """A column-offset cache view (rows off 16-byte boundaries): the same results as an aligned cache. The
     direct kernel reads a 16-byte item's cos/sin as packs, so 16-byte items take the block kernel here
-    (which reads any cache element by element); one pair a thread stays in the direct kernel (with DecodeParams)."""
+    (which reads any cache element by element); one pair a thread stays in the direct kernel."""
     monkeypatch.setattr(rope_module, "_plans", _arrays.PlanCache())
     shape, rotary_dim, max_pos = (21, 3, 128), 128, 500
     x_host = random_host(shape, "bfloat16", rng)

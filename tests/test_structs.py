@@ -11,7 +11,7 @@ from cupyrope import _sources
 
 def _struct_format(source: str, name: str) -> str:
     """struct.Struct codes of a kernel parameter struct's fields, read from its source text: pointers
-    'Q', i64 'q', double 'd', float 'f', int 'i' (arrays repeat their code)."""
+    'Q', i64 'q', double 'd', float 'f' (arrays repeat their code)."""
     text = (_sources.kernels_dir() / source).read_text()
     body = re.search(r"struct " + name + r" \{(.*?)\n\};", text, re.S).group(1)
     body = re.sub(r"//[^\n]*", "", body)
@@ -22,7 +22,7 @@ def _struct_format(source: str, name: str) -> str:
 
 def _declaration_codes(declaration: str) -> str:
     kind, names = re.match(r"((?:const )?\w+\*?)\s+(.*)", declaration, re.S).groups()
-    code = "Q" if kind.endswith("*") else {"i64": "q", "double": "d", "float": "f", "int": "i"}[kind]
+    code = "Q" if kind.endswith("*") else {"i64": "q", "double": "d", "float": "f"}[kind]
     codes = ""
     for field in names.split(","):
         count = re.search(r"\[(\d+)\]", field)
@@ -43,7 +43,6 @@ def _expand(fmt: str) -> str:
 
 @pytest.mark.parametrize("source,name,pointers,tail", [
     ("rope.cu", "RopeParams", 6, "cupyrope.rope:_TAIL"),
-    ("rope.cu", "DecodeParams", 6, "cupyrope.rope:_DECODE_TAIL"),
     ("rms_norm.cu", "NormParams", 5, "cupyrope.rmsnorm:_FWD_TAIL"),
     ("rms_norm.cu", "NormBwdParams", 6, "cupyrope.rmsnorm:_BWD_TAIL"),
     ("rms_norm.cu", "DweightParams", 2, "cupyrope.rmsnorm:_DW_TAIL"),
