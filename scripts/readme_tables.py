@@ -1,0 +1,106 @@
+"""The README's summary tables, from the JSON files of a benchmark run (no GPU needed).
+
+Usage: python scripts/readme_tables.py ROPE.json RMS.json
+(written by `python -m cupyrope bench --full --op rope|rmsnorm --json ...`). Prints markdown: the RoPE headline
+cases, the RMSNorm headline shapes, the [4, S, H] grids (bold: the fastest), and every case where a peer is
+faster than cupyrope's fastest provider in GPU time.
+"""
+
+import collections
+import json
+import sys
+
+ROPE_CASES = ["Llama q 32768x32x128", "Llama-3-8B q+k T=32768", "65536x32x128", "seed 8192x32x256",
+              "decode 1x32x128", "Llama-3-8B q+k T=1", "Llama-3-8B q+k T=16"]
+RMS_SHAPES = ["32768x4096", "8192x16384", "8192x1027", "16384x8192", "1x4096"]
+GRID_H = [32, 61, 64, 128, 130, 256, 512, 1024, 1027, 2048, 4096, 8192, 16384]
+GRID_S = [128, 512, 2048]
+RMS_PROVIDERS = ("cupyrope", "liger", "F.rms_norm")
+
+
+def load(path):
+    data = json.load(open(path))
+    cases = collections.OrderedDict()
+    for r in data["results"]:
+        cases.setdefault((r["op"], r["label"]), {})[r["provider"]] = r
+    return data, cases
+
+
+def us(value: float) -> str:
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}"
+
+
+def percent(r, copy_gbps) -> str:
+    share = 100 * r["gbps"] / copy_gbps
+    return f"{share:.0f}%" if share >= 1 else ""  # blank for calls that are a launch and a latency chain
+
+
+def rope_table(data, cases):
+    print("| case, dtype | provider | GPU µs | eager µs | % of copy BW |")
+    print("|---|---|---|---|---|")
+    for label in ROPE_CASES:
+        providers = cases[("rope", label)]
+        first = True
+        for name, r in sorted(providers.items(), key=lambda item: item[1]["gpu_us"]):
+            if name.startswith("torch eager"):
+                continue
+            case = f"{label} {r['dtype']}" if first else ""
+            print(f"| {case} | {name} | {us(r['gpu_us'])} | {us(r['eager_us'])} | {percent(r, data['copy_gbps'])} |")
+            first = False
+
+
+def rms_table(data, cases):
+    print("| shape, dtype | cupyrope GPU / eager µs | Liger GPU / eager µs | F.rms_norm GPU / eager µs | cupyrope % of copy BW |")
+    print("|---|---|---|---|---|")
+    for op, direction in (("rms_fwd", "fwd"), ("rms_bwd", "bwd")):
+        for label in RMS_SHAPES:
+            providers = cases[(op, label)]
+            cells = [f"{us(providers[p]['gpu_us'])} / {us(providers[p]['eager_us'])}" if p in providers else "-"
+                     for p in RMS_PROVIDERS]
+            dtype = providers["cupyrope"]["dtype"]
+            print(f"| {direction} [{label.replace('x', ', ')}] {dtype} | " + " | ".join(cells)
+                  + f" | {percent(providers['cupyrope'], data['copy_gbps'])} |")
+
+
+def grid(cases, op):
+    print(f"{'fwd' if op == 'rms_fwd' else 'bwd'}, [4, S, H] bf16, GPU µs per call: cupyrope / Liger / F.rms_norm "
+          "(bold: fastest)\n")
+    print("| H | " + " | ".join(f"S={s}" for s in GRID_S) + " |")
+    print("|---|" + "---|" * len(GRID_S))
+    for h in GRID_H:
+        cells = []
+        for s in GRID_S:
+            providers = cases[(op, f"[4,{s},{h}]")]
+            times = {p: providers[p]["gpu_us"] for p in RMS_PROVIDERS if p in providers}
+            best = min(times, key=times.get)
+            cells.append(" / ".join(f"**{us(t)}**" if p == best else us(t) for p, t in times.items()))
+        print(f"| {h} | " + " | ".join(cells) + " |")
+    print()
+
+
+def peers_ahead(cases):
+    """Cases where a peer's GPU time beats cupyrope's fastest provider (the drop-in counts as cupyrope's)."""
+    for (op, label), providers in cases.items():
+        ours = min((r["gpu_us"], p) for p, r in providers.items() if p.startswith("cupyrope"))
+        theirs = min((r["gpu_us"], p) for p, r in providers.items() if not p.startswith("cupyrope"))
+        if theirs < ours:
+            print(f"- {op} {label}: {theirs[1]} {theirs[0]:.3f} µs against {ours[1]} {ours[0]:.3f}")
+
+
+def main(argv):
+    rope_data, rope_cases = load(argv[0])
+    rms_data, rms_cases = load(argv[1])
+    print(rope_data["environment"], "\n")
+    rope_table(rope_data, rope_cases)
+    print("\n" + rms_data["environment"], "\n")
+    rms_table(rms_data, rms_cases)
+    print()
+    grid(rms_cases, "rms_fwd")
+    grid(rms_cases, "rms_bwd")
+    print("Peers ahead in GPU time:")
+    peers_ahead(rope_cases)
+    peers_ahead(rms_cases)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
