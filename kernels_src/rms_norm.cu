@@ -63,6 +63,34 @@ __device__ __forceinline__ float inverse_rms(float sum_sq, float inv_hidden, flo
     return rsqrtf(sum_sq * inv_hidden + eps);
 }
 
+// A thread's sum of squares in the forward's rows of 1-2 chunks a thread, as RMS_FWD_SUM_CHAINS independent
+// partial sums added pairwise at the end: one chain of 8-16 dependent FMAs sat on a small call's critical path
+// (ncu, session 35: bf16 [16, 4096] ran ~160 cycles longer than Liger's kernel, whose sum is a tree). Rows of 4+
+// chunks a thread keep one chain: they are bandwidth-bound, and the extra registers spilled at their 64-register
+// budgets (fp32 8 chunks: 4 -> 32 bytes; the fused add 240 -> 500). 1: one chain everywhere (before).
+#ifndef RMS_FWD_SUM_CHAINS
+#define RMS_FWD_SUM_CHAINS 4
+#endif
+static_assert((RMS_FWD_SUM_CHAINS & (RMS_FWD_SUM_CHAINS - 1)) == 0, "RMS_FWD_SUM_CHAINS: a power of two");
+template <int NPT>
+struct SquareSums {
+    static constexpr int C = NPT <= 2 ? RMS_FWD_SUM_CHAINS : 1;
+    float part[C] = {};
+    // Adds v * v to chain j (a constant in the unrolled loops that call it).
+    __device__ __forceinline__ void add(int j, float v) { part[j % C] = fmaf(v, v, part[j % C]); }
+    __device__ __forceinline__ float total() const {
+        float t[C];
+#pragma unroll
+        for (int j = 0; j < C; ++j) t[j] = part[j];
+#pragma unroll
+        for (int width = C / 2; width > 0; width /= 2) {
+#pragma unroll
+            for (int j = 0; j < width; ++j) t[j] += t[j + width];
+        }
+        return t[0];
+    }
+};
+
 template <typename T, typename W, bool VEC, int E, bool BY_SHIFT = false>
 __device__ __forceinline__ Pack<T, E> output(const NormParams& p, const Pack<T, E>& v, float rstd, const Pack<W, E>& w) {
     Pack<T, E> y;
@@ -397,15 +425,16 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
                 }
             }
         }
+        SquareSums<NPT> squares;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                const float low = half_of<T>(words[i][k], false), high = half_of<T>(words[i][k], true);
-                sum_sq += low * low;
-                sum_sq += high * high;
+                squares.add(i * 8 + 2 * k, half_of<T>(words[i][k], false));
+                squares.add(i * 8 + 2 * k + 1, half_of<T>(words[i][k], true));
             }
         }
+        sum_sq = squares.total();
         const float rstd = inverse_rms(split_row_sum<SPLIT>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
         if (!active) return;
 #pragma unroll
@@ -456,6 +485,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
                 if constexpr (ADD) r[ADD ? i : 0] = load_chunk<VEC, SHIFT, E>(res_row, col, hidden);
             }
         }
+        SquareSums<NPT> squares;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = first + i * step;
@@ -467,9 +497,10 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
                     store_chunk<VEC, SHIFT, E>(res_row, col, hidden, v[i]);
                 }
 #pragma unroll
-                for (int e = 0; e < E; ++e) sum_sq += as_float<BY_SHIFT>(v[i].v[e]) * as_float<BY_SHIFT>(v[i].v[e]);
+                for (int e = 0; e < E; ++e) squares.add(i * E + e, as_float<BY_SHIFT>(v[i].v[e]));
             }
         }
+        sum_sq = squares.total();
         const float rstd = inverse_rms(split_row_sum<SPLIT>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
         if (!active) return;
         if constexpr (!EARLY && RMS_WEIGHT_BATCH) {
