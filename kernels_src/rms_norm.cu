@@ -78,16 +78,14 @@ struct SquareSums {
     float part[C] = {};
     // Adds v * v to chain j (a constant in the unrolled loops that call it).
     __device__ __forceinline__ void add(int j, float v) { part[j % C] = fmaf(v, v, part[j % C]); }
-    __device__ __forceinline__ float total() const {
-        float t[C];
-#pragma unroll
-        for (int j = 0; j < C; ++j) t[j] = part[j];
+    // The chains added pairwise (in place: called once, at the end).
+    __device__ __forceinline__ float total() {
 #pragma unroll
         for (int width = C / 2; width > 0; width /= 2) {
 #pragma unroll
-            for (int j = 0; j < width; ++j) t[j] += t[j + width];
+            for (int j = 0; j < width; ++j) part[j] += part[j + width];
         }
-        return t[0];
+        return part[0];
     }
 };
 
