@@ -146,10 +146,13 @@ def allocator(like: Array, shape, dtype: str):
                 new = torch.empty_like(obj)
                 return new, new.data_ptr()
         else:
-            torch_dtype, device = getattr(torch, dtype), like.obj.device
+            # empty_like of a one-element tensor expanded to the shape: a contiguous array of that shape, ~1 µs
+            # cheaper a call than torch.empty(shape, dtype=, device=), which parses its arguments every time.
+            template = torch.empty((1,) * len(shape), dtype=getattr(torch, dtype), device=like.obj.device).expand(shape)
+            contiguous = torch.contiguous_format
 
             def new_torch(obj):
-                new = torch.empty(shape, dtype=torch_dtype, device=device)
+                new = torch.empty_like(template, memory_format=contiguous)
                 return new, new.data_ptr()
         return new_torch
     cupy = import_cupy()

@@ -695,18 +695,29 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, im
 
     rstd (fp32, shape x.shape[:-1], as returned by rms_norm(..., return_rstd=True)) is recomputed when
     not given. dweight is reduced in a fixed order: bitwise identical from run to run, no atomics."""
-    d_key, d_ptr = fingerprint(dy, "dy")
-    x_key, x_ptr = fingerprint(x, "x")
-    w_key, w_ptr = fingerprint_optional(weight, "weight")
-    r_key, r_ptr = fingerprint_optional(rstd, "rstd")
-    key = ("bwd", d_key, x_key, w_key, r_key, eps, offset, impl)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plan_backward_call(describe(dy, "dy"), describe(x, "x"), describe_optional(weight, "weight"),
-                                   describe_optional(rstd, "rstd"), eps, offset, impl)
-        _plans.put(key, plan)
+    plan = recall_options = None
+    if type(dy) in _arrays._TORCH_TYPES:  # may be recalled (_recall.py)
+        recall_options = ("bwd", weight is None, rstd is None, eps, offset, impl)
+        tensors = tuple(t for t in (dy, x, weight, rstd) if t is not None)
+        plan = _plans.recent["bwd"].recall(recall_options, tensors)
+    if plan is not None:
+        d_ptr, x_ptr = dy.data_ptr(), x.data_ptr()
+        w_ptr, r_ptr = 0 if weight is None else weight.data_ptr(), 0 if rstd is None else rstd.data_ptr()
+    if plan is None or (d_ptr | x_ptr | w_ptr | r_ptr) & 15:
+        d_key, d_ptr = fingerprint(dy, "dy")
+        x_key, x_ptr = fingerprint(x, "x")
+        w_key, w_ptr = fingerprint_optional(weight, "weight")
+        r_key, r_ptr = fingerprint_optional(rstd, "rstd")
+        key = ("bwd", d_key, x_key, w_key, r_key, eps, offset, impl)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plan_backward_call(describe(dy, "dy"), describe(x, "x"), describe_optional(weight, "weight"),
+                                       describe_optional(rstd, "rstd"), eps, offset, impl)
+            _plans.put(key, plan)
+        if recall_options:
+            _plans.recent["bwd"].remember(recall_options, tensors, (d_ptr, x_ptr, w_ptr, r_ptr), key, plan)
     dx, dx_ptr = plan.new_dx(x)
-    dweight, dweight_ptr = plan.new_dweight(x) if weight is not None else (None, 0)
+    dweight, dweight_ptr = plan.new_dweight(weight) if weight is not None else (None, 0)
     if not plan.grid:
         if dweight is not None and len(dweight):
             dweight[...] = 0
@@ -839,5 +850,7 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
     else:
         plan = EmptyPlan()
     plan.new_dx = _arrays.allocator(xa, xa.shape, xa.dtype)
-    plan.new_dweight = _arrays.allocator(xa, (hidden,), wa.dtype) if wa is not None else None
+    # Like the weight (its shape and dtype): torch's empty_like, the cheapest allocation (no shape or device
+    # arguments to parse).
+    plan.new_dweight = _arrays.allocator(wa, (hidden,), wa.dtype) if wa is not None else None
     return plan

@@ -2,7 +2,8 @@
 dweight reduction (rms_norm_dw) alone, in GPU µs (graph replay, inputs rotating past the L2), for
 several caps on the main kernel's resident blocks per SM (fewer blocks: fewer dweight partials).
 
-Usage: python scripts/bwd_parts.py [CAP ...]   (CAP: blocks an SM at most; "0" = the planner's own grid)
+Usage: python scripts/bwd_parts.py [--small] [CAP ...]   (CAP: blocks an SM at most; "0" = the planner's own grid;
+--small: calls of 1-2048 rows, where the second launch is a large part of the time)
 """
 
 import sys
@@ -21,6 +22,9 @@ SHAPES = [(8192, 1027, torch.bfloat16), (8192, 1024, torch.bfloat16), (8192, 204
           (2048, 4096, torch.bfloat16), (32768, 1027, torch.bfloat16), (8192, 1027, torch.float32),
           (2048, 1024, torch.bfloat16), (32768, 4096, torch.bfloat16), (8192, 4096, torch.float32),
           (8192, 16384, torch.float32)]
+SMALL_SHAPES = [(1, 4096, torch.bfloat16), (16, 4096, torch.bfloat16), (128, 4096, torch.bfloat16),
+                (512, 256, torch.bfloat16), (512, 1024, torch.bfloat16), (512, 4096, torch.bfloat16),
+                (2048, 1024, torch.bfloat16)]
 _own_blocks_per_wave = rmsnorm._blocks_per_wave
 
 
@@ -52,11 +56,12 @@ def backward_parts(copies, hidden):
 
 
 def main():
-    caps = [int(a) for a in sys.argv[1:]] or [0, 8, 4, 2]
+    small = "--small" in sys.argv
+    caps = [int(a) for a in sys.argv[1:] if a != "--small"] or ([0] if small else [0, 8, 4, 2])
     bw = bench.copy_bandwidth_gbps(torch)
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; GPU µs: whole / main kernel / dw kernel")
     print("| shape | " + " | ".join(f"cap {c or 'none'}" for c in caps) + " |\n|" + "---|" * (len(caps) + 1), flush=True)
-    for rows, hidden, dt in SHAPES:
+    for rows, hidden, dt in SMALL_SHAPES if small else SHAPES:
         nbytes, copies = input_copies(rows, hidden, dt)
         cells = []
         for cap in caps:

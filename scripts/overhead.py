@@ -37,6 +37,12 @@ def torch_inputs():
 def calls():
     q, k, pos, x1, w1 = torch_inputs()
     y1, r1, dy1 = torch.empty_like(x1), torch.randn_like(x1), torch.randn_like(x1)
+    _, rstd1 = cupyrope.rms_norm(x1, w1, return_rstd=True)
+    xg, wg = x1.detach().requires_grad_(), w1.detach().requires_grad_()
+
+    def forward_backward(norm):  # a training step's RMSNorm through autograd: forward, then dx and dweight
+        with torch.enable_grad():
+            return torch.autograd.grad(norm(xg, wg), (xg, wg), dy1)
     cache = cupyrope.rope_cache(4096, 128, kind="torch")
     cq, ck, cpos, cx1, cw1 = (cupy.asarray(t) for t in (q.float(), k.float(), pos, x1.float(), w1.float()))
     cy1 = cupy.empty_like(cx1)
@@ -63,6 +69,7 @@ def calls():
         "rms_norm, CuPy fp32, out=": lambda: cupyrope.rms_norm(cx1, cw1, out=cy1),
         "fused_add_rms_norm, torch": lambda: cupyrope.fused_add_rms_norm(x1, r1, w1),
         "rms_norm_backward, torch (dx, dweight)": lambda: cupyrope.rms_norm_backward(dy1, x1, w1),
+        "rms_norm_backward, torch, rstd given": lambda: cupyrope.rms_norm_backward(dy1, x1, w1, rstd1),
         "cupyrope.torch.rope (no grad)": lambda: ct.rope(q, pos),
         "cupyrope.torch.rope_qk (no grad)": lambda: ct.rope_qk(q, k, pos),
         "cupyrope.torch.rms_norm (no grad)": lambda: ct.rms_norm(x1, w1),
@@ -71,6 +78,9 @@ def calls():
     if LigerRMSNormFunction is not None:
         rows["Liger RMSNorm forward (peer)"] = lambda: LigerRMSNormFunction.apply(x1, w1, 1e-6)
     rows["torch F.rms_norm (peer)"] = lambda: torch.nn.functional.rms_norm(x1, (4096,), w1, 1e-6)
+    rows["cupyrope.torch.rms_norm, forward + backward (autograd)"] = lambda: forward_backward(ct.rms_norm)
+    rows["torch F.rms_norm, forward + backward (autograd, peer)"] = lambda: forward_backward(
+        lambda x, w: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6))
     return rows
 
 
@@ -78,11 +88,17 @@ def pieces():
     """Costs of the steps of a call (µs), to see where the time over a bare launch goes."""
     q, k, pos, _, _ = torch_inputs()
     key = ("rope_qk", fingerprint(q, "q")[0], fingerprint(k, "k")[0], fingerprint(pos, "positions")[0])
+    f32, dev = torch.float32, q.device
+    template = torch.empty((1, 1), dtype=f32, device=dev).expand(264, 4096)  # _arrays.allocator's
     steps = {
         "fingerprint(torch tensor)": lambda: fingerprint(q, "q"),
         "hash of a rope_qk key": lambda: hash(key),
         "torch current raw stream": lambda: torch._C._cuda_getCurrentRawStream(0),
         "torch.empty_like (1x4096 bf16)": lambda: torch.empty_like(q),
+        "torch.empty(shape, dtype=, device=) (264x4096 fp32)": lambda: torch.empty((264, 4096), dtype=f32, device=dev),
+        "x.new_empty(shape, dtype=) (264x4096 fp32)": lambda: q.new_empty((264, 4096), dtype=f32),
+        "torch.empty_like(expanded template) (264x4096 fp32)": lambda: torch.empty_like(
+            template, memory_format=torch.contiguous_format),
     }
     for name, fn in steps.items():
         n = 20000

@@ -91,12 +91,13 @@ def _calls():
     cos, sin = torch.randn(1, 1, 128, dtype=bf16), torch.randn(1, 1, 128, dtype=bf16)
     x, w, w32 = torch.randn(4, 4096, dtype=bf16), torch.randn(4096, dtype=bf16), torch.randn(4096)
     residual, y, x_rows = torch.randn_like(x), torch.empty_like(x), torch.randn(4, 4104, dtype=bf16)[:, :4096]
+    dy, rstd = torch.randn_like(x), torch.rand(4) + 0.5
     # Like q and x but 2 bytes past a 16-byte boundary: only the pointer tells them apart.
     q_moved = torch.randn(1 + q.numel(), dtype=bf16)[1:].view(q.shape)
     x_moved = torch.randn(1 + x.numel(), dtype=bf16)[1:].view(x.shape)
     arrays = dict(q=q, k=k, pos=pos, q_slice=q_slice, k_slice=k_slice, q_off=q_off, q_odd=q_odd, pos3=pos3, k3=k3,
                   cache=cache, cache16=cache16, cos=cos, sin=sin, x=x, w=w, w32=w32, residual=residual, y=y,
-                  x_rows=x_rows, q_moved=q_moved, x_moved=x_moved)
+                  x_rows=x_rows, q_moved=q_moved, x_moved=x_moved, dy=dy, rstd=rstd)
     calls = [
         lambda: cupyrope.rope_qk(q, k, pos),
         lambda: cupyrope.rope_qk(q_moved, k, pos, cos_sin_cache=cache),  # vector with q, scalar here
@@ -132,6 +133,15 @@ def _calls():
         lambda: cupyrope.fused_add_rms_norm(x_rows, residual, w),
         lambda: cupyrope.fused_add_rms_norm(x, residual, None),
         lambda: cupyrope.fused_add_rms_norm(x, x, w),  # overlapping: refused
+        lambda: cupyrope.rms_norm_backward(dy, x, w),
+        lambda: cupyrope.rms_norm_backward(dy, x, w, rstd),
+        lambda: cupyrope.rms_norm_backward(dy, x),
+        lambda: cupyrope.rms_norm_backward(dy, x, w32, eps=1e-5),
+        lambda: cupyrope.rms_norm_backward(dy, x, w, offset=1.0),
+        lambda: cupyrope.rms_norm_backward(dy, x_moved, w),  # x 2 bytes past a boundary, dy not: scalar
+        lambda: cupyrope.rms_norm_backward(dy, x_rows, w, rstd),
+        lambda: cupyrope.rms_norm_backward(x, x, w),  # one tensor twice: never remembered
+        lambda: cupyrope.rms_norm_backward(dy, x, w, rstd[:2]),  # rstd of the wrong shape: refused
     ]
     return arrays, calls
 
@@ -163,8 +173,9 @@ def test_recalled_calls_launch_what_fingerprints_launch(monkeypatch):
     log = _launch_log(monkeypatch, {array.data_ptr(): name for name, array in reversed(arrays.items())})
     _fresh_plans(monkeypatch, recall=False)
     fingerprinted = _run(calls, log)
-    assert sum(isinstance(o, str) for o in fingerprinted) == 6  # the two refused calls, each three times
+    assert sum(isinstance(o, str) for o in fingerprinted) == 9  # the three refused calls, each three times
     _fresh_plans(monkeypatch, recall=True)
     recalled = _run(calls, log)
     assert recalled == fingerprinted
-    assert sys.modules["cupyrope.rope"]._plans.recent["rope_qk"]._recent, "nothing was remembered"
+    for module, op in (("rope", "rope_qk"), ("rmsnorm", "fwd"), ("rmsnorm", "add"), ("rmsnorm", "bwd")):
+        assert sys.modules[f"cupyrope.{module}"]._plans.recent[op]._recent, f"no {op} call was remembered"
