@@ -89,7 +89,7 @@ def pieces():
     q, k, pos, _, _ = torch_inputs()
     key = ("rope_qk", fingerprint(q, "q")[0], fingerprint(k, "k")[0], fingerprint(pos, "positions")[0])
     f32, dev = torch.float32, q.device
-    template = torch.empty((1, 1), dtype=f32, device=dev).expand(264, 4096)  # _arrays.allocator's
+    template = torch.empty((1, 1), dtype=f32, device=dev).expand(264, 4096)  # tried in session 36, not kept
     steps = {
         "fingerprint(torch tensor)": lambda: fingerprint(q, "q"),
         "hash of a rope_qk key": lambda: hash(key),
@@ -97,7 +97,7 @@ def pieces():
         "torch.empty_like (1x4096 bf16)": lambda: torch.empty_like(q),
         "torch.empty(shape, dtype=, device=) (264x4096 fp32)": lambda: torch.empty((264, 4096), dtype=f32, device=dev),
         "x.new_empty(shape, dtype=) (264x4096 fp32)": lambda: q.new_empty((264, 4096), dtype=f32),
-        "torch.empty_like(expanded template) (264x4096 fp32)": lambda: torch.empty_like(
+        "torch.empty_like(a one-element tensor expanded) (264x4096 fp32)": lambda: torch.empty_like(
             template, memory_format=torch.contiguous_format),
     }
     for name, fn in steps.items():
