@@ -2,7 +2,9 @@
 torch.autograd.grad) at decode size, against torch's F.rms_norm and against the floor of a Python
 autograd.Function that launches nothing, plus the time spent inside cupyrope's Function (forward and
 backward bodies) to separate our own work from autograd's. Each row: median of interleaved rounds of
-bench.eager_time_us. Usage: python scripts/autograd_overhead.py [ROWS HIDDEN]
+bench.eager_time_us. --compile adds both norms under torch.compile (default mode: AOTAutograd's compiled
+forward and backward, our kernels called as registered custom ops).
+Usage: python scripts/autograd_overhead.py [--compile] [ROWS HIDDEN]
 """
 
 import statistics
@@ -61,7 +63,8 @@ class Inside:
 
 
 def main():
-    rows, hidden = (int(a) for a in sys.argv[1:3]) if len(sys.argv) > 2 else (1, 4096)
+    sizes = [int(a) for a in sys.argv[1:] if a != "--compile"]
+    rows, hidden = sizes if sizes else (1, 4096)
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
@@ -80,6 +83,10 @@ def main():
         "cupyrope.torch.rms_norm forward + backward": step(ct.rms_norm),
         "F.rms_norm forward + backward": step(lambda a, b: torch.nn.functional.rms_norm(a, (hidden,), b, 1e-6)),
     }
+    if "--compile" in sys.argv:
+        torch_norm = torch.compile(lambda a, b: torch.nn.functional.rms_norm(a, (hidden,), b, 1e-6))
+        rows_["cupyrope.torch.rms_norm forward + backward, torch.compile"] = step(torch.compile(ct.rms_norm))
+        rows_["F.rms_norm forward + backward, torch.compile"] = step(torch_norm)
     times = {name: [] for name in rows_}
     for fn in rows_.values():
         fn()
