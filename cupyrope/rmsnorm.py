@@ -698,7 +698,9 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, im
     plan = recall_options = None
     if type(dy) in _arrays._TORCH_TYPES:  # may be recalled (_recall.py)
         recall_options = ("bwd", weight is None, rstd is None, eps, offset, impl)
-        tensors = tuple(t for t in (dy, x, weight, rstd) if t is not None)
+        tensors = (dy, x) if weight is None else (dy, x, weight)  # no generator: ~0.6 µs a call less
+        if rstd is not None:
+            tensors += (rstd,)
         plan = _plans.recent["bwd"].recall(recall_options, tensors)
     if plan is not None:
         d_ptr, x_ptr = dy.data_ptr(), x.data_ptr()

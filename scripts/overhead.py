@@ -3,7 +3,8 @@
 Eager time per call: a Python loop of calls, synchronized at the end (bench.eager_time_us). Each
 row is measured three times, interleaved with the others, and the median is printed, with recall
 (cupyrope/_recall.py) off and on in alternate passes; host speed differs between machines, so
-compare rows of one run only. Usage: python scripts/overhead.py
+compare rows of one run only. A training step through autograd: scripts/autograd_overhead.py.
+Usage: python scripts/overhead.py
 """
 
 import statistics
@@ -38,11 +39,6 @@ def calls():
     q, k, pos, x1, w1 = torch_inputs()
     y1, r1, dy1 = torch.empty_like(x1), torch.randn_like(x1), torch.randn_like(x1)
     _, rstd1 = cupyrope.rms_norm(x1, w1, return_rstd=True)
-    xg, wg = x1.detach().requires_grad_(), w1.detach().requires_grad_()
-
-    def forward_backward(norm):  # a training step's RMSNorm through autograd: forward, then dx and dweight
-        with torch.enable_grad():
-            return torch.autograd.grad(norm(xg, wg), (xg, wg), dy1)
     cache = cupyrope.rope_cache(4096, 128, kind="torch")
     cq, ck, cpos, cx1, cw1 = (cupy.asarray(t) for t in (q.float(), k.float(), pos, x1.float(), w1.float()))
     cy1 = cupy.empty_like(cx1)
@@ -78,9 +74,6 @@ def calls():
     if LigerRMSNormFunction is not None:
         rows["Liger RMSNorm forward (peer)"] = lambda: LigerRMSNormFunction.apply(x1, w1, 1e-6)
     rows["torch F.rms_norm (peer)"] = lambda: torch.nn.functional.rms_norm(x1, (4096,), w1, 1e-6)
-    rows["cupyrope.torch.rms_norm, forward + backward (autograd)"] = lambda: forward_backward(ct.rms_norm)
-    rows["torch F.rms_norm, forward + backward (autograd, peer)"] = lambda: forward_backward(
-        lambda x, w: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6))
     return rows
 
 
