@@ -100,6 +100,12 @@ STAGED_MIN_FILL_PCT = {2: 60, 4: 0}
 # bf16; fp32 rows of 4 chunks faster at every length measured; 8 chunks no faster (session 20).
 STAGED_LEAN_MAX_ROWS = {1: 48, 2: 48, 4: math.inf, 8: 0}
 STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMaxThreads<NPT, true>
+# Backward calls with a weight of at most CLUSTER_BWD_MAX_ROWS rows whose staged plan can take LEAN: one launch of
+# rms_norm_bwd_cluster (one cluster of CLUSTER_BWD_BLOCKS blocks; sm_90+) instead of the staged kernel and rms_norm_dw.
+# Up to 8 rows it is 0.2-0.8 us faster on the GPU and ~10 us faster eager (one launch and one allocation fewer); from
+# 16 rows its 8 SMs take longer than the two launches' whole grid (bf16 [64, 4096] 6.5 -> 11.1 us; session 37).
+CLUSTER_BWD_BLOCKS = 8
+CLUSTER_BWD_MAX_ROWS = 8
 # Aligned rows past those (fp16/bf16 over 16384 elements, fp32 over 16384) whose stage fits in shared memory:
 # rms_norm_bwd_reread (the current row read twice from its stage, only the dweight sums in registers), by
 # element size: REREAD_SLOTS chunks a thread on whole warps, up to REREAD_MAX_THREADS (its launch bound).
@@ -152,7 +158,7 @@ def _scalars(eps, offset, hidden) -> tuple[float, float, float]:
 
 class NormPlan:
     __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "small", "slots", "extents", "shared_mem",
-                 "shared_acc", "reread", "split", "cluster_step", "out_layouts", "launch", "dw_launch", "new_output",
+                 "shared_acc", "reread", "split", "cluster_step", "one_cluster", "out_layouts", "launch", "dw_launch", "new_output",
                  "new_rstd", "new_dx", "new_dweight", "new_partial")
 
     def __init__(self, name, grid, block, vectorized, slots):
@@ -168,6 +174,7 @@ class NormPlan:
         self.reread = False  # backward: rms_norm_bwd_reread (staged too: one row a block, rows copied ahead)
         self.split = 1  # blocks a row is split over (a cluster: rms_norm_fwd_split, rms_norm_bwd_split)
         self.cluster_step = 1  # split: the cluster count a multiple of this where clusters walk several rows
+        self.one_cluster = False  # backward: rms_norm_bwd_cluster, one launch that writes dweight itself
         self.small = False  # forward: planned as a small input (FWD_SMALL_ELEMS_PER_THREAD)
 
     def __repr__(self):
@@ -365,10 +372,11 @@ def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, i
     return wider if wider.name != plan.name and wider.slots and _waves(wider, device) == 1 else plan
 
 
-def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False, lean=False):
+def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False, lean=False, one_cluster=False):
     """The plan of rms_norm_bwd_staged (threads, slots and stages by the rule above), or None where it
     does not apply. shifted: rows that are not 16-byte aligned (SHIFT), one chunk a thread only (the
-    weight stays in registers as well). lean: the LEAN variant (see lean_staged)."""
+    weight stays in registers as well). lean: the LEAN variant (see lean_staged). one_cluster: the plan of
+    rms_norm_bwd_cluster for the same rows, or None where they would not take LEAN or its sums do not fit."""
     itemsize = _arrays.ITEMSIZE[dtype]
     if hidden * itemsize < STAGED_MIN_ROW_BYTES:
         return None
@@ -387,9 +395,19 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
     if width == 1024 and 100 * chunks < STAGED_MIN_FILL_PCT[itemsize] * slots * width:  # mostly empty: reread
         return _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
     lean = lean and width <= STAGED_LEAN_MAX_THREADS[slots]
-    flags = ", ".join("true" if f else "false" for f in (shifted, lean))
-    return _staged_plan(f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, "
-                        f"{flags}>", rows, width, slots, shared_limit, shifted)
+    variant = f"{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, {'true' if shifted else 'false'}"
+    if one_cluster:
+        if not (STAGED_LEAN_MAX_ROWS[slots] and width <= STAGED_LEAN_MAX_THREADS[slots]):
+            return None
+        sums = hidden * 4  # the block's dweight sums, after the stages
+        plan = _staged_plan(f"cupyrope::rms_norm_bwd_cluster<{variant}, {CLUSTER_BWD_BLOCKS}>", rows, width, slots,
+                            shared_limit - sums, shifted)
+        if plan:
+            plan.shared_mem += sums
+            plan.grid, plan.one_cluster = CLUSTER_BWD_BLOCKS, True
+        return plan
+    return _staged_plan(f"cupyrope::rms_norm_bwd_staged<{variant}, {'true' if lean else 'false'}>", rows, width,
+                        slots, shared_limit, shifted)
 
 
 def _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted=False, max_threads=REREAD_MAX_THREADS):
@@ -465,7 +483,12 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     # measured a little faster than staging; everywhere else aligned rows are staged.
     prefetches = plan.vectorized and plan.slots and _arrays.ITEMSIZE[x.dtype] == 4 and plan.slots * 4 <= 8
     if plan.vectorized and not prefetches:
-        plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean) or plan
+        staged = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean)
+        if staged and not staged.reread and clusters and weight is not None and rows <= CLUSTER_BWD_MAX_ROWS:
+            one = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, one_cluster=True)
+            if one:
+                return one
+        plan = staged or plan
     if clusters and plan.vectorized and not (plan.staged or plan.slots):  # else read twice
         plan = _plan_backward_split(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted) or plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
@@ -494,7 +517,7 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
 def lean_staged(plan, rows: int) -> bool:
     """Whether a staged plan whose grid is its resident blocks should take the LEAN variant: each block
     walking at most STAGED_LEAN_MAX_ROWS rows, on at most STAGED_LEAN_MAX_THREADS (by chunks a thread)."""
-    return (plan.staged and not plan.reread and rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid
+    return (plan.staged and not (plan.reread or plan.one_cluster) and rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid
             and plan.block[0] <= STAGED_LEAN_MAX_THREADS[plan.slots])
 
 
@@ -561,6 +584,10 @@ def all_variants():
                     for shift, lean in itertools.product(shifts, leans):
                         yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
                                        f"{stages}, {shift}, {lean}>")
+                    if STAGED_LEAN_MAX_ROWS[slots]:
+                        for shift in shifts:
+                            yield SOURCE, (f"cupyrope::rms_norm_bwd_cluster<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
+                                           f"{stages}, {shift}, {CLUSTER_BWD_BLOCKS}>")
             reread = f"{CTYPE[dtype]}, {CTYPE[weight]}, {REREAD_SLOTS[_arrays.ITEMSIZE[dtype]]}"
             for shift in ("false", "true"):
                 yield SOURCE, f"cupyrope::rms_norm_bwd_reread<{reread}, {REREAD_STAGES}, {shift}>"
@@ -727,6 +754,9 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, im
     if weight is None:
         plan.launch(d_ptr, x_ptr, 0, r_ptr, dx_ptr, 0)
         return dx, None
+    if plan.one_cluster:  # its last pointer is dweight
+        plan.launch(d_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dweight_ptr)
+        return dx, dweight
     partial, partial_ptr = plan.new_partial(x)
     plan.launch(d_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, partial_ptr)
     plan.dw_launch(partial_ptr, dweight_ptr)
@@ -806,6 +836,8 @@ def _resident_grid(plan, rows, xa):
     _fit_clusters) as the SMs hold at once (the planner's estimate counts threads only). More would only add
     dweight partials. None where the driver cannot place a cluster."""
     kernel = _kernel(plan, xa.device)
+    if plan.one_cluster:
+        return kernel if resident_clusters(kernel, plan.grid, plan.block[0], plan.shared_mem, xa.device) else None
     if plan.split > 1:
         return kernel if _fit_clusters(plan, kernel, rows, xa.device) else None
     plan.grid = cap_grid(plan, _blocks_per_wave(kernel, plan, xa.device), rows, xa.dtype)
@@ -836,14 +868,14 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
         tail = _BWD_TAIL.pack(rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc),
                               *_scalars(eps, offset, hidden))
         kernel = _resident_grid(plan, rows, xa)
-        if kernel is None:  # no cluster fits: rows read twice
+        if kernel is None:  # no cluster fits: rows read twice, or two launches
             plan = plan_backward(*planning)
             kernel = _resident_grid(plan, rows, xa)
         if lean_staged(plan, rows):  # decided on the default variant's resident grid
             plan = plan_backward(*planning, lean=True)
             kernel = _resident_grid(plan, rows, xa)
         plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
-        if wa is not None:
+        if wa is not None and not plan.one_cluster:
             partials = plan.grid // plan.split  # one partial row a block, or a cluster
             dw_kernel = get_kernel(SOURCE, f"cupyrope::rms_norm_dw<{CTYPE[wa.dtype]}>", xa.device)
             plan.dw_launch = _launch.Launch(dw_kernel, -(-hidden // 32), (32, DW_SPLIT), 2,

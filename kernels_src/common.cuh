@@ -206,6 +206,15 @@ __device__ __forceinline__ void store_shared_of_rank(float2* mine, unsigned rank
 #endif
 }
 
+// The cluster block `rank`'s copy of the shared float at `mine` (this block's address of it).
+__device__ __forceinline__ float load_shared_of_rank(const float* mine, unsigned rank) {
+    float v = 0.f;
+#if CUPYROPE_CLUSTERS
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(shared_of_rank(mine, rank)) : "memory");
+#endif
+    return v;
+}
+
 __device__ __forceinline__ float add(float a, float b) { return a + b; }
 __device__ __forceinline__ float2 add(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
 

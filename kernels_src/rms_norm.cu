@@ -997,17 +997,16 @@ __device__ __forceinline__ void store_staged_partial(const NormBwdParams& p, flo
     }
 }
 
-template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN>
-__global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
-    constexpr int E = 16 / sizeof(T);
-    __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
-    extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
+// The block's rows (blockIdx.x, + gridDim.x, ...): dx written, dw[i] the dweight sums of chunk i from column
+// `first` (set here: the same in every row of the block, SHIFT with its one shift), staged through `staged`
+// ([STAGES][dy, x][NPT][blockDim.x] chunks of dynamic shared memory).
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN, int E>
+__device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* scratch, uint4* staged, int& first,
+                                                 Pack<float, E> (&dw)[NPT]) {
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
     const i64 row_step = gridDim.x;
-    // The same columns in every row of the block (SHIFT: one shift, see above).
-    const int first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + (i64)blockIdx.x * p.x_stride, lane);
-    Pack<float, E> dw[NPT];
+    first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + (i64)blockIdx.x * p.x_stride, lane);
     constexpr bool HOLD = SHIFT || LEAN;  // the weights stay in registers for all rows
     Pack<W, E> wv[HOLD ? NPT : 1];
 #pragma unroll
@@ -1067,7 +1066,51 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
         }
     }
     copy_async_wait<0>();  // no copy may outlive the block
-    store_staged_partial<SHIFT>(p, p.partial + (i64)blockIdx.x * p.hidden, dw, first, lane, step, p.hidden);
+}
+
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN>
+__global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
+    constexpr int E = 16 / sizeof(T);
+    __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
+    extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
+    int first;
+    Pack<float, E> dw[NPT];
+    walk_staged_rows<T, W, NPT, STAGES, SHIFT, LEAN>(p, scratch, staged, first, dw);
+    store_staged_partial<SHIFT>(p, p.partial + (i64)blockIdx.x * p.hidden, dw, first, threadIdx.x, blockDim.x * E, p.hidden);
+}
+
+// ------------------------------------------------------------------ backward, small calls in one cluster
+// Calls of few rows (the planner's CLUSTER_BWD_MAX_ROWS) in one launch instead of rms_norm_bwd_staged and
+// rms_norm_dw: a single cluster of CLUSTER blocks (sm_90+), each walking rows rank, + CLUSTER, ... as the staged
+// kernel's LEAN variant and keeping its dweight sums in its own shared memory, after the stages. After a cluster
+// barrier, the cluster's threads each add columns across the blocks' sums in rank order (distributed shared memory)
+// and store dweight: the same additions, in the same order, as rms_norm_dw over the staged kernel's CLUSTER partial
+// rows (bitwise equal; deterministic). Here p.partial is dweight (W*, hidden values).
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT, int CLUSTER>
+__global__ void CLUSTER_DIMS(CLUSTER) __launch_bounds__(StagedMaxThreads<NPT, true>::value, 1)
+    rms_norm_bwd_cluster(const NormBwdParams p) {
+#if CUPYROPE_CLUSTERS
+    constexpr int E = 16 / sizeof(T);
+    __shared__ __align__(8) float scratch[64];
+    extern __shared__ __align__(16) uint4 staged[];  // the stages, then this block's dweight sums: [hidden] floats
+    float* sums = reinterpret_cast<float*>(staged + STAGES * 2 * NPT * blockDim.x);
+    int first;
+    Pack<float, E> dw[NPT];
+    walk_staged_rows<T, W, NPT, STAGES, SHIFT, true>(p, scratch, staged, first, dw);
+    const int hidden = (int)p.hidden;
+    store_staged_partial<SHIFT>(p, sums, dw, first, threadIdx.x, blockDim.x * E, hidden);
+    cluster_sync();  // every block's sums are in its shared memory
+    W* dweight = reinterpret_cast<W*>(p.partial);
+    for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < hidden; col += CLUSTER * blockDim.x) {
+        float total = 0.f;
+#pragma unroll
+        for (int r = 0; r < CLUSTER; ++r) total += load_shared_of_rank(sums + col, r);
+        dweight[col] = from_float<W>(total);
+    }
+    cluster_sync();  // no block exits while a peer may still read its shared memory
+#else
+    __trap();  // no clusters before sm_90: the planner never launches it there
+#endif
 }
 
 // ------------------------------------------------------------------ backward, rows read twice from shared

@@ -1,13 +1,15 @@
 """RMSNorm backward tuning sweep on a GPU: planner settings x shapes (not the benchmark suite).
 
-Usage: python scripts/sweep_bwd.py [--peers] [--xw] [big|mid|table|odd|lean|wide|two|two16] SETTING ...
-(--xw: the weight in x's dtype, as the benchmark suite has it; default fp32)
+Usage: python scripts/sweep_bwd.py [--peers] [--xw] [--eager] [big|mid|table|odd|lean|wide|two|two16|small|ab] SETTING ...
+(--xw: the weight in x's dtype, as the benchmark suite has it; default fp32; --eager: each setting's eager µs a call
+too, after its GPU time)
 (odd: odd hidden sizes and ones whose chunks are not a power of two)
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "STAGED_LOOKAHEAD_BYTES=65536,STAGED_ROW_THREADS=256";
 "old" is the unstaged kernel (STAGED_MIN_ROW_BYTES above every row). Each setting is checked against
 torch in fp32 before it is timed (graph replay, inputs rotating past the L2, % of copy bandwidth).
 """
 
+import itertools
 import sys
 
 import torch
@@ -56,6 +58,14 @@ TWO += [(8192, 3072, torch.bfloat16), (8192, 6144, torch.bfloat16), (32768, 4096
 TWO16 = [(r, h, torch.float16) for h in (6144, 8192) for r in (2048, 8192, 16384, 32768)]
 TWO16 += [(16384, 8192, torch.bfloat16), (32768, 8192, torch.bfloat16)]
 
+# An old tree against a new one (PYTHONPATH): one shape of each of the staged kernel's main variants.
+AB = [(32768, 4096, torch.bfloat16), (16384, 8192, torch.bfloat16), (8192, 16384, torch.float32),
+      (8192, 1024, torch.bfloat16), (32768, 4096, torch.float16)]
+
+# Small calls (the one-cluster rule, CLUSTER_BWD_MAX_ROWS): 1-256 rows.
+SMALL = [(r, h, torch.bfloat16) for h in (1024, 4096, 8192) for r in (1, 8, 16, 32, 64, 128, 256)]
+SMALL += [(r, 8192, torch.float32) for r in (1, 16, 64)] + [(r, 2053, torch.float16) for r in (8, 64)]
+
 
 def input_copies(rows, hidden, dt, weight_dtype=torch.float32):
     """(bytes of x and dy, enough (x, weight, dy) copies to defeat the L2)."""
@@ -70,7 +80,8 @@ def input_copies(rows, hidden, dt, weight_dtype=torch.float32):
 def main():
     args = sys.argv[1:]
     with_peers = "--peers" in args
-    sets = {"big": BIG, "table": TABLE, "mid": MID, "odd": ODD, "lean": LEAN, "wide": WIDE, "two": TWO, "two16": TWO16}
+    sets = {"big": BIG, "table": TABLE, "mid": MID, "odd": ODD, "lean": LEAN, "wide": WIDE, "two": TWO, "two16": TWO16,
+            "small": SMALL, "ab": AB}
     shapes = sets[next((a for a in args if a in sets), "big")]
     settings = [a for a in args if not a.startswith("--") and a not in sets] or ["old", ""]
     bw = bench.copy_bandwidth_gbps(torch)
@@ -79,7 +90,7 @@ def main():
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
     for rows, hidden, dt in shapes:
         nbytes, copies = input_copies(rows, hidden, dt, dt if "--xw" in args else torch.float32)
-        times, names = [], []
+        times, names, eager = [], [], []
         for setting in settings:
             apply(setting)
             x, w, dy = copies[0]
@@ -87,10 +98,13 @@ def main():
             check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), (dx, dw))
             names.append(next(p.name for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd").split("::")[1])
             times.append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm_backward(dy, x, w)), copies))
+            if "--eager" in args:
+                eager.append(bench.eager_time_us(torch, [lambda: cupyrope.rms_norm_backward(dy, x, w)]))
         if with_peers and "liger" in peers():
             times.append(time_us(peers()["liger"][1], copies, capture=False))
         moved = nbytes * 1.5
         cells = [f"{t:.1f} {100 * moved / t / 1e3 / bw:.0f}%" for t in times]
+        cells = [c + (f" ({e:.1f} eager)" if e else "") for c, e in itertools.zip_longest(cells, eager)]
         print(f"| {rows}x{hidden} {str(dt)[6:]} | " + " | ".join(cells) + " |   " + "; ".join(names), flush=True)
     apply("")
 

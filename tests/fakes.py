@@ -65,6 +65,7 @@ def stand_in_for_the_gpu(patch=setattr):
     patch(norm_module, "_blocks_per_wave", lambda *args: 132 * 4)
     patch(norm_module, "_waves", lambda *args: 1)
     patch(norm_module, "runs_clusters", lambda device: True)
+    patch(norm_module, "resident_clusters", lambda *args: 16)  # clusters of 8 an H100 holds at once
     patch(_launch, "_bind", lambda: None)
     patch(_launch, "_runtime", SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None))
     patch(_launch, "_driver", SimpleNamespace(launchKernel=lambda *args: None, CUDADriverError=RuntimeError))

@@ -625,3 +625,38 @@ def test_fingerprint_tells_apart_everything_a_plan_depends_on():
     assert len(keys) == len(others) + 1
     with pytest.raises(TypeError, match="x: expected a cupy.ndarray or a CUDA torch.Tensor"):
         fingerprint([1.0], "x")
+
+
+def test_rms_norm_backward_one_cluster_rule():
+    # Calls of up to CLUSTER_BWD_MAX_ROWS rows with a weight whose staged plan can take LEAN: one launch of
+    # rms_norm_bwd_cluster (8 blocks; its dweight sums after the stages), where the GPU runs clusters.
+    limit = rmsnorm.CLUSTER_BWD_MAX_ROWS
+    x, w = arr((limit, 4096)), arr((4096,), "float32")
+    one = plan_backward(x, x, x, w, (4096,) * 3, limit, 4096, n_sm=132, clusters=True)
+    assert one.name == "cupyrope::rms_norm_bwd_cluster<__nv_bfloat16, float, 1, 3, false, 8>", one
+    assert one.one_cluster and one.grid == 8 and one.block == (512, 1)
+    assert one.shared_mem == 3 * 2 * 8192 + 4096 * 4
+    two = plan_backward(x, x, x, w, (4096,) * 3, limit + 1, 4096, n_sm=132, clusters=True)  # more rows
+    assert two.name.startswith("cupyrope::rms_norm_bwd_staged<") and not two.one_cluster
+    for other in (plan_backward(x, x, x, w, (4096,) * 3, 1, 4096, n_sm=132),  # no clusters (before sm_90)
+                  plan_backward(x, x, x, None, (4096,) * 3, 1, 4096, n_sm=132, clusters=True)):  # no dweight
+        assert other.name.startswith("cupyrope::rms_norm_bwd_staged<") and not other.one_cluster
+    # Odd rows (SHIFT: the 8-block step keeps each block's rows on one shift), 2 chunks a thread on 512 threads,
+    # fp32 rows of 4; not rows of 2 chunks on 1024 threads (no LEAN variant), nor rows read twice.
+    odd = arr((5, 1027))
+    assert plan_backward(odd, odd, odd, w, (1027,) * 3, 5, 1027, n_sm=132, clusters=True).name.endswith(
+        "<__nv_bfloat16, float, 1, 3, true, 8>")
+    for dtype, hidden, slots in (("bfloat16", 8192, 2), ("float32", 8192, 4)):
+        a = arr((3, hidden), dtype)
+        p = plan_backward(a, a, a, arr((hidden,), dtype), (hidden,) * 3, 3, hidden, n_sm=132, clusters=True)
+        assert p.one_cluster and p.slots == slots and p.block == (512, 1), p
+    for dtype, hidden in (("bfloat16", 16384), ("bfloat16", 32768), ("float32", 16384)):
+        a = arr((3, hidden), dtype)
+        p = plan_backward(a, a, a, arr((hidden,), dtype), (hidden,) * 3, 3, hidden, n_sm=132, clusters=True)
+        assert not p.one_cluster, p
+    # Every name it can give is a compiled variant.
+    names = {name for _, name in rmsnorm.all_variants()}
+    for dtype in ("float32", "float16", "bfloat16"):
+        for hidden in (512, 1024, 1027, 2048, 5120, 8192, 16384):
+            plan = rmsnorm._plan_staged(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1, one_cluster=True)
+            assert plan is None or plan.name in names, plan

@@ -211,9 +211,11 @@ def assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kin
 
 
 def force_lean(monkeypatch, lean):
-    """The staged backward's LEAN variant wherever it applies, or nowhere."""
+    """The staged backward's LEAN variant wherever it applies, or nowhere (and never the one-cluster kernel, which
+    takes small calls: test_backward_one_cluster)."""
     limits = {slots: math.inf if lean and limit else 0 for slots, limit in rmsnorm.STAGED_LEAN_MAX_ROWS.items()}
     monkeypatch.setattr(rmsnorm, "STAGED_LEAN_MAX_ROWS", limits)
+    monkeypatch.setattr(rmsnorm, "CLUSTER_BWD_MAX_ROWS", 0)
     fresh_plans(monkeypatch)
 
 
@@ -286,6 +288,49 @@ def runs_clusters() -> bool:
     from cupyrope._device import runs_clusters
 
     return n_gpus() > 0 and runs_clusters(0)
+
+
+# rms_norm_bwd_cluster (sm_90+): small calls with a weight in one launch, one cluster of 8 blocks reducing dweight
+# over distributed shared memory. Fewer rows than blocks (idle blocks add zeros), one to 8 rows a block (64), strided
+# and odd rows (SHIFT: each row at another offset from a 16-byte boundary), 1, 2 and 4 chunks a thread, a weight in x's dtype or fp32, given rstd, an
+# offset; every row of dx against float64 (rstd recomputed), dweight poisoned first, and dx and dweight bitwise equal
+# to the two-launch path (the staged kernel on 8 blocks, then rms_norm_dw: the same additions in the same order).
+@pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,hidden,rows,pad_or_start,weight_dtype", [
+    ("bfloat16", 4096, 1, 0, "bfloat16"), ("float16", 1024, 5, 8, "float32"), ("bfloat16", 8192, 64, 0, "float32"),
+    ("float32", 8192, 9, 4, "float32"), ("float32", 5120, 64, 0, "float32"), ("bfloat16", 1027, 13, 8, "float32"),
+    ("float16", 2053, 64, 0, "float16"), ("float16", 3072, 8, 0, "float16"), ("bfloat16", 5120, 33, 16, "bfloat16")])
+def test_backward_one_cluster(rng, monkeypatch, kind, dtype, hidden, rows, pad_or_start, weight_dtype):
+    monkeypatch.setattr(rmsnorm, "CLUSTER_BWD_MAX_ROWS", 64)  # the kernel over more rows than the planner gives it
+    x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), weight_dtype, rng)
+    if hidden % 2:  # odd rows: columns pad_or_start ... of rows of hidden + 16
+        _, x = unaligned_view(x_host, dtype, kind, pad_or_start, 16)
+        _, dy = unaligned_view(dy_host, dtype, kind, pad_or_start, 16)
+    else:
+        x, dy = (strided_rows(a, dtype, kind, pad_or_start) if pad_or_start else to_device(a, dtype, kind)
+                 for a in (x_host, dy_host))
+    w = to_device(w_host, weight_dtype, kind)
+    _, rstd = cupyrope.rms_norm(x, w, return_rstd=True)
+    for given in (None, rstd):
+        fresh_plans(monkeypatch)
+        fill_next_allocation_with_nan((rows, hidden), dtype, kind)
+        fill_next_allocation_with_nan((hidden,), weight_dtype, kind)
+        dx, dw = cupyrope.rms_norm_backward(dy, x, w, rstd=given, offset=0.25)
+        plan = planned("bwd")
+        assert plan.one_cluster and plan.name.startswith("cupyrope::rms_norm_bwd_cluster<"), plan
+        if given is None:  # (its bitwise check repeats the call without rstd)
+            assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
+        with monkeypatch.context() as two_launches:
+            two_launches.setattr(rmsnorm, "CLUSTER_BWD_MAX_ROWS", 0)
+            two_launches.setattr(rmsnorm, "_blocks_per_wave", lambda *args: rmsnorm.CLUSTER_BWD_BLOCKS)
+            two_launches.setattr(rmsnorm, "_plans", _arrays.PlanCache())
+            dx_two, dw_two = cupyrope.rms_norm_backward(dy, x, w, rstd=given, offset=0.25)
+            plan = planned("bwd")
+            assert plan.staged and plan.name.endswith(", true>") and plan.grid == min(rows, 8), plan
+        np.testing.assert_array_equal(to_host(dx), to_host(dx_two))
+        np.testing.assert_array_equal(to_host(dw), to_host(dw_two))
 
 
 # rms_norm_fwd_split (v24b, sm_90+): aligned rows past one block's registers from 128 KiB (fp32 over 32K elements,
