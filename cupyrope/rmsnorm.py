@@ -158,8 +158,8 @@ def _scalars(eps, offset, hidden) -> tuple[float, float, float]:
 
 class NormPlan:
     __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "small", "slots", "extents", "shared_mem",
-                 "shared_acc", "reread", "split", "cluster_step", "one_cluster", "out_layouts", "launch", "dw_launch", "new_output",
-                 "new_rstd", "new_dx", "new_dweight", "new_partial")
+                 "shared_acc", "reread", "split", "cluster_step", "one_cluster", "out_layouts", "launch", "dw_launch",
+                 "new_output", "new_rstd", "new_dx", "new_dweight", "new_partial")
 
     def __init__(self, name, grid, block, vectorized, slots):
         self.name = name
@@ -517,8 +517,9 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
 def lean_staged(plan, rows: int) -> bool:
     """Whether a staged plan whose grid is its resident blocks should take the LEAN variant: each block
     walking at most STAGED_LEAN_MAX_ROWS rows, on at most STAGED_LEAN_MAX_THREADS (by chunks a thread)."""
-    return (plan.staged and not (plan.reread or plan.one_cluster) and rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid
-            and plan.block[0] <= STAGED_LEAN_MAX_THREADS[plan.slots])
+    if not plan.staged or plan.reread or plan.one_cluster:
+        return False
+    return rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid and plan.block[0] <= STAGED_LEAN_MAX_THREADS[plan.slots]
 
 
 def cap_split_grid(plan, max_clusters: int, rows: int) -> int:

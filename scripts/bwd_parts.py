@@ -37,8 +37,8 @@ def capped(cap):
 
 def backward_parts(copies, hidden):
     """(whole call, main kernel, rms_norm_dw) GPU µs of the backward over copies of (x, weight, dy), and
-    its plan, for the planner's current rules; checked against torch first, and dweight bitwise equal
-    in two calls."""
+    its plan, for the planner's current rules (a one-cluster plan: the whole call, 0); checked against torch first,
+    and dweight bitwise equal in two calls."""
     x, w, dy = copies[0]
     dx, dw = cupyrope.rms_norm_backward(dy, x, w)
     check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), (dx, dw))
@@ -46,6 +46,8 @@ def backward_parts(copies, hidden):
     plan = next(p for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd")
     whole = bench.gpu_time_us(torch, [lambda x=x, w=w, dy=dy: cupyrope.rms_norm_backward(dy, x, w)
                                       for x, w, dy in copies])
+    if plan.one_cluster:  # one launch (rms_norm_bwd_cluster): the whole call is its kernel
+        return whole, whole, 0.0, plan
     partial = torch.empty(plan.grid, hidden, device=dev)
     dxs = [torch.empty_like(c[0]) for c in copies]
     main_us = bench.gpu_time_us(torch, [lambda c=c, d=d: plan.launch(c[2].data_ptr(), c[0].data_ptr(), c[1].data_ptr(),
