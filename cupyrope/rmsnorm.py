@@ -376,7 +376,8 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
     """The plan of rms_norm_bwd_staged (threads, slots and stages by the rule above), or None where it
     does not apply. shifted: rows that are not 16-byte aligned (SHIFT), one chunk a thread only (the
     weight stays in registers as well). lean: the LEAN variant (see lean_staged). one_cluster: the plan of
-    rms_norm_bwd_cluster for the same rows, or None where they would not take LEAN or its sums do not fit."""
+    rms_norm_bwd_cluster for the same rows, or None where they would not be staged with LEAN or its sums do not
+    fit."""
     itemsize = _arrays.ITEMSIZE[dtype]
     if hidden * itemsize < STAGED_MIN_ROW_BYTES:
         return None
@@ -387,13 +388,13 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
         limits = {1: limits[1]}
     slots = next((s for s, limit in limits.items() if s * limit >= chunks), None)
     if slots is None:
-        return _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
+        return None if one_cluster else _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
     # Several chunks a thread: a power of two of threads. Fewer threads measured +5% at bf16 [8192, 5120]
     # (320 x 2) but -10% at fp32 [8192, 5120] (640 x 2, whose 3 stages leave one block an SM).
     per_thread = -(-chunks // slots)
     width = row_threads(per_thread) if slots == 1 else _next_pow2(per_thread)
     if width == 1024 and 100 * chunks < STAGED_MIN_FILL_PCT[itemsize] * slots * width:  # mostly empty: reread
-        return _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
+        return None if one_cluster else _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
     lean = lean and width <= STAGED_LEAN_MAX_THREADS[slots]
     variant = f"{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, {'true' if shifted else 'false'}"
     if one_cluster:
@@ -483,12 +484,11 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     # measured a little faster than staging; everywhere else aligned rows are staged.
     prefetches = plan.vectorized and plan.slots and _arrays.ITEMSIZE[x.dtype] == 4 and plan.slots * 4 <= 8
     if plan.vectorized and not prefetches:
-        staged = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean)
-        if staged and not staged.reread and clusters and weight is not None and rows <= CLUSTER_BWD_MAX_ROWS:
+        if clusters and weight is not None and rows <= CLUSTER_BWD_MAX_ROWS:  # one launch, where it applies
             one = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, one_cluster=True)
             if one:
                 return one
-        plan = staged or plan
+        plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean) or plan
     if clusters and plan.vectorized and not (plan.staged or plan.slots):  # else read twice
         plan = _plan_backward_split(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted) or plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
