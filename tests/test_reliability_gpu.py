@@ -215,13 +215,46 @@ def test_huge_tensors_past_2_31_elements(rng):
     torch.cuda.empty_cache()
     # RMSNorm: 2**21 + 3 rows of 1024 (> 2**31 elements), then 2**31 + 5 rows of one element.
     for n_rows, hidden in ((2**21 + 3, 1024), (2**31 + 5, 1)):
-        xs = cupy.full((n_rows, hidden), 2.0, dtype=cupy.float16)
-        picked = np.array([0, 1, n_rows // 2, n_rows - 1])
-        part = random_host((4, hidden), "float16", rng)
-        xs[cupy.asarray(picked)] = cupy.asarray(part.astype(np.float16))
-        y = cupyrope.rms_norm(xs)
-        assert_matches(to_host(y[cupy.asarray(picked)]), reference.rms_norm(part), "float16")
-        del xs, y
+        check_huge_rms_norm(cupy, rng, n_rows, hidden)
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def check_huge_rms_norm(cupy, rng, n_rows, hidden):
+    """Forward, backward (dweight summed over every row) and fused add of n_rows constant fp16 rows, four of them
+    random (the first two, the middle one, the last) and one constant row checked as well."""
+    picked = np.array([0, 1, n_rows // 2, n_rows - 2, n_rows - 1])  # n_rows - 2 stays constant
+    at = cupy.asarray(picked)
+    part = random_host((5, hidden), "float16", rng)
+    part[3] = 2.0
+    x = cupy.full((n_rows, hidden), 2.0, dtype=cupy.float16)
+    x[at] = cupy.asarray(part.astype(np.float16))
+    y = cupyrope.rms_norm(x)
+    assert_matches(to_host(y[at]), reference.rms_norm(part), "float16")
+    del y
+    w_host = random_host((hidden,), "float32", rng)  # fp32: dweight sums past fp16's range
+    dy_part = random_host((5, hidden), "float16", rng)
+    dy_part[3] = 0.5
+    dy = cupy.full((n_rows, hidden), 0.5, dtype=cupy.float16)
+    dy[at] = cupy.asarray(dy_part.astype(np.float16))
+    dx, dw = cupyrope.rms_norm_backward(dy, x, to_device(w_host, "float32", "cupy"))
+    ref_dx, ref_dw = reference.rms_norm_backward(dy_part, part, w_host)
+    # dx is a difference of two terms (nearly cancelling for one element a row): tolerance from the first one's size.
+    rstd = reference.rms_norm(part, None, return_rstd=True)[1]
+    assert_matches(to_host(dx[at]), ref_dx, "float16", scale=np.abs(dy_part * w_host * rstd[:, None]).max())
+    # dweight: the 5 rows above plus n_rows - 5 more constant rows, each adding 0.5 * 2 * rstd(2.0) per column.
+    constant = (n_rows - 5) * 0.5 * 2.0 / np.sqrt(4.0 + 1e-6)
+    np.testing.assert_allclose(to_host(dw).astype(np.float64), ref_dw + constant, rtol=2e-3)
+    del dy, dx, dw
+    residual = cupy.full((n_rows, hidden), 1.0, dtype=cupy.float16)
+    res_part = random_host((5, hidden), "float16", rng)
+    res_part[3] = 1.0
+    residual[at] = cupy.asarray(res_part.astype(np.float16))
+    x.fill(1.0)
+    x[at] = cupy.asarray(part.astype(np.float16))
+    cupyrope.fused_add_rms_norm(x, residual, to_device(w_host, "float32", "cupy"))
+    ref_x, ref_residual = reference.fused_add_rms_norm(part, res_part, w_host, dtype="float16")
+    np.testing.assert_array_equal(to_host(residual[at]), ref_residual)
+    assert_matches(to_host(x[at]), ref_x, "float16", scale=2.0)
 
 
 @settings(max_examples=60, deadline=None)
