@@ -7,7 +7,7 @@ import struct
 from . import _arrays, _launch
 from ._arrays import (CTYPE, FLOAT_DTYPES, EmptyPlan, check_not_overlapping, describe, describe_optional, fingerprint,
                       fingerprint_optional)
-from ._compile import allow_shared_memory, get_kernel
+from ._compile import allow_large_clusters, allow_shared_memory, get_kernel
 from ._device import resident_blocks, resident_clusters, runs_clusters, shared_optin, sm_count
 from ._layout import _merge
 
@@ -101,11 +101,15 @@ STAGED_MIN_FILL_PCT = {2: 60, 4: 0}
 STAGED_LEAN_MAX_ROWS = {1: 48, 2: 48, 4: math.inf, 8: 0}
 STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMaxThreads<NPT, true>
 # Backward calls with a weight of at most CLUSTER_BWD_MAX_ROWS rows whose staged plan can take LEAN: one launch of
-# rms_norm_bwd_cluster (one cluster of CLUSTER_BWD_BLOCKS blocks; sm_90+) instead of the staged kernel and rms_norm_dw.
-# Up to 8 rows it is 0.2-0.8 us faster on the GPU and ~10 us faster eager (one launch and one allocation fewer); from
-# 16 rows its 8 SMs take longer than the two launches' whole grid (bf16 [64, 4096] 6.5 -> 11.1 us; session 37).
-CLUSTER_BWD_BLOCKS = 8
-CLUSTER_BWD_MAX_ROWS = 8
+# rms_norm_bwd_cluster (one cluster of blocks, sm_90+: the first size of CLUSTER_BWD_BLOCKS with a block a row)
+# instead of the staged kernel and rms_norm_dw. Up to 8 rows on 8 blocks it is 0.2-0.8 us faster on the GPU and ~10 us
+# faster eager (one launch and one allocation fewer); 9-16 rows on 16 blocks (a non-portable size, which the kernel
+# opts in to: allow_large_clusters) ~13 us faster eager, on the GPU within 0.1 us of the two launches at 16 rows
+# (bf16 1024-8192: 3.9 / 5.2 / 6.7 against 3.9 / 5.1 / 7.6 us) but for fp32 [16, 8192] (7.2 against 6.6). From 32
+# rows the one cluster's SMs take longer than the two launches' whole grid (bf16 [32, 4096] 6.4 against 6.2 us,
+# [64, 4096] 8.3 against 6.6; sessions 37-38).
+CLUSTER_BWD_BLOCKS = (8, 16)
+CLUSTER_BWD_MAX_ROWS = 16
 # Aligned rows past those (fp16/bf16 over 16384 elements, fp32 over 16384) whose stage fits in shared memory:
 # rms_norm_bwd_reread (the current row read twice from its stage, only the dweight sums in registers), by
 # element size: REREAD_SLOTS chunks a thread on whole warps, up to REREAD_MAX_THREADS (its launch bound).
@@ -401,11 +405,12 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
         if not (STAGED_LEAN_MAX_ROWS[slots] and width <= STAGED_LEAN_MAX_THREADS[slots]):
             return None
         sums = hidden * 4  # the block's dweight sums, after the stages
-        plan = _staged_plan(f"cupyrope::rms_norm_bwd_cluster<{variant}, {CLUSTER_BWD_BLOCKS}>", rows, width, slots,
+        blocks = cluster_bwd_blocks(rows)
+        plan = _staged_plan(f"cupyrope::rms_norm_bwd_cluster<{variant}, {blocks}>", rows, width, slots,
                             shared_limit - sums, shifted)
         if plan:
             plan.shared_mem += sums
-            plan.grid, plan.one_cluster = CLUSTER_BWD_BLOCKS, True
+            plan.grid, plan.one_cluster = blocks, True
         return plan
     return _staged_plan(f"cupyrope::rms_norm_bwd_staged<{variant}, {'true' if lean else 'false'}>", rows, width,
                         slots, shared_limit, shifted)
@@ -522,6 +527,11 @@ def lean_staged(plan, rows: int) -> bool:
     return rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid and plan.block[0] <= STAGED_LEAN_MAX_THREADS[plan.slots]
 
 
+def cluster_bwd_blocks(rows: int) -> int:
+    """The blocks of rms_norm_bwd_cluster's one cluster for a call of `rows` rows: the first size with a block a row."""
+    return next((blocks for blocks in CLUSTER_BWD_BLOCKS if blocks >= rows), CLUSTER_BWD_BLOCKS[-1])
+
+
 def cap_split_grid(plan, max_clusters: int, rows: int) -> int:
     """A split plan's grid: one cluster a row, at most max_clusters (at least one), each of plan.split blocks; where
     clusters walk several rows, a multiple of plan.cluster_step clusters (the shifted backward's, see cap_grid)."""
@@ -586,9 +596,9 @@ def all_variants():
                         yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
                                        f"{stages}, {shift}, {lean}>")
                     if STAGED_LEAN_MAX_ROWS[slots]:
-                        for shift in shifts:
+                        for shift, blocks in itertools.product(shifts, CLUSTER_BWD_BLOCKS):
                             yield SOURCE, (f"cupyrope::rms_norm_bwd_cluster<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
-                                           f"{stages}, {shift}, {CLUSTER_BWD_BLOCKS}>")
+                                           f"{stages}, {shift}, {blocks}>")
             reread = f"{CTYPE[dtype]}, {CTYPE[weight]}, {REREAD_SLOTS[_arrays.ITEMSIZE[dtype]]}"
             for shift in ("false", "true"):
                 yield SOURCE, f"cupyrope::rms_norm_bwd_reread<{reread}, {REREAD_STAGES}, {shift}>"
@@ -826,9 +836,11 @@ def _shared_limit(device: int) -> int:
 
 
 def _kernel(plan, device: int):
-    """plan's kernel on device, allowed the plan's dynamic shared memory."""
+    """plan's kernel on device, allowed the plan's dynamic shared memory (and a one-cluster plan's cluster size)."""
     kernel = get_kernel(SOURCE, plan.name, device)
     allow_shared_memory(kernel, plan.shared_mem, device)
+    if plan.one_cluster:
+        allow_large_clusters(kernel, plan.grid, device)
     return kernel
 
 

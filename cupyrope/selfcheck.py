@@ -2,7 +2,7 @@
 planners pick -- fp32/fp16/bf16; RoPE's direct and block kernels, one pair or 16 bytes a thread,
 in-kernel, cached and per-token (transformers') cos/sin, both styles, partial rotary, q and k in one
 launch; RMSNorm rows of 61 to 65536 elements (element-wise, shifted, vectorized, staged, read twice
-from shared memory, split over a cluster), forward, fused add, backward -- with the test suite's
+from shared memory, split over a cluster; small backward calls in one cluster), forward, fused add, backward -- with the test suite's
 tolerances (fp32 1e-5 relative, fp16/bf16 one rounding of the output). Outputs that can be passed in
 are filled with NaN first. On a GPU the test suite has not run on, run this first.
 
@@ -91,7 +91,9 @@ def _rope_cos_sin_cases(xp, ops, rng, dtype, tables):
 
 def _rms_norm_cases(xp, ops, rng):
     for dtype in DTYPES:
-        for hidden, rows in ((61, 300), (1027, 300), (4096, 300), (8191, 32), (16384, 64), (24576, 16), (65536, 4)):
+        # (5 and 12 rows: one launch of one cluster of 8 or 16 blocks on sm_90+)
+        for hidden, rows in ((61, 300), (1027, 300), (1027, 5), (4096, 300), (4096, 12), (8191, 32), (16384, 64),
+                             (24576, 16), (65536, 4)):
             x, w = _random(rng, (rows, hidden), dtype), _random(rng, (hidden,), dtype)
             xd, wd = xp.asarray(x, dtype), xp.asarray(w, dtype)
             label = f"{dtype} [{rows}, {hidden}]"

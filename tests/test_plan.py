@@ -629,13 +629,16 @@ def test_fingerprint_tells_apart_everything_a_plan_depends_on():
 
 def test_rms_norm_backward_one_cluster_rule():
     # Calls of up to CLUSTER_BWD_MAX_ROWS rows with a weight whose staged plan can take LEAN: one launch of
-    # rms_norm_bwd_cluster (8 blocks; its dweight sums after the stages), where the GPU runs clusters.
+    # rms_norm_bwd_cluster (8 blocks up to 8 rows, then 16; its dweight sums after the stages), where the GPU runs
+    # clusters.
     limit = rmsnorm.CLUSTER_BWD_MAX_ROWS
+    assert limit == 16
     x, w = arr((limit, 4096)), arr((4096,), "float32")
-    one = plan_backward(x, x, x, w, (4096,) * 3, limit, 4096, n_sm=132, clusters=True)
-    assert one.name == "cupyrope::rms_norm_bwd_cluster<__nv_bfloat16, float, 1, 3, false, 8>", one
-    assert one.one_cluster and one.grid == 8 and one.block == (512, 1)
-    assert one.shared_mem == 3 * 2 * 8192 + 4096 * 4
+    for rows, blocks in ((1, 8), (8, 8), (9, 16), (limit, 16)):
+        one = plan_backward(x, x, x, w, (4096,) * 3, rows, 4096, n_sm=132, clusters=True)
+        assert one.name == f"cupyrope::rms_norm_bwd_cluster<__nv_bfloat16, float, 1, 3, false, {blocks}>", one
+        assert one.one_cluster and one.grid == blocks and one.block == (512, 1)
+        assert one.shared_mem == 3 * 2 * 8192 + 4096 * 4
     two = plan_backward(x, x, x, w, (4096,) * 3, limit + 1, 4096, n_sm=132, clusters=True)  # more rows
     assert two.name.startswith("cupyrope::rms_norm_bwd_staged<") and not two.one_cluster
     for other in (plan_backward(x, x, x, w, (4096,) * 3, 1, 4096, n_sm=132),  # no clusters (before sm_90)

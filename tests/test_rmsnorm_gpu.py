@@ -290,17 +290,19 @@ def runs_clusters() -> bool:
     return n_gpus() > 0 and runs_clusters(0)
 
 
-# rms_norm_bwd_cluster (sm_90+): small calls with a weight in one launch, one cluster of 8 blocks reducing dweight
-# over distributed shared memory. Fewer rows than blocks (idle blocks add zeros), one to 8 rows a block (64), strided
-# and odd rows (SHIFT: each row at another offset from a 16-byte boundary), 1, 2 and 4 chunks a thread, a weight in x's dtype or fp32, given rstd, an
-# offset; every row of dx against float64 (rstd recomputed), dweight poisoned first, and dx and dweight bitwise equal
-# to the two-launch path (the staged kernel on 8 blocks, then rms_norm_dw: the same additions in the same order).
+# rms_norm_bwd_cluster (sm_90+): small calls with a weight in one launch, one cluster of 8 blocks (up to 8 rows) or 16
+# (a non-portable size: more rows) reducing dweight over distributed shared memory. Fewer rows than blocks (idle
+# blocks add zeros), one to 4-8 rows a block (64), strided and odd rows (SHIFT: each row at another offset from a
+# 16-byte boundary), 1, 2 and 4 chunks a thread, a weight in x's dtype or fp32, given rstd, an offset; every row of dx
+# against float64 (rstd recomputed), dweight poisoned first, and dx and dweight bitwise equal to the two-launch path
+# (the staged kernel on as many blocks, then rms_norm_dw: the same additions in the same order).
 @pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hidden,rows,pad_or_start,weight_dtype", [
     ("bfloat16", 4096, 1, 0, "bfloat16"), ("float16", 1024, 5, 8, "float32"), ("bfloat16", 8192, 64, 0, "float32"),
     ("float32", 8192, 9, 4, "float32"), ("float32", 5120, 64, 0, "float32"), ("bfloat16", 1027, 13, 8, "float32"),
-    ("float16", 2053, 64, 0, "float16"), ("float16", 3072, 8, 0, "float16"), ("bfloat16", 5120, 33, 16, "bfloat16")])
+    ("float16", 2053, 64, 0, "float16"), ("float16", 3072, 8, 0, "float16"), ("bfloat16", 5120, 33, 16, "bfloat16"),
+    ("bfloat16", 4096, 16, 0, "float32"), ("float16", 2053, 11, 8, "float32"), ("float32", 8192, 16, 0, "float32")])
 def test_backward_one_cluster(rng, monkeypatch, kind, dtype, hidden, rows, pad_or_start, weight_dtype):
     monkeypatch.setattr(rmsnorm, "CLUSTER_BWD_MAX_ROWS", 64)  # the kernel over more rows than the planner gives it
     x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
@@ -319,16 +321,18 @@ def test_backward_one_cluster(rng, monkeypatch, kind, dtype, hidden, rows, pad_o
         fill_next_allocation_with_nan((hidden,), weight_dtype, kind)
         dx, dw = cupyrope.rms_norm_backward(dy, x, w, rstd=given, offset=0.25)
         plan = planned("bwd")
+        blocks = rmsnorm.cluster_bwd_blocks(rows)
         assert plan.one_cluster and plan.name.startswith("cupyrope::rms_norm_bwd_cluster<"), plan
+        assert plan.grid == blocks and plan.name.endswith(f", {blocks}>"), plan
         if given is None:  # (its bitwise check repeats the call without rstd)
             assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
         with monkeypatch.context() as two_launches:
             two_launches.setattr(rmsnorm, "CLUSTER_BWD_MAX_ROWS", 0)
-            two_launches.setattr(rmsnorm, "_blocks_per_wave", lambda *args: rmsnorm.CLUSTER_BWD_BLOCKS)
+            two_launches.setattr(rmsnorm, "_blocks_per_wave", lambda *args: blocks)
             two_launches.setattr(rmsnorm, "_plans", _arrays.PlanCache())
             dx_two, dw_two = cupyrope.rms_norm_backward(dy, x, w, rstd=given, offset=0.25)
             plan = planned("bwd")
-            assert plan.staged and plan.name.endswith(", true>") and plan.grid == min(rows, 8), plan
+            assert plan.staged and plan.name.endswith(", true>") and plan.grid == min(rows, blocks), plan
         np.testing.assert_array_equal(to_host(dx), to_host(dx_two))
         np.testing.assert_array_equal(to_host(dw), to_host(dw_two))
 
