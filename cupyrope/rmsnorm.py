@@ -104,8 +104,8 @@ STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMax
 # rms_norm_bwd_cluster (one cluster of blocks, sm_90+: the first size of CLUSTER_BWD_BLOCKS with a block a row)
 # instead of the staged kernel and rms_norm_dw. Up to 8 rows on 8 blocks it is 0.2-0.8 us faster on the GPU and ~10 us
 # faster eager (one launch and one allocation fewer); 9-16 rows on 16 blocks (a non-portable size, which the kernel
-# opts in to: allow_large_clusters) ~13 us faster eager, on the GPU within 0.1 us of the two launches at 16 rows
-# (bf16 1024-8192: 3.9 / 5.2 / 6.7 against 3.9 / 5.1 / 7.6 us) but for fp32 [16, 8192] (7.2 against 6.6). From 32
+# opts in to: allow_large_clusters) ~13 us faster eager, on the GPU at most 0.1 us slower than the two launches at 16
+# rows (bf16 1024-8192: 3.9 / 5.2 / 6.7 against 3.9 / 5.1 / 7.6 us) but for fp32 [16, 8192] (7.2 against 6.6). From 32
 # rows the one cluster's SMs take longer than the two launches' whole grid (bf16 [32, 4096] 6.4 against 6.2 us,
 # [64, 4096] 8.3 against 6.6; sessions 37-38).
 CLUSTER_BWD_BLOCKS = (8, 16)
