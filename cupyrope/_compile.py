@@ -100,14 +100,13 @@ class Kernel:
     """A loaded kernel: ``ptr`` is its CUfunction handle on one device; ``raw`` keeps the module alive
     (and reports registers and local memory through cupy.RawKernel's attributes)."""
 
-    __slots__ = ("ptr", "raw", "name", "_shared_allowed", "_large_clusters")
+    __slots__ = ("ptr", "raw", "name", "_shared_allowed")
 
     def __init__(self, ptr: int, raw, name: str):
         self.ptr = ptr
         self.raw = raw
         self.name = name
         self._shared_allowed = 0
-        self._large_clusters = False
 
 
 def get_kernel(source_file: str, name_expression: str, device: int) -> Kernel:
@@ -138,25 +137,6 @@ def allow_shared_memory(kernel: Kernel, nbytes: int, device: int) -> None:
         if nbytes + kernel.raw.shared_size_bytes > DEFAULT_SHARED_LIMIT:
             kernel.raw.max_dynamic_shared_size_bytes = nbytes
     kernel._shared_allowed = nbytes
-
-
-PORTABLE_CLUSTER_BLOCKS = 8  # clusters of more blocks need the kernel's opt-in (an H100 places 16)
-NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute in cuda.h (CuPy does not name it)
-
-
-def allow_large_clusters(kernel: Kernel, blocks: int, device: int) -> None:
-    """Opt the kernel (compiled with a cluster of ``blocks`` blocks) in to clusters past the portable size, once.
-    Where the driver refuses, the cluster occupancy query finds no room for one and the planner does without."""
-    if blocks <= PORTABLE_CLUSTER_BLOCKS or kernel._large_clusters:
-        return
-    cupy = import_cupy()
-
-    with cupy.cuda.Device(device):
-        try:
-            cupy.cuda.driver.funcSetAttribute(kernel.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-        except cupy.cuda.driver.CUDADriverError:
-            pass
-    kernel._large_clusters = True
 
 
 def _load(source_file: str, name_expression: str, device: int):

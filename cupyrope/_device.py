@@ -45,15 +45,23 @@ def _libcuda():
     return ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
 
 
+PORTABLE_CLUSTER_BLOCKS = 8  # larger clusters need the kernel's opt-in (an H100 places 16)
+NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute in cuda.h
+
+
 def resident_clusters(kernel, cluster: int, threads: int, shared_mem: int, device: int) -> int:
     """Clusters of ``cluster`` blocks of ``kernel`` (compiled with that cluster size) of ``threads`` threads the
     device holds at once: cuOccupancyMaxActiveClusters (a cluster's blocks share a GPC, so there may be fewer
-    than SMs / cluster). CuPy has no binding for it. 0 where the driver cannot say or place one."""
+    than SMs / cluster). CuPy has no binding for it. 0 where the driver cannot say or place one. A cluster past
+    the portable size opts the kernel in to it first (for this query and its launches); where the driver refuses,
+    the query finds none."""
     cupy = import_cupy()
     config = _LaunchConfig((cluster, 1, 1), (threads, 1, 1), shared_mem, None, None, 0)
     count = ctypes.c_int(0)
     try:
         with cupy.cuda.Device(device):
+            if cluster > PORTABLE_CLUSTER_BLOCKS:
+                _libcuda().cuFuncSetAttribute(ctypes.c_void_p(kernel.ptr), NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
             status = _libcuda().cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(kernel.ptr),
                                                              ctypes.byref(config))
     except (OSError, AttributeError):  # no driver library, or one older than CUDA 12

@@ -7,7 +7,7 @@ import struct
 from . import _arrays, _launch
 from ._arrays import (CTYPE, FLOAT_DTYPES, EmptyPlan, check_not_overlapping, describe, describe_optional, fingerprint,
                       fingerprint_optional)
-from ._compile import allow_large_clusters, allow_shared_memory, get_kernel
+from ._compile import allow_shared_memory, get_kernel
 from ._device import resident_blocks, resident_clusters, runs_clusters, shared_optin, sm_count
 from ._layout import _merge
 
@@ -104,7 +104,7 @@ STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMax
 # rms_norm_bwd_cluster (one cluster of blocks, sm_90+: the first size of CLUSTER_BWD_BLOCKS with a block a row)
 # instead of the staged kernel and rms_norm_dw. Up to 8 rows on 8 blocks it is 0.2-0.8 us faster on the GPU and ~10 us
 # faster eager (one launch and one allocation fewer); 9-16 rows on 16 blocks (a non-portable size, which the kernel
-# opts in to: allow_large_clusters) ~13 us faster eager, on the GPU at most 0.1 us slower than the two launches at 16
+# opts in to: _device.resident_clusters) ~13 us faster eager, on the GPU at most 0.1 us slower than the two launches at 16
 # rows (bf16 1024-8192: 3.9 / 5.2 / 6.7 against 3.9 / 5.1 / 7.6 us) but for fp32 [16, 8192] (7.2 against 6.6). From 32
 # rows the one cluster's SMs take longer than the two launches' whole grid (bf16 [32, 4096] 6.4 against 6.2 us,
 # [64, 4096] 8.3 against 6.6; sessions 37-38).
@@ -836,11 +836,9 @@ def _shared_limit(device: int) -> int:
 
 
 def _kernel(plan, device: int):
-    """plan's kernel on device, allowed the plan's dynamic shared memory (and a one-cluster plan's cluster size)."""
+    """plan's kernel on device, allowed the plan's dynamic shared memory."""
     kernel = get_kernel(SOURCE, plan.name, device)
     allow_shared_memory(kernel, plan.shared_mem, device)
-    if plan.one_cluster:
-        allow_large_clusters(kernel, plan.grid, device)
     return kernel
 
 

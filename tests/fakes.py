@@ -62,7 +62,6 @@ def stand_in_for_the_gpu(patch=setattr):
         patch(module, "sm_count", lambda device: 132)  # an H100's
     patch(norm_module, "shared_optin", lambda device: 227 * 1024)
     patch(norm_module, "allow_shared_memory", lambda *args: None)
-    patch(norm_module, "allow_large_clusters", lambda *args: None)
     patch(norm_module, "_blocks_per_wave", lambda *args: 132 * 4)
     patch(norm_module, "_waves", lambda *args: 1)
     patch(norm_module, "runs_clusters", lambda device: True)
