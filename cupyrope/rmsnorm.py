@@ -101,15 +101,14 @@ STAGED_MIN_FILL_PCT = {2: 60, 4: 0}
 STAGED_LEAN_MAX_ROWS = {1: 48, 2: 48, 4: math.inf, 8: 0}
 STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMaxThreads<NPT, true>
 # Backward calls with a weight of at most CLUSTER_BWD_MAX_ROWS rows whose staged plan can take LEAN: one launch of
-# rms_norm_bwd_cluster (one cluster of blocks, sm_90+: the first size of CLUSTER_BWD_BLOCKS with a block a row)
-# instead of the staged kernel and rms_norm_dw. Up to 8 rows on 8 blocks it is 0.2-0.8 us faster on the GPU and ~10 us
-# faster eager (one launch and one allocation fewer); 9-16 rows on 16 blocks (a non-portable size, which the kernel
-# opts in to: _device.resident_clusters) ~13 us faster eager, on the GPU at most 0.1 us slower than the two launches at 16
-# rows (bf16 1024-8192: 3.9 / 5.2 / 6.7 against 3.9 / 5.1 / 7.6 us) but for fp32 [16, 8192] (7.2 against 6.6). From 32
-# rows the one cluster's SMs take longer than the two launches' whole grid (bf16 [32, 4096] 6.4 against 6.2 us,
-# [64, 4096] 8.3 against 6.6; sessions 37-38).
+# rms_norm_bwd_cluster (one cluster of blocks, sm_90+: the first size of CLUSTER_BWD_BLOCKS with a block a row, else the
+# last) instead of the staged kernel and rms_norm_dw. Up to 8 rows on 8 blocks it is 0.2-0.8 us faster on the GPU and
+# ~10 us faster eager (one launch and one allocation fewer); 9-32 rows on 16 blocks (a non-portable size, which the
+# kernel opts in to: _device.resident_clusters) 10-15 us faster eager, and on the GPU within 0.1 us of the two launches
+# but at bf16 [32, 1024] (4.5 against 4.0 us) and fp32 [16, 8192] (7.2 against 6.6). From 64 rows the one cluster's
+# SMs take longer than the two launches' whole grid (bf16 [64, 4096] 8.3 against 6.6 us; sessions 37-39).
 CLUSTER_BWD_BLOCKS = (8, 16)
-CLUSTER_BWD_MAX_ROWS = 16
+CLUSTER_BWD_MAX_ROWS = 32
 # Aligned rows past those (fp16/bf16 over 16384 elements, fp32 over 16384) whose stage fits in shared memory:
 # rms_norm_bwd_reread (the current row read twice from its stage, only the dweight sums in registers), by
 # element size: REREAD_SLOTS chunks a thread on whole warps, up to REREAD_MAX_THREADS (its launch bound).

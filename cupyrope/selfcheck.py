@@ -92,9 +92,9 @@ def _rope_cos_sin_cases(xp, ops, rng, dtype, tables):
 
 def _rms_norm_cases(xp, ops, rng):
     for dtype in DTYPES:
-        # (5 and 12 rows: one launch of one cluster of 8 or 16 blocks on sm_90+)
-        for hidden, rows in ((61, 300), (1027, 300), (1027, 5), (4096, 300), (4096, 12), (8191, 32), (16384, 64),
-                             (24576, 16), (65536, 4)):
+        # (5, 12 and 29 rows: one launch of one cluster of 8 or 16 blocks on sm_90+)
+        for hidden, rows in ((61, 300), (1027, 300), (1027, 5), (4096, 300), (4096, 12), (2048, 29), (8191, 32),
+                             (16384, 64), (24576, 16), (65536, 4)):
             x, w = _random(rng, (rows, hidden), dtype), _random(rng, (hidden,), dtype)
             xd, wd = xp.asarray(x, dtype), xp.asarray(w, dtype)
             label = f"{dtype} [{rows}, {hidden}]"

@@ -632,9 +632,9 @@ def test_rms_norm_backward_one_cluster_rule():
     # rms_norm_bwd_cluster (8 blocks up to 8 rows, then 16; its dweight sums after the stages), where the GPU runs
     # clusters.
     limit = rmsnorm.CLUSTER_BWD_MAX_ROWS
-    assert limit == 16
+    assert limit == 32
     x, w = arr((limit, 4096)), arr((4096,), "float32")
-    for rows, blocks in ((1, 8), (8, 8), (9, 16), (limit, 16)):
+    for rows, blocks in ((1, 8), (8, 8), (9, 16), (16, 16), (17, 16), (limit, 16)):
         one = plan_backward(x, x, x, w, (4096,) * 3, rows, 4096, n_sm=132, clusters=True)
         assert one.name == f"cupyrope::rms_norm_bwd_cluster<__nv_bfloat16, float, 1, 3, false, {blocks}>", one
         assert one.one_cluster and one.grid == blocks and one.block == (512, 1)
