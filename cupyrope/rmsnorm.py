@@ -375,13 +375,10 @@ def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, i
     return wider if wider.name != plan.name and wider.slots and _waves(wider, device) == 1 else plan
 
 
-def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False, lean=False, one_cluster=False):
-    """The plan of rms_norm_bwd_staged (threads, slots and stages by the rule above), or None where it
-    does not apply. shifted: rows that are not 16-byte aligned (SHIFT), one chunk a thread only (the
-    weight stays in registers as well). lean: the LEAN variant (see lean_staged). one_cluster: the plan of
-    rms_norm_bwd_cluster for the same rows, or None where they would not be staged with LEAN or its sums do not
-    fit."""
-    itemsize = _arrays.ITEMSIZE[dtype]
+def _staged_row(itemsize: int, hidden: int, shifted: bool):
+    """How rms_norm_bwd_staged takes a row of `hidden` elements by the rule above: (chunks, slots, threads), slots 0
+    where the row goes to rms_norm_bwd_reread instead; None where the row is too short to stage. shifted: rows that
+    are not 16-byte aligned (SHIFT), one chunk a thread only (the weight stays in registers as well)."""
     if hidden * itemsize < STAGED_MIN_ROW_BYTES:
         return None
     chunks = _row_chunks(hidden, itemsize, shifted)
@@ -391,28 +388,53 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
         limits = {1: limits[1]}
     slots = next((s for s, limit in limits.items() if s * limit >= chunks), None)
     if slots is None:
-        return None if one_cluster else _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
+        return chunks, 0, 0
     # Several chunks a thread: a power of two of threads. Fewer threads measured +5% at bf16 [8192, 5120]
     # (320 x 2) but -10% at fp32 [8192, 5120] (640 x 2, whose 3 stages leave one block an SM).
     per_thread = -(-chunks // slots)
     width = row_threads(per_thread) if slots == 1 else _next_pow2(per_thread)
     if width == 1024 and 100 * chunks < STAGED_MIN_FILL_PCT[itemsize] * slots * width:  # mostly empty: reread
-        return None if one_cluster else _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
+        return chunks, 0, 0
+    return chunks, slots, width
+
+
+def _staged_variant(dtype, weight_dtype, slots: int, shifted: bool) -> str:
+    """The template arguments the staged kernels share, with `{stages}` for _staged_plan to fill."""
+    return f"{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, {'true' if shifted else 'false'}"
+
+
+def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False, lean=False):
+    """The plan of rms_norm_bwd_staged (threads, slots and stages by _staged_row), of rms_norm_bwd_reread where the
+    row goes there, or None where neither applies. lean: the LEAN variant (see lean_staged)."""
+    row = _staged_row(_arrays.ITEMSIZE[dtype], hidden, shifted)
+    if row is None:
+        return None
+    chunks, slots, width = row
+    if not slots:
+        return _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
     lean = lean and width <= STAGED_LEAN_MAX_THREADS[slots]
-    variant = f"{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, {'true' if shifted else 'false'}"
-    if one_cluster:
-        if not (STAGED_LEAN_MAX_ROWS[slots] and width <= STAGED_LEAN_MAX_THREADS[slots]):
-            return None
-        sums = hidden * 4  # the block's dweight sums, after the stages
-        blocks = cluster_bwd_blocks(rows)
-        plan = _staged_plan(f"cupyrope::rms_norm_bwd_cluster<{variant}, {blocks}>", rows, width, slots,
-                            shared_limit - sums, shifted)
-        if plan:
-            plan.shared_mem += sums
-            plan.grid, plan.one_cluster = blocks, True
-        return plan
-    return _staged_plan(f"cupyrope::rms_norm_bwd_staged<{variant}, {'true' if lean else 'false'}>", rows, width,
-                        slots, shared_limit, shifted)
+    return _staged_plan(f"cupyrope::rms_norm_bwd_staged<{_staged_variant(dtype, weight_dtype, slots, shifted)}, "
+                        f"{'true' if lean else 'false'}>", rows, width, slots, shared_limit, shifted)
+
+
+def _plan_one_cluster(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False):
+    """The plan of rms_norm_bwd_cluster for rows that rms_norm_bwd_staged would take with its LEAN variant (one
+    cluster of cluster_bwd_blocks(rows); each block's dweight sums after its stages), or None where they would not,
+    or its sums do not fit."""
+    row = _staged_row(_arrays.ITEMSIZE[dtype], hidden, shifted)
+    if row is None:
+        return None
+    _, slots, width = row
+    if not (slots and STAGED_LEAN_MAX_ROWS[slots] and width <= STAGED_LEAN_MAX_THREADS[slots]):
+        return None
+    sums = hidden * 4
+    blocks = cluster_bwd_blocks(rows)
+    plan = _staged_plan(f"cupyrope::rms_norm_bwd_cluster<{_staged_variant(dtype, weight_dtype, slots, shifted)}, "
+                        f"{blocks}>", rows, width, slots, shared_limit - sums, shifted)
+    if plan:
+        plan.shared_mem += sums
+        plan.grid, plan.one_cluster = blocks, True
+    return plan
 
 
 def _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted=False, max_threads=REREAD_MAX_THREADS):
@@ -489,7 +511,7 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     prefetches = plan.vectorized and plan.slots and _arrays.ITEMSIZE[x.dtype] == 4 and plan.slots * 4 <= 8
     if plan.vectorized and not prefetches:
         if clusters and weight is not None and rows <= CLUSTER_BWD_MAX_ROWS:  # one launch, where it applies
-            one = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, one_cluster=True)
+            one = _plan_one_cluster(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted)
             if one:
                 return one
         plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean) or plan

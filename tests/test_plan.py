@@ -661,8 +661,8 @@ def test_rms_norm_backward_one_cluster_rule():
     names = {name for _, name in rmsnorm.all_variants()}
     for dtype in ("float32", "float16", "bfloat16"):
         for hidden in (512, 1024, 1027, 2048, 5120, 8192, 16384):
-            plan = rmsnorm._plan_staged(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1, one_cluster=True)
+            plan = rmsnorm._plan_one_cluster(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1)
             assert plan is None or plan.name in names, plan
     # Rows the staged kernel would read twice (rms_norm_bwd_reread) give no one-cluster plan.
     for dtype, hidden in (("bfloat16", 8200), ("bfloat16", 20000)):
-        assert rmsnorm._plan_staged(dtype, "float32", 3, hidden, 227 * 1024, one_cluster=True) is None
+        assert rmsnorm._plan_one_cluster(dtype, "float32", 3, hidden, 227 * 1024) is None
