@@ -294,6 +294,19 @@ __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
+// The sum of the warps' partials (warps <= 32), to every lane: a shuffle tree as deep as the warps need (a row of
+// 4 warps takes 2 steps, not 4). Lanes past the partials add 0, so any depth gives the same bits.
+#ifndef CUPYROPE_PARTIALS_TREE  // 0: always 4 or 5 steps (before session 40)
+#define CUPYROPE_PARTIALS_TREE 1
+#endif
+__device__ __forceinline__ float partials_sum(const float* partials, int warps, int lane) {
+    if (CUPYROPE_PARTIALS_TREE && warps <= 2) return group_sum<2>(lane % 2 < warps ? partials[lane % 2] : 0.f);
+    if (CUPYROPE_PARTIALS_TREE && warps <= 4) return group_sum<4>(lane % 4 < warps ? partials[lane % 4] : 0.f);
+    if (CUPYROPE_PARTIALS_TREE && warps <= 8) return group_sum<8>(lane % 8 < warps ? partials[lane % 8] : 0.f);
+    if (warps <= 16) return group_sum<16>(lane % 16 < warps ? partials[lane % 16] : 0.f);
+    return group_sum<32>(lane < warps ? partials[lane] : 0.f);
+}
+
 // Sum over the `width` threads (a power of two up to 32, else whole warps: at most 1024) that share
 // threadIdx.y, returned to all of them. Up to 32: shuffles only; above: shuffles, then the warps'
 // partials through shared memory, summed again by shuffles (each lane reads one partial: a dozen
@@ -320,8 +333,7 @@ __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >
     if (!first_use) __syncthreads();  // scratch may still be read by a previous call
     if (lane == 0) partials[warp] = v;
     __syncthreads();
-    if (warps <= 16) return group_sum<16>(lane % 16 < warps ? partials[lane % 16] : 0.f);
-    return group_sum<32>(lane < warps ? partials[lane] : 0.f);
+    return partials_sum(partials, warps, lane);
 }
 
 // Two sums at once (one pass of barriers): same contract as row_sum; scratch >= 2 * warps.
