@@ -85,6 +85,13 @@ def _check(_args) -> int:
     return run_selfcheck()
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
 def _bench(args) -> int:
     from .bench import main as bench_main
 
@@ -105,6 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true", help="the full grid of shapes (default: a short one)")
     p.add_argument("--plot", default="cupyrope-bench.png", help="where to write the GB/s plot")
     p.add_argument("--op", choices=("rope", "rmsnorm", "all"), default="all")
+    p.add_argument("--rounds", type=_positive_int, default=3,
+                   help="calls under 50 us: time the providers this many times, taking turns, and keep medians")
     p.add_argument("--json", help="also save the results (and environment) to this JSON file")
     p.add_argument("--from-json", help="re-render tables and plot from a saved --json file (no GPU needed)")
     p.set_defaults(func=_bench)

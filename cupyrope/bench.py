@@ -25,6 +25,8 @@ L2_BYTES_FLOOR = 2 * 50 * 2**20  # H100: 50 MB of L2; inputs rotate over at leas
 MAX_COPIES = 64
 CHECK_ROWS = 256
 GRAPH_TARGET_US = 2000.0  # calls per graph chosen so one replay lasts about this long
+# Cases whose fastest provider takes less than this a call are timed in interleaved rounds (bench --rounds).
+INTERLEAVE_BELOW_US = 50.0
 
 
 @dataclasses.dataclass
@@ -379,25 +381,45 @@ def check(case, provider, inputs, fn, torch):
         raise AssertionError(f"{provider} gives wrong results for {case.op} {case.label} {case.dtype}")
 
 
-def run_case(torch, case, providers):
+def run_case(torch, case, providers, rounds=1):
+    """Every provider checked, then timed; calls shorter than INTERLEAVE_BELOW_US are timed `rounds` times, the
+    providers taking turns (a different one first each round), and each keeps its median: at a few µs a call the
+    GPU's and the host's speeds drift by more than the providers differ (one timing of each, in turn, puts the
+    drift between them)."""
     first = case.make()
     copies = [first] + [case.make() for _ in range(copies_for(case.bytes_moved) - 1)]
-    results = []
+    timed = {}  # name -> (fns, graph capture)
     for name, factory in providers.items():
         try:
             fns = [factory(d) for d in copies]
             check(case, name, copies[0], fns[0], torch)
-            capture = not (case.op == "rms_bwd" and not name.startswith("cupyrope"))
-            results.append(Result(case, name, gpu_time_us(torch, fns, capture=capture), eager_time_us(torch, fns)))
-            r = results[-1]
-            print(f"  {case.op} {case.label} {case.dtype} | {name} | GPU {r.gpu_us:.1f} us | eager {r.eager_us:.1f} us "
-                  f"| {r.gbps:.0f} GB/s", flush=True)
+            timed[name] = fns, not (case.op == "rms_bwd" and not name.startswith("cupyrope"))
         except AssertionError as error:
             if name.startswith("cupyrope"):
                 raise
             print(f"  excluded {name} on {case.label}: {error}", file=sys.stderr)  # wrong answers never rank
         except Exception as error:  # a peer that cannot run this case (unsupported shape or dtype)
             print(f"  skipped {name} on {case.label}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+    samples = {name: [] for name in timed}  # name -> [(GPU µs, eager µs)] a round
+    for turn in range(rounds):
+        names = [name for name in timed if name in samples]
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            fns, capture = timed[name]
+            try:
+                samples[name].append((gpu_time_us(torch, fns, capture=capture), eager_time_us(torch, fns)))
+            except Exception as error:  # a peer that fails when timed (e.g. cannot be captured in a graph)
+                if name.startswith("cupyrope"):
+                    raise
+                del samples[name]
+                print(f"  skipped {name} on {case.label}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+        if min(gpu for runs in samples.values() for gpu, _ in runs) >= INTERLEAVE_BELOW_US:
+            break
+    results = []
+    for name, runs in samples.items():
+        results.append(Result(case, name, statistics.median(g for g, _ in runs), statistics.median(e for _, e in runs)))
+        r = results[-1]
+        print(f"  {case.op} {case.label} {case.dtype} | {name} | GPU {r.gpu_us:.1f} us | eager {r.eager_us:.1f} us "
+              f"| {r.gbps:.0f} GB/s" + (f" | median of {len(runs)}" if len(runs) > 1 else ""), flush=True)
     return results
 
 
@@ -493,10 +515,10 @@ def main(args) -> int:
     if args.op in ("rope", "all"):
         providers = rope_providers(torch)
         for case in rope_cases(torch, args.full):
-            results += run_case(torch, case, providers)
+            results += run_case(torch, case, providers, args.rounds)
     if args.op in ("rmsnorm", "all"):
         for case in rms_cases(torch, args.full):
-            results += run_case(torch, case, rms_providers(torch, case.op == "rms_bwd"))
+            results += run_case(torch, case, rms_providers(torch, case.op == "rms_bwd"), args.rounds)
     rows = rows_of(results)
     if args.json:
         with open(args.json, "w") as f:
