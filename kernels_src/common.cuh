@@ -294,15 +294,18 @@ __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
-// The sum of the warps' partials (warps <= 32), to every lane: a shuffle tree as deep as the warps need (a row of
-// 4 warps takes 2 steps, not 4). Lanes past the partials add 0, so any depth gives the same bits.
-#ifndef CUPYROPE_PARTIALS_TREE  // 0: always 4 or 5 steps (before session 40)
+// The sum of the warps' partials (warps <= 32), to every lane. SHALLOW: a shuffle tree as deep as the warps need (a
+// row of 4 warps takes 2 steps, not 4); otherwise 4 or 5 steps, whose fewer branches leave a register-bound kernel
+// more registers. Lanes past the partials add 0, so either gives the same bits.
+#ifndef CUPYROPE_PARTIALS_TREE  // 0: never SHALLOW (before session 40)
 #define CUPYROPE_PARTIALS_TREE 1
 #endif
+template <bool SHALLOW>
 __device__ __forceinline__ float partials_sum(const float* partials, int warps, int lane) {
-    if (CUPYROPE_PARTIALS_TREE && warps <= 2) return group_sum<2>(lane % 2 < warps ? partials[lane % 2] : 0.f);
-    if (CUPYROPE_PARTIALS_TREE && warps <= 4) return group_sum<4>(lane % 4 < warps ? partials[lane % 4] : 0.f);
-    if (CUPYROPE_PARTIALS_TREE && warps <= 8) return group_sum<8>(lane % 8 < warps ? partials[lane % 8] : 0.f);
+    constexpr bool shallow = SHALLOW && CUPYROPE_PARTIALS_TREE;
+    if (shallow && warps <= 2) return group_sum<2>(lane % 2 < warps ? partials[lane % 2] : 0.f);
+    if (shallow && warps <= 4) return group_sum<4>(lane % 4 < warps ? partials[lane % 4] : 0.f);
+    if (shallow && warps <= 8) return group_sum<8>(lane % 8 < warps ? partials[lane % 8] : 0.f);
     if (warps <= 16) return group_sum<16>(lane % 16 < warps ? partials[lane % 16] : 0.f);
     return group_sum<32>(lane < warps ? partials[lane] : 0.f);
 }
@@ -314,6 +317,8 @@ __device__ __forceinline__ float partials_sum(const float* partials, int warps, 
 // return). Every lane ends with the bitwise same value, the same in every run (a fixed tree).
 // Every thread of the block must call it (it may contain __syncthreads).
 // first_use: scratch has not been used by this block before (no barrier needed ahead of its writes).
+// SHALLOW: see partials_sum.
+template <bool SHALLOW = true>
 __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >= blockDim.x*blockDim.y/32 */,
                                          bool first_use = false) {
     if (width <= 32) {
@@ -333,7 +338,7 @@ __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >
     if (!first_use) __syncthreads();  // scratch may still be read by a previous call
     if (lane == 0) partials[warp] = v;
     __syncthreads();
-    return partials_sum(partials, warps, lane);
+    return partials_sum<SHALLOW>(partials, warps, lane);
 }
 
 // Two sums at once (one pass of barriers): same contract as row_sum; scratch >= 2 * warps.

@@ -378,9 +378,10 @@ struct FwdBounds {
 
 // The sum of v over the row's threads and, SPLIT > 1 (rms_norm_fwd_split), over the cluster's blocks (the
 // scratch of one row and the next: the cluster barrier between them orders its reads before its writes).
-template <int SPLIT>
+// SHALLOW: row_sum's tree over the warps' partials (see partials_sum).
+template <int SPLIT, bool SHALLOW>
 __device__ __forceinline__ float split_row_sum(float v, int width, float* scratch, float (&cluster_slots)[SPLIT]) {
-    return cluster_sum<SPLIT>(row_sum(v, width, scratch, true), cluster_slots);
+    return cluster_sum<SPLIT>(row_sum<SHALLOW>(v, width, scratch, true), cluster_slots);
 }
 
 // Row `row` of rms_norm_fwd (SPLIT 1; threadIdx.y's row of the block), or of rms_norm_fwd_split (SPLIT > 1: p
@@ -398,6 +399,9 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
 
     constexpr bool EARLY = weight_early<W, VEC, NPT, E, ADD, SHIFT>();
     constexpr bool STRADDLE = straddles<T, W, NPT, SPLIT>();
+    // The fused add of 4+ chunks a thread keeps the deeper tree: at its 64-register bound the shallow one's branches
+    // spilled 8 bytes more in bf16 and made [8192, 16384] 3% slower (docs/perf-notes.md v32).
+    constexpr bool SHALLOW_TREE = !(ADD && NPT >= 4);
     // A branch of its own: the words must be what the loads produce and the loop holds. The Pack path
     // below with only its output converting from word_of(v[i], k) kept 54-56 registers (v14 review).
     if constexpr (RMS_FWD_WORDS && sizeof(T) == 2 && VEC && NPT >= 2 && !ADD) {  // see RMS_FWD_WORDS
@@ -433,7 +437,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
             }
         }
         sum_sq = squares.total();
-        const float rstd = inverse_rms(split_row_sum<SPLIT>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
+        const float rstd = inverse_rms(split_row_sum<SPLIT, SHALLOW_TREE>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
         if (!active) return;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
@@ -499,7 +503,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
             }
         }
         sum_sq = squares.total();
-        const float rstd = inverse_rms(split_row_sum<SPLIT>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
+        const float rstd = inverse_rms(split_row_sum<SPLIT, SHALLOW_TREE>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
         if (!active) return;
         if constexpr (!EARLY && RMS_WEIGHT_BATCH) {
 #pragma unroll
