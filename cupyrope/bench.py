@@ -381,6 +381,16 @@ def check(case, provider, inputs, fn, torch):
         raise AssertionError(f"{provider} gives wrong results for {case.op} {case.label} {case.dtype}")
 
 
+def round_order(names: list, turn: int) -> list:
+    """The order in which interleaved round `turn` times `names`: each round starts one further along."""
+    first = turn % len(names)
+    return names[first:] + names[:first]
+
+
+def _skipped(name, case, error):
+    print(f"  skipped {name} on {case.label}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+
+
 def run_case(torch, case, providers, rounds=1):
     """Every provider checked, then timed; calls shorter than INTERLEAVE_BELOW_US are timed `rounds` times, the
     providers taking turns (a different one first each round), and each keeps its median: at a few µs a call the
@@ -399,11 +409,10 @@ def run_case(torch, case, providers, rounds=1):
                 raise
             print(f"  excluded {name} on {case.label}: {error}", file=sys.stderr)  # wrong answers never rank
         except Exception as error:  # a peer that cannot run this case (unsupported shape or dtype)
-            print(f"  skipped {name} on {case.label}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+            _skipped(name, case, error)
     samples = {name: [] for name in timed}  # name -> [(GPU µs, eager µs)] a round
     for turn in range(rounds):
-        names = [name for name in timed if name in samples]
-        for name in names[turn % len(names):] + names[:turn % len(names)]:
+        for name in round_order([name for name in timed if name in samples], turn):
             fns, capture = timed[name]
             try:
                 samples[name].append((gpu_time_us(torch, fns, capture=capture), eager_time_us(torch, fns)))
@@ -411,7 +420,7 @@ def run_case(torch, case, providers, rounds=1):
                 if name.startswith("cupyrope"):
                     raise
                 del samples[name]
-                print(f"  skipped {name} on {case.label}: {type(error).__name__}: {str(error)[:120]}", file=sys.stderr)
+                _skipped(name, case, error)
         if min(gpu for runs in samples.values() for gpu, _ in runs) >= INTERLEAVE_BELOW_US:
             break
     results = []

@@ -40,9 +40,8 @@ for rows, hidden in shapes:
                                   for x, w in copies]
     timed["liger"] = "", [lambda x=x, w=w: LigerRMSNormFunction.apply(x, w, 1e-6) for x, w in copies]
     times = {column: [] for column in timed}
-    order = list(timed)
     for turn in range(rounds):
-        for column in order[turn % len(order):] + order[:turn % len(order)]:
+        for column in bench.round_order(list(timed), turn):
             setting, fns = timed[column]
             apply(setting)  # the plan is made with the setting's constants when the graph is captured
             times[column].append(bench.gpu_time_us(torch, fns))
