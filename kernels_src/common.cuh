@@ -294,20 +294,46 @@ __device__ __forceinline__ float group_sum(float v) {
     return v;
 }
 
-// The sum of the warps' partials (warps <= 32), to every lane. SHALLOW: a shuffle tree as deep as the warps need (a
-// row of 4 warps takes 2 steps, not 4); otherwise 4 or 5 steps, whose fewer branches leave a register-bound kernel
-// more registers. Lanes past the partials add 0, so either gives the same bits.
-#ifndef CUPYROPE_PARTIALS_TREE  // 0: never SHALLOW (before session 40)
+// The same over groups of `width` lanes, a power of two up to 32 known only at run time: group_sum<width>'s
+// shuffles (offsets width / 2 ... 1), each step skipped by the width. lanes_sum_switch's jump table put a
+// constant-bank load and an indirect branch between a small call's loads and its stores: bf16 [512, 32] 1.58 ->
+// 1.51 us, [512, 256] 2.02 -> 1.96 with this (session 41).
+__device__ __forceinline__ float lanes_sum(float v, int width) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+        if (offset < width) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+// The same as a loop of log2(width) steps: fewer instructions and registers (see norm_row).
+__device__ __forceinline__ float lanes_sum_loop(float v, int width) {
+#pragma unroll 1
+    for (int offset = width / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+// The same by a switch over the width (a jump table): what the backward's register-bound kernels keep (row_sum2).
+// Measured with lanes_sum there instead (session 41): bf16 [1024, 131072] 377 -> 404 us, fp16 [4096, 65536] 619 -> 629-651.
+__device__ __forceinline__ float lanes_sum_switch(float v, int width) {
+    switch (width) {
+        case 32: return group_sum<32>(v);
+        case 16: return group_sum<16>(v);
+        case 8: return group_sum<8>(v);
+        case 4: return group_sum<4>(v);
+        case 2: return group_sum<2>(v);
+        default: return v;
+    }
+}
+
+// The sum of the warps' partials (2 <= warps <= 32), to every lane: a shuffle tree as deep as the warps need (a row
+// of 4 warps takes 2 steps, not 4). Lanes past the partials add 0, so any depth gives the same bits.
+#ifndef CUPYROPE_PARTIALS_TREE  // 0: 4 or 5 steps whatever the warps (before session 40), for A/B timing
 #define CUPYROPE_PARTIALS_TREE 1
 #endif
-template <bool SHALLOW>
 __device__ __forceinline__ float partials_sum(const float* partials, int warps, int lane) {
-    constexpr bool shallow = SHALLOW && CUPYROPE_PARTIALS_TREE;
-    if (shallow && warps <= 2) return group_sum<2>(lane % 2 < warps ? partials[lane % 2] : 0.f);
-    if (shallow && warps <= 4) return group_sum<4>(lane % 4 < warps ? partials[lane % 4] : 0.f);
-    if (shallow && warps <= 8) return group_sum<8>(lane % 8 < warps ? partials[lane % 8] : 0.f);
-    if (warps <= 16) return group_sum<16>(lane % 16 < warps ? partials[lane % 16] : 0.f);
-    return group_sum<32>(lane < warps ? partials[lane] : 0.f);
+    const int group = CUPYROPE_PARTIALS_TREE ? 1 << (32 - __clz(warps - 1)) : (warps <= 16 ? 16 : 32);
+    const int slot = lane & (group - 1);
+    return lanes_sum(slot < warps ? partials[slot] : 0.f, group);
 }
 
 // Sum over the `width` threads (a power of two up to 32, else whole warps: at most 1024) that share
@@ -317,20 +343,11 @@ __device__ __forceinline__ float partials_sum(const float* partials, int warps, 
 // return). Every lane ends with the bitwise same value, the same in every run (a fixed tree).
 // Every thread of the block must call it (it may contain __syncthreads).
 // first_use: scratch has not been used by this block before (no barrier needed ahead of its writes).
-// SHALLOW: see partials_sum.
-template <bool SHALLOW = true>
+// LOOP: rows of up to 32 threads sum by lanes_sum_loop.
+template <bool LOOP = false>
 __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >= blockDim.x*blockDim.y/32 */,
                                          bool first_use = false) {
-    if (width <= 32) {
-        switch (width) {
-            case 32: return group_sum<32>(v);
-            case 16: return group_sum<16>(v);
-            case 8: return group_sum<8>(v);
-            case 4: return group_sum<4>(v);
-            case 2: return group_sum<2>(v);
-            default: return v;
-        }
-    }
+    if (width <= 32) return LOOP ? lanes_sum_loop(v, width) : lanes_sum(v, width);
     v = group_sum<32>(v);
     const int warps = width / 32;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -338,7 +355,7 @@ __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >
     if (!first_use) __syncthreads();  // scratch may still be read by a previous call
     if (lane == 0) partials[warp] = v;
     __syncthreads();
-    return partials_sum<SHALLOW>(partials, warps, lane);
+    return partials_sum(partials, warps, lane);
 }
 
 // Two sums at once (one pass of barriers): same contract as row_sum; scratch >= 2 * warps.
@@ -346,7 +363,7 @@ __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >
 // critical path, more instructions).
 template <bool TREE = true>
 __device__ __forceinline__ float2 row_sum2(float a, float b, int width, float* scratch) {
-    if (width <= 32) return make_float2(row_sum(a, width, scratch), row_sum(b, width, scratch));
+    if (width <= 32) return make_float2(lanes_sum_switch(a, width), lanes_sum_switch(b, width));
     a = group_sum<32>(a);
     b = group_sum<32>(b);
     const int warps = width / 32;
