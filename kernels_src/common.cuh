@@ -312,8 +312,9 @@ __device__ __forceinline__ float lanes_sum_loop(float v, int width) {
     return v;
 }
 
-// The same by a switch over the width (a jump table): what the backward's register-bound kernels keep (row_sum2).
-// Measured with lanes_sum there instead (session 41): bf16 [1024, 131072] 377 -> 404 us, fp16 [4096, 65536] 619 -> 629-651.
+// The same by a switch over the width (a jump table): what the backward's register-bound kernels keep (row_sum2;
+// with lanes_sum, session 41: bf16 [1024, 131072] 377 -> 404 us, fp16 [4096, 65536] 619 -> 629-651), and the
+// forward's element-by-element rows of 4+ elements a thread (see norm_row).
 __device__ __forceinline__ float lanes_sum_switch(float v, int width) {
     switch (width) {
         case 32: return group_sum<32>(v);
@@ -325,12 +326,25 @@ __device__ __forceinline__ float lanes_sum_switch(float v, int width) {
     }
 }
 
+// Which of the three a kernel takes (row_sum's LANES): lanes_sum, lanes_sum_loop, lanes_sum_switch.
+enum LanesSum { LANES_SKIP, LANES_LOOP, LANES_JUMP };
+template <int LANES>
+__device__ __forceinline__ float lanes_sum_by(float v, int width) {
+    if constexpr (LANES == LANES_LOOP) return lanes_sum_loop(v, width);
+    else if constexpr (LANES == LANES_JUMP) return lanes_sum_switch(v, width);
+    else return lanes_sum(v, width);
+}
+
 // The sum of the warps' partials (2 <= warps <= 32), to every lane: a shuffle tree as deep as the warps need (a row
 // of 4 warps takes 2 steps, not 4). Lanes past the partials add 0, so any depth gives the same bits.
 #ifndef CUPYROPE_PARTIALS_TREE  // 0: 4 or 5 steps whatever the warps (before session 40), for A/B timing
 #define CUPYROPE_PARTIALS_TREE 1
 #endif
+// CHAIN: rows of 2 or 4 warps take their tree by a compare first (see norm_row).
+template <bool CHAIN = false>
 __device__ __forceinline__ float partials_sum(const float* partials, int warps, int lane) {
+    if (CHAIN && CUPYROPE_PARTIALS_TREE && warps <= 2) return group_sum<2>(partials[lane % 2]);
+    if (CHAIN && CUPYROPE_PARTIALS_TREE && warps <= 4) return group_sum<4>(lane % 4 < warps ? partials[lane % 4] : 0.f);
     const int group = CUPYROPE_PARTIALS_TREE ? 1 << (32 - __clz(warps - 1)) : (warps <= 16 ? 16 : 32);
     const int slot = lane & (group - 1);
     return lanes_sum(slot < warps ? partials[slot] : 0.f, group);
@@ -343,11 +357,11 @@ __device__ __forceinline__ float partials_sum(const float* partials, int warps, 
 // return). Every lane ends with the bitwise same value, the same in every run (a fixed tree).
 // Every thread of the block must call it (it may contain __syncthreads).
 // first_use: scratch has not been used by this block before (no barrier needed ahead of its writes).
-// LOOP: rows of up to 32 threads sum by lanes_sum_loop.
-template <bool LOOP = false>
+// LANES: how rows of up to 32 threads sum (LanesSum); CHAIN: see partials_sum.
+template <int LANES = LANES_SKIP, bool CHAIN = false>
 __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >= blockDim.x*blockDim.y/32 */,
                                          bool first_use = false) {
-    if (width <= 32) return LOOP ? lanes_sum_loop(v, width) : lanes_sum(v, width);
+    if (width <= 32) return lanes_sum_by<LANES>(v, width);
     v = group_sum<32>(v);
     const int warps = width / 32;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -355,7 +369,7 @@ __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >
     if (!first_use) __syncthreads();  // scratch may still be read by a previous call
     if (lane == 0) partials[warp] = v;
     __syncthreads();
-    return partials_sum(partials, warps, lane);
+    return partials_sum<CHAIN>(partials, warps, lane);
 }
 
 // Two sums at once (one pass of barriers): same contract as row_sum; scratch >= 2 * warps.
