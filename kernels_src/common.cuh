@@ -326,7 +326,8 @@ __device__ __forceinline__ float lanes_sum_switch(float v, int width) {
     }
 }
 
-// Which of the three a kernel takes (row_sum's LANES): lanes_sum, lanes_sum_loop, lanes_sum_switch.
+// Which of the three a kernel takes (row_sum's LANES): lanes_sum, lanes_sum_loop, lanes_sum_switch (JUMP also sums
+// the partials of 2-4 warps by partials_sum's compare chain: the form of session 40, for the rows that keep it).
 enum LanesSum { LANES_SKIP, LANES_LOOP, LANES_JUMP };
 template <int LANES>
 __device__ __forceinline__ float lanes_sum_by(float v, int width) {
@@ -340,7 +341,7 @@ __device__ __forceinline__ float lanes_sum_by(float v, int width) {
 #ifndef CUPYROPE_PARTIALS_TREE  // 0: 4 or 5 steps whatever the warps (before session 40), for A/B timing
 #define CUPYROPE_PARTIALS_TREE 1
 #endif
-// CHAIN: rows of 2 or 4 warps take their tree by a compare first (see norm_row).
+// CHAIN: rows of 2 or 4 warps take their tree by a compare first (row_sum's LANES_JUMP).
 template <bool CHAIN = false>
 __device__ __forceinline__ float partials_sum(const float* partials, int warps, int lane) {
     if (CHAIN && CUPYROPE_PARTIALS_TREE && warps <= 2) return group_sum<2>(partials[lane % 2]);
@@ -357,8 +358,8 @@ __device__ __forceinline__ float partials_sum(const float* partials, int warps, 
 // return). Every lane ends with the bitwise same value, the same in every run (a fixed tree).
 // Every thread of the block must call it (it may contain __syncthreads).
 // first_use: scratch has not been used by this block before (no barrier needed ahead of its writes).
-// LANES: how rows of up to 32 threads sum (LanesSum); CHAIN: see partials_sum.
-template <int LANES = LANES_SKIP, bool CHAIN = false>
+// LANES: how rows of up to 32 threads sum, and for LANES_JUMP the partials too (LanesSum).
+template <int LANES = LANES_SKIP>
 __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >= blockDim.x*blockDim.y/32 */,
                                          bool first_use = false) {
     if (width <= 32) return lanes_sum_by<LANES>(v, width);
@@ -369,7 +370,7 @@ __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >
     if (!first_use) __syncthreads();  // scratch may still be read by a previous call
     if (lane == 0) partials[warp] = v;
     __syncthreads();
-    return partials_sum<CHAIN>(partials, warps, lane);
+    return partials_sum<LANES == LANES_JUMP>(partials, warps, lane);
 }
 
 // Two sums at once (one pass of barriers): same contract as row_sum; scratch >= 2 * warps.

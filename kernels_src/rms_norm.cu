@@ -378,10 +378,10 @@ struct FwdBounds {
 
 // The sum of v over the row's threads and, SPLIT > 1 (rms_norm_fwd_split), over the cluster's blocks (the
 // scratch of one row and the next: the cluster barrier between them orders its reads before its writes).
-// LANES, CHAIN: row_sum's.
-template <int SPLIT, int LANES, bool CHAIN>
+// LANES: row_sum's.
+template <int SPLIT, int LANES>
 __device__ __forceinline__ float split_row_sum(float v, int width, float* scratch, float (&cluster_slots)[SPLIT]) {
-    return cluster_sum<SPLIT>(row_sum<LANES, CHAIN>(v, width, scratch, true), cluster_slots);
+    return cluster_sum<SPLIT>(row_sum<LANES>(v, width, scratch, true), cluster_slots);
 }
 
 // Row `row` of rms_norm_fwd (SPLIT 1; threadIdx.y's row of the block), or of rms_norm_fwd_split (SPLIT > 1: p
@@ -399,13 +399,12 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
 
     constexpr bool EARLY = weight_early<W, VEC, NPT, E, ADD, SHIFT>();
     constexpr bool STRADDLE = straddles<T, W, NPT, SPLIT>();
-    // How the row's sum runs at up to 32 threads (row_sum's LANES) and over 2-4 warps (CHAIN), by kind of row; each
+    // How the row's sum runs at up to 32 threads and over 2-4 warps (row_sum's LANES), by kind of row; each
     // other choice measured slower there (docs/perf-notes.md v33). Rows of 4+ chunks a thread rarely take 32 threads
     // or fewer, but that code still takes registers from the rest: vectorized ones (not the fused add) ran bf16
     // [512, 16384] 13.8 -> 14.1 us with lanes_sum (13.8 with the loop); element-by-element ones [512, 130] 1.78 ->
     // 1.85 (1.78 with the switch and the compare chain). The fused add of 4 chunks ran 373 -> 381 us with the loop.
     constexpr int LANES = ADD || NPT < 4 ? LANES_SKIP : VEC ? LANES_LOOP : LANES_JUMP;
-    constexpr bool CHAIN = LANES == LANES_JUMP;
     // A branch of its own: the words must be what the loads produce and the loop holds. The Pack path
     // below with only its output converting from word_of(v[i], k) kept 54-56 registers (v14 review).
     if constexpr (RMS_FWD_WORDS && sizeof(T) == 2 && VEC && NPT >= 2 && !ADD) {  // see RMS_FWD_WORDS
@@ -441,7 +440,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
             }
         }
         sum_sq = squares.total();
-        const float rstd = inverse_rms(split_row_sum<SPLIT, LANES, CHAIN>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
+        const float rstd = inverse_rms(split_row_sum<SPLIT, LANES>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
         if (!active) return;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
@@ -507,7 +506,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
             }
         }
         sum_sq = squares.total();
-        const float rstd = inverse_rms(split_row_sum<SPLIT, LANES, CHAIN>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
+        const float rstd = inverse_rms(split_row_sum<SPLIT, LANES>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
         if (!active) return;
         if constexpr (!EARLY && RMS_WEIGHT_BATCH) {
 #pragma unroll
