@@ -411,7 +411,7 @@ def run_case(torch, case, providers, rounds=1):
         except Exception as error:  # a peer that cannot run this case (unsupported shape or dtype)
             _skipped(name, case, error)
     samples = {name: [] for name in timed}  # name -> [(GPU µs, eager µs)] a round
-    for turn in range(rounds):
+    for turn in range(rounds if timed else 0):  # no provider could run this case: nothing to time
         for name in round_order([name for name in timed if name in samples], turn):
             fns, capture = timed[name]
             try:
@@ -421,7 +421,7 @@ def run_case(torch, case, providers, rounds=1):
                     raise
                 del samples[name]
                 _skipped(name, case, error)
-        if min(gpu for runs in samples.values() for gpu, _ in runs) >= INTERLEAVE_BELOW_US:
+        if not samples or min(gpu for runs in samples.values() for gpu, _ in runs) >= INTERLEAVE_BELOW_US:
             break
     results = []
     for name, runs in samples.items():

@@ -51,3 +51,10 @@ def test_a_peer_that_fails_when_timed_is_left_out(timings):
     plan.update({"cupyrope": [2.0, 2.0, 2.0]})
     results = bench.run_case(None, _case(), _providers("cupyrope", "broken"), rounds=3)
     assert [r.provider for r in results] == ["cupyrope"]
+
+
+def test_a_case_no_provider_can_run_gives_no_results(timings):
+    def failing(d):
+        raise RuntimeError("unsupported shape")
+
+    assert bench.run_case(None, _case(), {"peer": failing}, rounds=3) == []
