@@ -45,6 +45,19 @@ def _libcuda():
     return ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
 
 
+@functools.cache
+def launch_kernel_ex():
+    """The driver's cuLaunchKernelEx(config, function, params, extra) (CuPy has no binding for it); None with no
+    driver library or one older than CUDA 12."""
+    try:
+        function = _libcuda().cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p] * 4
+    function.restype = ctypes.c_int
+    return function
+
+
 PORTABLE_CLUSTER_BLOCKS = 8  # larger clusters need the kernel's opt-in (an H100 places 16)
 NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute in cuda.h
 

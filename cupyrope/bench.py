@@ -174,6 +174,29 @@ def _torch_rope_cache_formula(torch, x, cos, sin, positions):
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+NO_PDL = " (no PDL)"  # suffix of cupyrope's providers that launch plainly
+
+
+def launched_plainly(factory):
+    """The provider ``factory`` with its calls launched plainly (``set_pdl(False)``): cupyrope's kernels without the
+    overlap that programmatic dependent launch gives back-to-back calls, which the peers' launches do not have."""
+    import cupyrope
+
+    def make(d):
+        call = factory(d)
+
+        def run():
+            previous = cupyrope.set_pdl(False)
+            try:
+                return call()
+            finally:
+                cupyrope.set_pdl(previous)
+
+        return run
+
+    return make
+
+
 def rope_providers(torch):
     """name -> factory(inputs) -> callable returning the rotated x (or (q, k))."""
     import cupyrope
@@ -184,6 +207,7 @@ def rope_providers(torch):
             lambda: cupyrope.rope(d["x"], d["pos"], out=d["out"], impl=impl))
         providers[f"cupyrope {impl} cache"] = lambda d, impl=impl: (
             lambda: cupyrope.rope(d["x"], d["pos"], out=d["out"], impl=impl, cos_sin_cache=d["cache"]))
+    providers["cupyrope vector" + NO_PDL] = launched_plainly(providers["cupyrope vector"])
 
     def torch_naive(d):
         x, pos = d["x"], d["pos"]
@@ -265,6 +289,7 @@ def rms_providers(torch, backward):
     else:
         providers["cupyrope"] = lambda d: (lambda: cupyrope.rms_norm(d["x"], d["w"], 1e-6))  # allocates, like the peers
         providers["F.rms_norm"] = lambda d: (lambda: torch.nn.functional.rms_norm(d["x"], (d["x"].shape[-1],), d["w"], 1e-6))
+    providers["cupyrope" + NO_PDL] = launched_plainly(providers["cupyrope"])
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     except ImportError:

@@ -593,6 +593,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
 __global__ void __launch_bounds__(FwdBounds<NPT, ADD>::threads, FwdBounds<NPT, ADD>::min_blocks) rms_norm_fwd(const NormParams p) {
+    wait_for_previous_grid();
     float no_cluster[1];  // unused: one block sums its rows
     norm_row<T, W, VEC, NPT, ADD, SHIFT, 1>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
 }
@@ -623,6 +624,7 @@ __device__ __forceinline__ void narrow_to_part(NormParams& p, int shift) {
 template <typename T, typename W, int NPT, bool ADD, int SPLIT, bool SHIFT>
 __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT, ADD>::threads, FwdBounds<NPT, ADD>::min_blocks)
     rms_norm_fwd_split(const NormParams p) {
+    wait_for_previous_grid();
 #if CUPYROPE_CLUSTERS
     NormParams mine = p;  // the block's part of the rows (SHIFT: each row's own, below)
     narrow_to_part<T, W, ADD, SPLIT, false>(mine, 0);
@@ -725,6 +727,7 @@ __device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, in
 template <typename T, typename W, bool VEC, int NPT, bool SHIFT>
 __global__ void __launch_bounds__(512, NPT == 1 ? RMS_BWD_MIN_BLOCKS_1 : RMS_BWD_MIN_BLOCKS_2)
     rms_norm_bwd(const NormBwdParams p) {
+    wait_for_previous_grid();
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
@@ -1077,6 +1080,7 @@ __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* 
 
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN>
 __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
+    wait_for_previous_grid();
     constexpr int E = 16 / sizeof(T);
     __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
@@ -1096,6 +1100,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT, int CLUSTER>
 __global__ void CLUSTER_DIMS(CLUSTER) __launch_bounds__(StagedMaxThreads<NPT, true>::value, 1)
     rms_norm_bwd_cluster(const NormBwdParams p) {
+    wait_for_previous_grid();
 #if CUPYROPE_CLUSTERS
     constexpr int E = 16 / sizeof(T);
     __shared__ __align__(8) float scratch[64];
@@ -1232,6 +1237,7 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
 
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT>
 __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdParams p) {
+    wait_for_previous_grid();
     reread_rows<T, W, NPT, STAGES, SHIFT, 1>(p, blockIdx.x, gridDim.x);
 }
 
@@ -1283,6 +1289,7 @@ __host__ __device__ constexpr bool walks_classes(bool shift, int split) { return
 template <typename T, typename W, int NPT, int SPLIT, bool SHIFT>
 __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(walks_classes(SHIFT, SPLIT) ? RMS_CLASS_WALK_MAX_THREADS : 1024, 1)
     rms_norm_bwd_split(const NormBwdParams p) {
+    wait_for_previous_grid();
 #if CUPYROPE_CLUSTERS
     constexpr int E = 16 / sizeof(T);
     constexpr bool WALK = walks_classes(SHIFT, SPLIT);
@@ -1330,6 +1337,7 @@ constexpr int DW_SPLIT = 32;
 
 template <typename W>
 __global__ void __launch_bounds__(32 * DW_SPLIT) rms_norm_dw(const DweightParams p) {
+    wait_for_previous_grid();
     __shared__ float sums[DW_SPLIT][33];
     const i64 col = (i64)blockIdx.x * 32 + threadIdx.x;
     float total = 0.f;

@@ -300,6 +300,7 @@ constexpr int COPY_ELEMS = VEC ? 16 / sizeof(T) : 1;  // elements per copy acces
 
 template <typename T, typename C, typename P, int STYLE, bool VEC, bool CACHE>
 __global__ void __launch_bounds__(BLOCK_THREADS, ROPE_MIN_BLOCKS) rope_kernel(const RopeParams p) {
+    wait_for_previous_grid();
     constexpr int E = ELEMS<T, STYLE, VEC>, EC = COPY_ELEMS<T, VEC>;
     __shared__ BlockTokens bt;
     __shared__ double inv_freq[CACHE ? 1 : MAX_ROTARY_DIM / 2];
@@ -331,6 +332,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, ROPE_MIN_BLOCKS) rope_kernel(co
 // the group's first thread gathers them by shuffles and moves the item.
 template <typename T, typename C, typename P, int STYLE, bool VEC, bool CACHE>
 __global__ void __launch_bounds__(DIRECT_MAX_THREADS) rope_direct_kernel(const RopeParams p) {
+    wait_for_previous_grid();
     constexpr int E = ELEMS<T, STYLE, VEC>, EC = COPY_ELEMS<T, VEC>;
     constexpr int F = STYLE == NEOX ? E : E / 2;  // frequencies per item
     constexpr unsigned G = VEC && !CACHE ? F : 1;   // threads per item (a power of two, <= 8)

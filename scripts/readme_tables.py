@@ -15,7 +15,7 @@ ROPE_CASES = ["Llama q 32768x32x128", "Llama-3-8B q+k T=32768", "65536x32x128", 
 RMS_SHAPES = ["32768x4096", "8192x16384", "8192x1027", "16384x8192", "1x4096"]
 GRID_H = [32, 61, 64, 128, 130, 256, 512, 1024, 1027, 2048, 4096, 8192, 16384]
 GRID_S = [128, 512, 2048]
-RMS_PROVIDERS = ("cupyrope", "liger", "F.rms_norm")
+RMS_PROVIDERS = ("cupyrope", "cupyrope (no PDL)", "liger", "F.rms_norm")
 
 
 def load(path):
@@ -50,8 +50,9 @@ def rope_table(data, cases):
 
 
 def rms_table(data, cases):
-    print("| shape, dtype | cupyrope GPU / eager µs | Liger GPU / eager µs | F.rms_norm GPU / eager µs | cupyrope % of copy BW |")
-    print("|---|---|---|---|---|")
+    print("| shape, dtype | cupyrope GPU / eager µs | no PDL GPU / eager µs | Liger GPU / eager µs | F.rms_norm GPU / eager µs "
+          "| cupyrope % of copy BW |")
+    print("|---|---|---|---|---|---|")
     for op, direction in (("rms_fwd", "fwd"), ("rms_bwd", "bwd")):
         for label in RMS_SHAPES:
             providers = cases[(op, label)]
@@ -63,8 +64,8 @@ def rms_table(data, cases):
 
 
 def grid(cases, op):
-    print(f"{'fwd' if op == 'rms_fwd' else 'bwd'}, [4, S, H] bf16, GPU µs per call: cupyrope / Liger / F.rms_norm "
-          "(bold: fastest)\n")
+    print(f"{'fwd' if op == 'rms_fwd' else 'bwd'}, [4, S, H] bf16, GPU µs per call: cupyrope / cupyrope without PDL / "
+          "Liger / F.rms_norm (bold: fastest)\n")
     print("| H | " + " | ".join(f"S={s}" for s in GRID_S) + " |")
     print("|---|" + "---|" * len(GRID_S))
     for h in GRID_H:
@@ -78,10 +79,16 @@ def grid(cases, op):
     print()
 
 
-def peers_ahead(cases):
-    """Cases where a peer's GPU time beats cupyrope's fastest provider (the drop-in counts as cupyrope's)."""
+def peers_ahead(cases, plain=False):
+    """Cases where a peer's GPU time beats cupyrope's fastest provider (the drop-in counts as cupyrope's); plain:
+    cupyrope's providers that launch plainly (no PDL) only, where the benchmark has them."""
     for (op, label), providers in cases.items():
-        ours = min((r["gpu_us"], p) for p, r in providers.items() if p.startswith("cupyrope"))
+        mine = [(r["gpu_us"], p) for p, r in providers.items() if p.startswith("cupyrope")]
+        if plain:
+            mine = [(t, p) for t, p in mine if p.endswith("(no PDL)")]
+            if not mine:
+                continue
+        ours = min(mine)
         theirs = min((r["gpu_us"], p) for p, r in providers.items() if not p.startswith("cupyrope"))
         if theirs < ours:
             print(f"- {op} {label}: {theirs[1]} {theirs[0]:.3f} µs against {ours[1]} {ours[0]:.3f}")
@@ -100,6 +107,9 @@ def main(argv):
     print("Peers ahead in GPU time:")
     peers_ahead(rope_cases)
     peers_ahead(rms_cases)
+    print("\nPeers ahead of cupyrope launched plainly (no PDL):")
+    peers_ahead(rope_cases, plain=True)
+    peers_ahead(rms_cases, plain=True)
 
 
 if __name__ == "__main__":

@@ -71,3 +71,4 @@ def stand_in_for_the_gpu(patch=setattr):
     patch(_launch, "_driver", SimpleNamespace(launchKernel=lambda *args: None, CUDADriverError=RuntimeError))
     patch(_launch, "_torch_stream", lambda device: 0)
     patch(_launch, "_cupy_stream", lambda device: 0)
+    patch(_launch, "_programmatic", lambda device: False)  # plain launches: the no-op launchKernel above

@@ -38,6 +38,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(norm_module, "runs_clusters", lambda device: True)
     monkeypatch.setattr(norm_module, "resident_clusters", lambda kernel, split, threads, shared, device: 132 // split)
     monkeypatch.setattr("cupyrope._launch._bind", lambda: None)
+    monkeypatch.setattr("cupyrope._launch._programmatic", lambda device: False)
 
 
 def mostly(usual, anything):

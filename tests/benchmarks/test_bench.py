@@ -16,10 +16,10 @@ bench = pytest.importorskip("cupyrope.bench")
 
 pytestmark = [pytest.mark.gpu, requires_torch_cuda]
 FULL = os.environ.get("CUPYROPE_BENCH_FULL") == "1"
-ROPE_PROVIDERS = ["cupyrope vector", "cupyrope scalar", "cupyrope vector cache", "cupyrope scalar cache",
+ROPE_PROVIDERS = ["cupyrope vector", "cupyrope vector (no PDL)", "cupyrope scalar", "cupyrope vector cache", "cupyrope scalar cache",
                   "cupyrope rope_qk", "torch eager (recompute cos/sin)", "torch eager (cos/sin cache)",
                   "torch.compile (cos/sin cache)", "cupyrope dropin (transformers cos/sin)", "liger"]
-RMS_PROVIDERS = ["cupyrope", "F.rms_norm", "liger"]
+RMS_PROVIDERS = ["cupyrope", "cupyrope (no PDL)", "F.rms_norm", "liger"]
 
 
 @pytest.fixture(scope="session")

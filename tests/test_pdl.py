@@ -1,0 +1,171 @@
+"""Programmatic dependent launch (PDL): the launch configuration the driver gets, the fallback to plain launches,
+and on an sm_90+ GPU that calls launched early still see everything the kernel before them wrote."""
+
+import ctypes
+import struct
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import cupyrope
+from cupyrope import _device, _launch, reference
+from helpers import has_torch_cuda, n_gpus
+
+CUDA_ERROR_NOT_SUPPORTED = 801
+
+
+def test_set_pdl_returns_the_previous_setting():
+    before = cupyrope.pdl_enabled()
+    try:
+        assert cupyrope.set_pdl(False) is before
+        assert cupyrope.pdl_enabled() is False
+        assert cupyrope.set_pdl(True) is False
+        assert cupyrope.pdl_enabled() is True
+    finally:
+        cupyrope.set_pdl(before)
+
+
+def test_launch_config_matches_cuda_h_layout():
+    """_CONFIG packs a CUlaunchConfig; _device._LaunchConfig (the cluster occupancy query's) is the same struct."""
+    fields = {name: getattr(_device._LaunchConfig, name).offset for name, _ in _device._LaunchConfig._fields_}
+    assert _launch._CONFIG.size == ctypes.sizeof(_device._LaunchConfig) == 56
+    packed = _launch._CONFIG.pack(1, 2, 3, 4, 5, 6, 7, 0x1122334455667788, 0x99AA, 1)
+    assert struct.unpack_from("<Q", packed, fields["stream"])[0] == 0x1122334455667788
+    assert struct.unpack_from("<Q", packed, fields["attrs"])[0] == 0x99AA
+    assert struct.unpack_from("<I", packed, fields["num_attrs"])[0] == 1
+    assert struct.unpack_from("<I", packed, fields["shared_mem"])[0] == 7
+    # CUlaunchAttribute: the id, padding to 8 bytes, then the 64-byte value union (an int here).
+    attribute = _launch._PDL_ATTRIBUTE.raw
+    assert len(attribute) == 72
+    assert struct.unpack_from("<Ii", attribute, 0)[0] == _launch.PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert struct.unpack_from("<i", attribute, 8)[0] == 1
+
+
+def _launch_with(monkeypatch, launch_ex_status):
+    """A Launch on a stand-in driver whose cuLaunchKernelEx returns launch_ex_status; the calls each made."""
+    calls = {"ex": [], "plain": []}
+
+    def launch_ex(config, function, params, extra):
+        calls["ex"].append(ctypes.string_at(config, _launch._CONFIG.size))
+        return launch_ex_status
+
+    monkeypatch.setattr(_launch, "_bind", lambda: None)
+    monkeypatch.setattr(_launch, "_runtime", SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None))
+    monkeypatch.setattr(_launch, "_driver", SimpleNamespace(launchKernel=lambda *args: calls["plain"].append(args),
+                                                            CUDADriverError=RuntimeError))
+    monkeypatch.setattr(_launch, "_torch_stream", lambda device: 0x5000)
+    monkeypatch.setattr(_launch, "_programmatic", lambda device: True)
+    monkeypatch.setattr(_launch, "launch_kernel_ex", lambda: launch_ex)
+    monkeypatch.setattr(_launch, "_pdl", True)
+    launch = _launch.Launch(SimpleNamespace(ptr=0x1234), 96, (32, 4), 2, b"\x00" * 8, 0, "torch", shared_mem=640)
+    return launch, calls
+
+
+def test_programmatic_launch_passes_the_plan_and_stream(monkeypatch):
+    launch, calls = _launch_with(monkeypatch, 0)
+    launch(0xA, 0xB)
+    assert not calls["plain"] and len(calls["ex"]) == 1
+    grid, _, _, bx, by, _, shared, stream, attrs, count = _launch._CONFIG.unpack(calls["ex"][0])
+    assert (grid, bx, by, shared, stream, count) == (96, 32, 4, 640, 0x5000, 1)
+    assert attrs == ctypes.addressof(_launch._PDL_ATTRIBUTE)
+    monkeypatch.setattr(_launch, "_pdl", False)  # set_pdl(False): plain launches
+    launch(0xA, 0xB)
+    assert len(calls["plain"]) == 1 and len(calls["ex"]) == 1
+
+
+def test_a_driver_refusing_pdl_gets_plain_launches(monkeypatch):
+    launch, calls = _launch_with(monkeypatch, CUDA_ERROR_NOT_SUPPORTED)
+    launch(0xA, 0xB)
+    launch(0xA, 0xB)
+    assert len(calls["ex"]) == 1 and len(calls["plain"]) == 2  # refused once, then plain for this plan
+    assert launch.pdl is False
+
+
+# ------------------------------------------------------------------------------------------------ on a GPU
+
+
+def _sm90():
+    import cupy
+
+    return n_gpus() > 0 and int(cupy.cuda.Device(0).compute_capability) >= 90
+
+
+requires_pdl_gpu = pytest.mark.skipif(not (has_torch_cuda() and _sm90()),
+                                      reason="needs torch with CUDA and an sm_90+ GPU (programmatic dependent launch)")
+
+
+@pytest.fixture
+def pdl_setting():
+    before = cupyrope.pdl_enabled()
+    yield cupyrope.set_pdl
+    cupyrope.set_pdl(before)
+
+
+def _chain(x, w, positions, heads):
+    """Calls of every kind, each reading what the one before it wrote (a torch kernel between some)."""
+    y = x
+    for _ in range(3):
+        y = cupyrope.rms_norm(y, w, 1e-6)
+        dx, dw = cupyrope.rms_norm_backward(y, x, w)
+        residual = dx * 0.5
+        cupyrope.fused_add_rms_norm(y, residual, w, 1e-6)
+        if heads:
+            y = cupyrope.rope(y.view(y.shape[0], heads, -1), positions).view(y.shape)
+    return y, residual, dw
+
+
+@pytest.mark.gpu
+@requires_pdl_gpu
+@pytest.mark.parametrize("rows, hidden, heads", [(7, 1027, 0), (16, 4096, 32), (512, 256, 2), (8192, 4096, 32)])
+def test_dependent_calls_give_the_same_bits_with_and_without_pdl(pdl_setting, rows, hidden, heads):
+    """Backward of 16 rows is one cluster launch, of 8192 two launches (the second reads the first's partial
+    sums); eager and in a CUDA graph."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    positions = torch.randint(0, 4096, (rows,), device="cuda", generator=g)
+    pdl_setting(False)
+    plain = _chain(x, w, positions, heads)
+    pdl_setting(True)
+    eager = _chain(x, w, positions, heads)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _chain(x, w, positions, heads)  # warm-up (plans, allocator) outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = _chain(x, w, positions, heads)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(t.float()).all() for t in plain)
+    for a, b, c in zip(plain, eager, captured):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.gpu
+@requires_pdl_gpu
+def test_a_call_launched_early_waits_for_the_kernel_before_it(pdl_setting):
+    """A long forward writes its output (poisoned first) and lets the next kernel launch as its last blocks start;
+    the next call reads that output's last rows at once. Without the kernels' wait it reads NaN (checked by
+    building the kernels without griddepcontrol.wait)."""
+    import torch
+
+    pdl_setting(True)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(32768, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.fill_(float("nan"))
+        cupyrope.rms_norm(x, w, 1e-6, out=y)
+        tail = cupyrope.rms_norm(y[-8:], w, 1e-6)
+        torch.cuda.synchronize()
+        y_tail = y[-8:].float().cpu().numpy().astype(np.float64)
+        expected = reference.rms_norm(y_tail, w.float().cpu().numpy().astype(np.float64), 1e-6)
+        got = tail.float().cpu().numpy()
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, expected, rtol=2 ** -7, atol=2 ** -7 * np.abs(expected).max())
