@@ -4,7 +4,7 @@ with NVRTC (no compiler toolchain, no build step)."""
 from . import reference, rope_scaling
 from ._cupy import vet_cache_dir
 from ._compile import KernelCompileError
-from ._launch import pdl_enabled, set_pdl
+from ._launch import pdl_mode, set_pdl
 from .rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_backward
 from .rope import rope, rope_, rope_cache, rope_qk, rope_qk_cos_sin
 
@@ -15,7 +15,7 @@ vet_cache_dir()  # before anything imports CuPy: an unusable cache directory wou
 __all__ = [
     "KernelCompileError",
     "fused_add_rms_norm",
-    "pdl_enabled",
+    "pdl_mode",
     "reference",
     "rms_norm",
     "rms_norm_backward",

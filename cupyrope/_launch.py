@@ -6,12 +6,13 @@ thread's parameter buffer with one ``struct`` call and hands it to ``cuLaunchKer
 typed binding. That is much cheaper than CuPy's per-argument kernel call (docs/perf-notes.md), and it
 takes a raw stream handle, so torch's current stream needs no wrapper object.
 
-On compute capability 9.0+ launches are programmatic dependent launches (PDL) by default: ``cuLaunchKernelEx``
-with PROGRAMMATIC_STREAM_SERIALIZATION, so a kernel is launched and placed while the previous kernel in its stream
-finishes. Every kernel waits for that kernel's completion before touching memory (``wait_for_previous_grid`` in
-kernels_src/common.cuh), so results are the same; back-to-back calls lose most of a launch's latency (bf16
-[512, 256] forward 2.03 -> 1.54 us a call in graph replay; docs/perf-notes.md). ``set_pdl(False)`` or
-``CUPYROPE_PDL=0`` launches plainly.
+On compute capability 9.0+, launches captured into a CUDA graph are programmatic dependent launches (PDL):
+``cuLaunchKernelEx`` with PROGRAMMATIC_STREAM_SERIALIZATION, so at replay a kernel is launched and placed while the
+previous kernel in its stream finishes. Every kernel waits for that kernel's completion before touching memory
+(``wait_for_previous_grid`` in kernels_src/common.cuh), so results are the same bits; back-to-back calls lose most of
+a launch's latency (bf16 [512, 256] forward 2.03 -> 1.54 us a call). Eager launches stay plain by default: there the
+PDL launch cost the host 0.6-1.5 us more a launch, which small calls pay in full (docs/perf-notes.md, session 42).
+``set_pdl`` / ``CUPYROPE_PDL`` choose: "graphs" (the default), "always" or "never".
 """
 
 import ctypes
@@ -31,29 +32,52 @@ PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
 _CONFIG = struct.Struct("<7I4xQQI4x")
 # One CUlaunchAttribute: id, padding, then its 64-byte value (programmaticStreamSerializationAllowed = 1).
 _PDL_ATTRIBUTE = ctypes.create_string_buffer(struct.pack("<I4xi60x", PROGRAMMATIC_STREAM_SERIALIZATION, 1), 72)
-_pdl = os.environ.get("CUPYROPE_PDL", "1") != "0"
+_PDL_ATTRIBUTE_ADDRESS = ctypes.addressof(_PDL_ATTRIBUTE)
+PDL_MODES = ("never", "graphs", "always")
+NEVER, GRAPHS, ALWAYS = range(3)  # their indices
 
 
-def set_pdl(enabled: bool) -> bool:
-    """Launch kernels as programmatic dependent launches (compute capability 9.0+; the default) or plainly; returns
-    the previous setting. It applies to launches made after it (a CUDA graph keeps what its capture recorded)."""
+def _mode(value) -> int:
+    """The index in PDL_MODES of a set_pdl argument (True: "always", False: "never") or of CUPYROPE_PDL's value
+    (also "1" and "0")."""
+    names = {True: "always", False: "never", "1": "always", "0": "never"}
+    name = names.get(value, value) if isinstance(value, (bool, str)) else value
+    if name not in PDL_MODES:
+        raise ValueError(f"pdl mode: expected one of {', '.join(map(repr, PDL_MODES))} (or True / False), got {value!r}")
+    return PDL_MODES.index(name)
+
+
+_pdl = _mode(os.environ.get("CUPYROPE_PDL", "graphs").strip().lower())
+
+
+def set_pdl(mode) -> str:
+    """Which launches are programmatic dependent launches on compute capability 9.0+: "graphs" (the default: those
+    captured into a CUDA graph), "always" (eager ones too: GPU-bound eager loops gain 1-4%, small host-bound calls
+    pay 0.6-1.5 us more host time a launch) or "never"; True and False mean "always" and "never". Returns the
+    previous mode. It applies to launches made after it (a graph keeps what its capture recorded)."""
     global _pdl
-    previous, _pdl = _pdl, bool(enabled)
-    return previous
+    previous, _pdl = _pdl, _mode(mode)
+    return PDL_MODES[previous]
 
 
-def pdl_enabled() -> bool:
-    """Whether kernels are launched as programmatic dependent launches where the device runs them (set_pdl)."""
-    return _pdl
+def pdl_mode() -> str:
+    """The launches that are programmatic dependent launches where the device runs them (see set_pdl)."""
+    return PDL_MODES[_pdl]
 
 
 def _programmatic(device: int) -> bool:
-    """Whether launches on ``device`` can be programmatic dependent launches: sm_90+, a driver with cuLaunchKernelEx,
-    and kernels that wait for the previous grid (not built with the A/B knob -DCUPYROPE_PDL=0)."""
-    return runs_clusters(device) and launch_kernel_ex() is not None and "-DCUPYROPE_PDL=0" not in compile_options()
+    """Whether launches on ``device`` can be programmatic dependent launches: sm_90+, a driver with cuLaunchKernelEx
+    (bound here), and kernels that wait for the previous grid (not built with the A/B knob -DCUPYROPE_PDL=0)."""
+    global _launch_ex
+    if not runs_clusters(device) or "-DCUPYROPE_PDL=0" in compile_options():
+        return False
+    _launch_ex = _launch_ex or launch_kernel_ex()
+    return _launch_ex is not None
+
 
 _driver = None
 _runtime = None
+_launch_ex = None  # the driver's cuLaunchKernelEx (_programmatic binds it)
 _local = threading.local()
 
 
@@ -66,22 +90,14 @@ def _bind():
 
 
 def _param_block():
-    """A new parameter buffer for this thread and the address of the void*[1] array pointing at it."""
+    """This thread's new launch buffers: (parameter buffer, address of the void*[1] array pointing at it, CUlaunchConfig
+    buffer, its address)."""
     buffer = ctypes.create_string_buffer(_PARAM_BYTES)
     pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+    config = ctypes.create_string_buffer(_CONFIG.size)
     _local.pointers = pointers  # keeps the array alive
-    _local.block = buffer, ctypes.addressof(pointers)
+    _local.block = buffer, ctypes.addressof(pointers), config, ctypes.addressof(config)
     return _local.block
-
-
-def _config_block():
-    """This thread's CUlaunchConfig buffer (cuLaunchKernelEx) and its address."""
-    try:
-        return _local.config
-    except AttributeError:
-        buffer = ctypes.create_string_buffer(_CONFIG.size)
-        _local.config = buffer, ctypes.addressof(buffer)
-        return _local.config
 
 
 def _torch_stream(device: int) -> int:
@@ -119,33 +135,36 @@ class Launch:
     def __call__(self, *pointers) -> None:
         stream = self.current_stream(self.device)
         try:
-            buffer, params = _local.block
+            buffer, params, config, config_address = _local.block
         except AttributeError:  # this thread's first launch (e.g. in torch's autograd thread)
-            buffer, params = _param_block()
+            buffer, params, config, config_address = _param_block()
             _runtime.setDevice(_runtime.getDevice())  # binds the current device's context: no failed launch first
         self.packer.pack_into(buffer, 0, *pointers, self.tail)
         previous = _runtime.getDevice()
         if previous != self.device:
             _runtime.setDevice(self.device)
         try:
-            if _pdl and self.pdl:
-                self._launch_programmatic(stream, params)
+            if self._takes_pdl(stream):
+                _CONFIG.pack_into(config, 0, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem, stream,
+                                  _PDL_ATTRIBUTE_ADDRESS, 1)
+                self._launch_programmatic(stream, params, config_address)
             else:
                 _driver.launchKernel(self.function, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem,
                                      stream, params, 0)
         except _driver.CUDADriverError as error:
-            self._retry(error, stream, params)
+            self._retry(error, stream, params, config_address)
         finally:
             if previous != self.device:
                 _runtime.setDevice(previous)
 
-    def _launch_programmatic(self, stream: int, params: int) -> None:
-        """cuLaunchKernelEx with PROGRAMMATIC_STREAM_SERIALIZATION. A driver that refuses it gets this plan's
-        launches plainly from then on (a refused launch has not run)."""
-        config, address = _config_block()
-        _CONFIG.pack_into(config, 0, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem, stream,
-                          ctypes.addressof(_PDL_ATTRIBUTE), 1)
-        status = launch_kernel_ex()(address, self.function, params, None)
+    def _takes_pdl(self, stream: int) -> bool:
+        """Whether this launch is a programmatic dependent launch (set_pdl's mode; "graphs": the stream captures)."""
+        return self.pdl and _pdl != NEVER and (_pdl == ALWAYS or _runtime.streamIsCapturing(stream))
+
+    def _launch_programmatic(self, stream: int, params: int, config_address: int) -> None:
+        """cuLaunchKernelEx with the CUlaunchConfig at config_address (PROGRAMMATIC_STREAM_SERIALIZATION). A driver
+        that refuses it gets this plan's launches plainly from then on (a refused launch has not run)."""
+        status = _launch_ex(config_address, self.function, params, None)
         if status == CUDA_ERROR_INVALID_CONTEXT:
             raise _driver.CUDADriverError(status)
         if status:
@@ -153,14 +172,14 @@ class Launch:
             _driver.launchKernel(self.function, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem,
                                  stream, params, 0)
 
-    def _retry(self, error, stream: int, params: int) -> None:
+    def _retry(self, error, stream: int, params: int, config_address: int) -> None:
         """A thread with no context bound (the first launch binds one; this is the fallback): bind the
         device's and launch again. Any other failure is raised."""
         if error.status != CUDA_ERROR_INVALID_CONTEXT:
             raise RuntimeError(f"cupyrope: kernel launch failed (grid={self.grid}, block={self.block}): {error}") from None
         _runtime.setDevice(self.device)
-        if _pdl and self.pdl:
-            self._launch_programmatic(stream, params)
+        if self._takes_pdl(stream):
+            self._launch_programmatic(stream, params, config_address)
         else:
             _driver.launchKernel(self.function, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem,
                                  stream, params, 0)

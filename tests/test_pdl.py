@@ -15,13 +15,16 @@ from helpers import has_torch_cuda, n_gpus
 CUDA_ERROR_NOT_SUPPORTED = 801
 
 
-def test_set_pdl_returns_the_previous_setting():
-    before = cupyrope.pdl_enabled()
+def test_set_pdl_takes_a_mode_and_returns_the_previous_one():
+    before = cupyrope.pdl_mode()
     try:
-        assert cupyrope.set_pdl(False) is before
-        assert cupyrope.pdl_enabled() is False
-        assert cupyrope.set_pdl(True) is False
-        assert cupyrope.pdl_enabled() is True
+        assert cupyrope.set_pdl("never") == before
+        assert cupyrope.set_pdl(True) == "never" and cupyrope.pdl_mode() == "always"
+        assert cupyrope.set_pdl(False) == "always" and cupyrope.pdl_mode() == "never"
+        assert cupyrope.set_pdl("graphs") == "never" and cupyrope.pdl_mode() == "graphs"
+        with pytest.raises(ValueError, match="pdl mode: expected one of 'never', 'graphs', 'always'"):
+            cupyrope.set_pdl("sometimes")
+        assert cupyrope.pdl_mode() == "graphs"
     finally:
         cupyrope.set_pdl(before)
 
@@ -42,8 +45,9 @@ def test_launch_config_matches_cuda_h_layout():
     assert struct.unpack_from("<i", attribute, 8)[0] == 1
 
 
-def _launch_with(monkeypatch, launch_ex_status):
-    """A Launch on a stand-in driver whose cuLaunchKernelEx returns launch_ex_status; the calls each made."""
+def _launch_with(monkeypatch, launch_ex_status, mode="always", capturing=False):
+    """A Launch on a stand-in driver whose cuLaunchKernelEx returns launch_ex_status, with set_pdl(mode) and a
+    stream that is capturing a graph or not; the calls each launch function got."""
     calls = {"ex": [], "plain": []}
 
     def launch_ex(config, function, params, extra):
@@ -51,13 +55,14 @@ def _launch_with(monkeypatch, launch_ex_status):
         return launch_ex_status
 
     monkeypatch.setattr(_launch, "_bind", lambda: None)
-    monkeypatch.setattr(_launch, "_runtime", SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None))
+    monkeypatch.setattr(_launch, "_runtime", SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None,
+                                                             streamIsCapturing=lambda stream: capturing))
     monkeypatch.setattr(_launch, "_driver", SimpleNamespace(launchKernel=lambda *args: calls["plain"].append(args),
                                                             CUDADriverError=RuntimeError))
     monkeypatch.setattr(_launch, "_torch_stream", lambda device: 0x5000)
     monkeypatch.setattr(_launch, "_programmatic", lambda device: True)
-    monkeypatch.setattr(_launch, "launch_kernel_ex", lambda: launch_ex)
-    monkeypatch.setattr(_launch, "_pdl", True)
+    monkeypatch.setattr(_launch, "_launch_ex", launch_ex)
+    monkeypatch.setattr(_launch, "_pdl", _launch.PDL_MODES.index(mode))
     launch = _launch.Launch(SimpleNamespace(ptr=0x1234), 96, (32, 4), 2, b"\x00" * 8, 0, "torch", shared_mem=640)
     return launch, calls
 
@@ -69,9 +74,16 @@ def test_programmatic_launch_passes_the_plan_and_stream(monkeypatch):
     grid, _, _, bx, by, _, shared, stream, attrs, count = _launch._CONFIG.unpack(calls["ex"][0])
     assert (grid, bx, by, shared, stream, count) == (96, 32, 4, 640, 0x5000, 1)
     assert attrs == ctypes.addressof(_launch._PDL_ATTRIBUTE)
-    monkeypatch.setattr(_launch, "_pdl", False)  # set_pdl(False): plain launches
+    monkeypatch.setattr(_launch, "_pdl", _launch.NEVER)  # set_pdl("never"): plain launches
     launch(0xA, 0xB)
     assert len(calls["plain"]) == 1 and len(calls["ex"]) == 1
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_by_default_only_launches_into_a_graph_take_pdl(monkeypatch, capturing):
+    launch, calls = _launch_with(monkeypatch, 0, mode="graphs", capturing=capturing)
+    launch(0xA, 0xB)
+    assert (len(calls["ex"]), len(calls["plain"])) == ((1, 0) if capturing else (0, 1))
 
 
 def test_a_driver_refusing_pdl_gets_plain_launches(monkeypatch):
@@ -97,7 +109,7 @@ requires_pdl_gpu = pytest.mark.skipif(not (has_torch_cuda() and _sm90()),
 
 @pytest.fixture
 def pdl_setting():
-    before = cupyrope.pdl_enabled()
+    before = cupyrope.pdl_mode()
     yield cupyrope.set_pdl
     cupyrope.set_pdl(before)
 
@@ -120,17 +132,18 @@ def _chain(x, w, positions, heads):
 @pytest.mark.parametrize("rows, hidden, heads", [(7, 1027, 0), (16, 4096, 32), (512, 256, 2), (8192, 4096, 32)])
 def test_dependent_calls_give_the_same_bits_with_and_without_pdl(pdl_setting, rows, hidden, heads):
     """Backward of 16 rows is one cluster launch, of 8192 two launches (the second reads the first's partial
-    sums); eager and in a CUDA graph."""
+    sums). Plain launches against PDL eager ("always") and in a CUDA graph (the default, "graphs")."""
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(rows + hidden)
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, generator=g)
     positions = torch.randint(0, 4096, (rows,), device="cuda", generator=g)
-    pdl_setting(False)
+    pdl_setting("never")
     plain = _chain(x, w, positions, heads)
-    pdl_setting(True)
+    pdl_setting("always")
     eager = _chain(x, w, positions, heads)
+    pdl_setting("graphs")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -154,7 +167,7 @@ def test_a_call_launched_early_waits_for_the_kernel_before_it(pdl_setting):
     building the kernels without griddepcontrol.wait)."""
     import torch
 
-    pdl_setting(True)
+    pdl_setting("always")
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(32768, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
