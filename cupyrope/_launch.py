@@ -37,22 +37,22 @@ PDL_MODES = ("never", "graphs", "always")
 NEVER, GRAPHS, ALWAYS = range(3)  # their indices
 
 
-def _mode(value) -> int:
+def _mode(value, what: str = "mode") -> int:
     """The index in PDL_MODES of a set_pdl argument (True: "always", False: "never") or of CUPYROPE_PDL's value
-    (also "1" and "0")."""
+    (also "1" and "0"); ``what`` names it in the error."""
     names = {True: "always", False: "never", "1": "always", "0": "never"}
     name = names.get(value, value) if isinstance(value, (bool, str)) else value
     if name not in PDL_MODES:
-        raise ValueError(f"pdl mode: expected one of {', '.join(map(repr, PDL_MODES))} (or True / False), got {value!r}")
+        raise ValueError(f"{what}: expected one of {', '.join(map(repr, PDL_MODES))} (or True / False), got {value!r}")
     return PDL_MODES.index(name)
 
 
-_pdl = _mode(os.environ.get("CUPYROPE_PDL", "graphs").strip().lower())
+_pdl = _mode(os.environ.get("CUPYROPE_PDL", "graphs").strip().lower(), "CUPYROPE_PDL")
 
 
 def set_pdl(mode) -> str:
     """Which launches are programmatic dependent launches on compute capability 9.0+: "graphs" (the default: those
-    captured into a CUDA graph), "always" (eager ones too: GPU-bound eager loops gain 1-4%, small host-bound calls
+    captured into a CUDA graph), "always" (eager ones too: GPU-bound eager loops gain 1-5%, small host-bound calls
     pay 0.6-1.5 us more host time a launch) or "never"; True and False mean "always" and "never". Returns the
     previous mode. It applies to launches made after it (a graph keeps what its capture recorded)."""
     global _pdl

@@ -171,7 +171,7 @@ __device__ __forceinline__ void copy_async_wait() {
 // completed and its writes are visible (no memory is touched before), then lets the next kernel launch in turn, so
 // a grid's launch and block placement overlap the previous grid's last blocks (bf16 [512, 256] forward 2.03 ->
 // 1.54 us a call back to back). Launched plainly, both are no-ops (measured: no cost).
-#ifndef CUPYROPE_PDL  // 0: kernels without it, for A/B timing (they must then be launched plainly: set_pdl(False))
+#ifndef CUPYROPE_PDL  // 0: kernels without it, for A/B timing (the launcher then launches plainly: _programmatic)
 #define CUPYROPE_PDL 1
 #endif
 __device__ __forceinline__ void wait_for_previous_grid() {

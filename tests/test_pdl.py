@@ -2,7 +2,10 @@
 and on an sm_90+ GPU that calls launched early still see everything the kernel before them wrote."""
 
 import ctypes
+import os
 import struct
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,11 +25,20 @@ def test_set_pdl_takes_a_mode_and_returns_the_previous_one():
         assert cupyrope.set_pdl(True) == "never" and cupyrope.pdl_mode() == "always"
         assert cupyrope.set_pdl(False) == "always" and cupyrope.pdl_mode() == "never"
         assert cupyrope.set_pdl("graphs") == "never" and cupyrope.pdl_mode() == "graphs"
-        with pytest.raises(ValueError, match="pdl mode: expected one of 'never', 'graphs', 'always'"):
+        with pytest.raises(ValueError, match="mode: expected one of 'never', 'graphs', 'always'"):
             cupyrope.set_pdl("sometimes")
         assert cupyrope.pdl_mode() == "graphs"
     finally:
         cupyrope.set_pdl(before)
+
+
+def test_a_bad_cupyrope_pdl_names_the_variable():
+    run = subprocess.run([sys.executable, "-c", "import cupyrope"], capture_output=True, text=True,
+                         env={**os.environ, "CUPYROPE_PDL": "sometimes"})
+    assert run.returncode != 0 and "CUPYROPE_PDL: expected one of 'never', 'graphs', 'always'" in run.stderr
+    ok = subprocess.run([sys.executable, "-c", "import cupyrope; print(cupyrope.pdl_mode())"], capture_output=True,
+                        text=True, env={**os.environ, "CUPYROPE_PDL": "0"})
+    assert ok.stdout.strip() == "never", ok.stderr
 
 
 def test_launch_config_matches_cuda_h_layout():
