@@ -28,7 +28,9 @@ from ._device import launch_kernel_ex, runs_clusters
 CUDA_ERROR_INVALID_CONTEXT = 201
 _PARAM_BYTES = 1024
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
-# CUlaunchConfig: grid x/y/z, block x/y/z, dynamic shared memory, stream, attributes, their count.
+# CUlaunchConfig: grid x/y/z, block x/y/z, dynamic shared memory, stream, attributes, their count. The layout of
+# _device._LaunchConfig (tests/test_pdl.py checks they agree), packed by one struct call per launch rather than set
+# field by field.
 _CONFIG = struct.Struct("<7I4xQQI4x")
 # One CUlaunchAttribute: id, padding, then its 64-byte value (programmaticStreamSerializationAllowed = 1).
 _PDL_ATTRIBUTE = ctypes.create_string_buffer(struct.pack("<I4xi60x", PROGRAMMATIC_STREAM_SERIALIZATION, 1), 72)
@@ -67,11 +69,12 @@ def pdl_mode() -> str:
 
 def _programmatic(device: int) -> bool:
     """Whether launches on ``device`` can be programmatic dependent launches: sm_90+, a driver with cuLaunchKernelEx
-    (bound here), and kernels that wait for the previous grid (not built with the A/B knob -DCUPYROPE_PDL=0)."""
+    (bound here), and kernels that wait for the previous grid (not built with the A/B knob -DCUPYROPE_PDL=0).
+    Compute capability 9.0 is where clusters start too (runs_clusters)."""
     global _launch_ex
     if not runs_clusters(device) or "-DCUPYROPE_PDL=0" in compile_options():
         return False
-    _launch_ex = _launch_ex or launch_kernel_ex()
+    _launch_ex = launch_kernel_ex()
     return _launch_ex is not None
 
 
@@ -144,42 +147,34 @@ class Launch:
         if previous != self.device:
             _runtime.setDevice(self.device)
         try:
-            if self._takes_pdl(stream):
-                _CONFIG.pack_into(config, 0, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem, stream,
-                                  _PDL_ATTRIBUTE_ADDRESS, 1)
-                self._launch_programmatic(stream, params, config_address)
-            else:
-                _driver.launchKernel(self.function, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem,
-                                     stream, params, 0)
+            self._launch(stream, params, config, config_address)
         except _driver.CUDADriverError as error:
-            self._retry(error, stream, params, config_address)
+            self._retry(error, stream, params, config, config_address)
         finally:
             if previous != self.device:
                 _runtime.setDevice(previous)
 
-    def _takes_pdl(self, stream: int) -> bool:
-        """Whether this launch is a programmatic dependent launch (set_pdl's mode; "graphs": the stream captures)."""
-        return self.pdl and _pdl != NEVER and (_pdl == ALWAYS or _runtime.streamIsCapturing(stream))
-
-    def _launch_programmatic(self, stream: int, params: int, config_address: int) -> None:
-        """cuLaunchKernelEx with the CUlaunchConfig at config_address (PROGRAMMATIC_STREAM_SERIALIZATION). A driver
-        that refuses it gets this plan's launches plainly from then on (a refused launch has not run)."""
-        status = _launch_ex(config_address, self.function, params, None)
-        if status == CUDA_ERROR_INVALID_CONTEXT:
-            raise _driver.CUDADriverError(status)
-        if status:
+    def _launch(self, stream: int, params: int, config, config_address: int) -> None:
+        """The launch itself: a programmatic dependent launch where set_pdl's mode takes one ("graphs": the stream
+        is capturing), through cuLaunchKernelEx with the CUlaunchConfig packed into ``config``; else CuPy's
+        cuLaunchKernel. A driver that refuses the PDL gets this plan's launches plainly from then on (a refused
+        launch has not run)."""
+        if self.pdl and _pdl != NEVER and (_pdl == ALWAYS or _runtime.streamIsCapturing(stream)):
+            _CONFIG.pack_into(config, 0, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem, stream,
+                              _PDL_ATTRIBUTE_ADDRESS, 1)
+            status = _launch_ex(config_address, self.function, params, None)
+            if status == CUDA_ERROR_INVALID_CONTEXT:
+                raise _driver.CUDADriverError(status)
+            if not status:
+                return
             self.pdl = False
-            _driver.launchKernel(self.function, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem,
-                                 stream, params, 0)
+        _driver.launchKernel(self.function, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem, stream,
+                             params, 0)
 
-    def _retry(self, error, stream: int, params: int, config_address: int) -> None:
+    def _retry(self, error, stream: int, params: int, config, config_address: int) -> None:
         """A thread with no context bound (the first launch binds one; this is the fallback): bind the
         device's and launch again. Any other failure is raised."""
         if error.status != CUDA_ERROR_INVALID_CONTEXT:
             raise RuntimeError(f"cupyrope: kernel launch failed (grid={self.grid}, block={self.block}): {error}") from None
         _runtime.setDevice(self.device)
-        if self._takes_pdl(stream):
-            self._launch_programmatic(stream, params, config_address)
-        else:
-            _driver.launchKernel(self.function, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem,
-                                 stream, params, 0)
+        self._launch(stream, params, config, config_address)

@@ -109,13 +109,7 @@ def test_a_driver_refusing_pdl_gets_plain_launches(monkeypatch):
 # ------------------------------------------------------------------------------------------------ on a GPU
 
 
-def _sm90():
-    import cupy
-
-    return n_gpus() > 0 and int(cupy.cuda.Device(0).compute_capability) >= 90
-
-
-requires_pdl_gpu = pytest.mark.skipif(not (has_torch_cuda() and _sm90()),
+requires_pdl_gpu = pytest.mark.skipif(not (has_torch_cuda() and n_gpus() > 0 and _launch._programmatic(0)),
                                       reason="needs torch with CUDA and an sm_90+ GPU (programmatic dependent launch)")
 
 
