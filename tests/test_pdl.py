@@ -188,3 +188,41 @@ def test_a_call_launched_early_waits_for_the_kernel_before_it(pdl_setting):
         got = tail.float().cpu().numpy()
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got, expected, rtol=2 ** -7, atol=2 ** -7 * np.abs(expected).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(n_gpus() < 2, reason="needs 2 GPUs (run it on a 2-GPU machine)")
+@requires_pdl_gpu
+def test_pdl_on_the_second_gpu_while_the_first_is_current(pdl_setting):
+    """The launcher switches to the inputs' device for the launch: PDL launches there (eager and captured into a
+    graph on cuda:1's stream) give plain launches' bits, and the current device stays cuda:0."""
+    import torch
+
+    assert torch.cuda.current_device() == 0
+    dev = torch.device("cuda:1")
+    g = torch.Generator(device=dev).manual_seed(11)
+    x = torch.randn(512, 4096, device=dev, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, device=dev, dtype=torch.bfloat16, generator=g)
+    positions = torch.randint(0, 4096, (512,), device=dev, generator=g)
+    pdl_setting("never")
+    plain = _chain(x, w, positions, 32)
+    pdl_setting("always")
+    eager = _chain(x, w, positions, 32)
+    pdl_setting("graphs")
+    with torch.cuda.device(dev):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # torch makes cuda:1 current only inside this block
+        _chain(x, w, positions, 32)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = _chain(x, w, positions, 32)
+    with torch.cuda.device(dev):
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+    torch.cuda.synchronize(dev)
+    assert torch.cuda.current_device() == 0
+    assert all(t.device == dev and torch.isfinite(t.float()).all() for t in plain)
+    for a, b, c in zip(plain, eager, captured):
+        assert torch.equal(a, b) and torch.equal(a, c)
