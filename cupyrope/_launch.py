@@ -39,11 +39,13 @@ PDL_MODES = ("never", "graphs", "always")
 NEVER, GRAPHS, ALWAYS = range(3)  # their indices
 
 
+_MODE_ALIASES = {True: "always", False: "never", "1": "always", "0": "never"}
+
+
 def _mode(value, what: str = "mode") -> int:
     """The index in PDL_MODES of a set_pdl argument (True: "always", False: "never") or of CUPYROPE_PDL's value
     (also "1" and "0"); ``what`` names it in the error."""
-    names = {True: "always", False: "never", "1": "always", "0": "never"}
-    name = names.get(value, value) if isinstance(value, (bool, str)) else value
+    name = _MODE_ALIASES.get(value, value) if isinstance(value, (bool, str)) else value
     if name not in PDL_MODES:
         raise ValueError(f"{what}: expected one of {', '.join(map(repr, PDL_MODES))} (or True / False), got {value!r}")
     return PDL_MODES.index(name)
@@ -68,28 +70,25 @@ def pdl_mode() -> str:
 
 
 def _programmatic(device: int) -> bool:
-    """Whether launches on ``device`` can be programmatic dependent launches: sm_90+, a driver with cuLaunchKernelEx
-    (bound here), and kernels that wait for the previous grid (not built with the A/B knob -DCUPYROPE_PDL=0).
-    Compute capability 9.0 is where clusters start too (runs_clusters)."""
-    global _launch_ex
-    if not runs_clusters(device) or "-DCUPYROPE_PDL=0" in compile_options():
-        return False
-    _launch_ex = launch_kernel_ex()
-    return _launch_ex is not None
+    """Whether launches on ``device`` can be programmatic dependent launches: sm_90+, a driver with cuLaunchKernelEx,
+    and kernels that wait for the previous grid (not built with the A/B knob -DCUPYROPE_PDL=0). Compute capability
+    9.0 is where clusters start too (runs_clusters)."""
+    return runs_clusters(device) and "-DCUPYROPE_PDL=0" not in compile_options() and launch_kernel_ex() is not None
 
 
 _driver = None
 _runtime = None
-_launch_ex = None  # the driver's cuLaunchKernelEx (_programmatic binds it)
+_launch_ex = None  # the driver's cuLaunchKernelEx, or None without one
 _local = threading.local()
 
 
 def _bind():
-    global _driver, _runtime
+    global _driver, _runtime, _launch_ex
     cupy = import_cupy()
 
     _runtime = cupy.cuda.runtime
     _driver = cupy.cuda.driver
+    _launch_ex = launch_kernel_ex()
 
 
 def _param_block():

@@ -133,6 +133,25 @@ def _chain(x, w, positions, heads):
     return y, residual, dw
 
 
+def _replayed(device, calls):
+    """What ``calls()`` returns when captured into a CUDA graph on a side stream of ``device`` (after a warm-up run
+    outside the capture: plans, allocator) and replayed once; the current device is left as it was."""
+    import torch
+
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            calls()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                captured = calls()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+    return captured
+
+
 @pytest.mark.gpu
 @requires_pdl_gpu
 @pytest.mark.parametrize("rows, hidden, heads", [(7, 1027, 0), (16, 4096, 32), (512, 256, 2), (8192, 4096, 32)])
@@ -150,16 +169,7 @@ def test_dependent_calls_give_the_same_bits_with_and_without_pdl(pdl_setting, ro
     pdl_setting("always")
     eager = _chain(x, w, positions, heads)
     pdl_setting("graphs")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _chain(x, w, positions, heads)  # warm-up (plans, allocator) outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            captured = _chain(x, w, positions, heads)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
+    captured = _replayed(x.device, lambda: _chain(x, w, positions, heads))
     assert all(torch.isfinite(t.float()).all() for t in plain)
     for a, b, c in zip(plain, eager, captured):
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -210,18 +220,7 @@ def test_pdl_on_the_second_gpu_while_the_first_is_current(pdl_setting):
     pdl_setting("always")
     eager = _chain(x, w, positions, 32)
     pdl_setting("graphs")
-    with torch.cuda.device(dev):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # torch makes cuda:1 current only inside this block
-        _chain(x, w, positions, 32)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            captured = _chain(x, w, positions, 32)
-    with torch.cuda.device(dev):
-        torch.cuda.current_stream().wait_stream(stream)
-        graph.replay()
-    torch.cuda.synchronize(dev)
+    captured = _replayed(dev, lambda: _chain(x, w, positions, 32))
     assert torch.cuda.current_device() == 0
     assert all(t.device == dev and torch.isfinite(t.float()).all() for t in plain)
     for a, b, c in zip(plain, eager, captured):
