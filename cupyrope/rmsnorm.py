@@ -109,6 +109,19 @@ STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMax
 # SMs take longer than the two launches' whole grid (bf16 [64, 4096] 8.3 against 6.6 us; sessions 37-39).
 CLUSTER_BWD_BLOCKS = (8, 16)
 CLUSTER_BWD_MAX_ROWS = 32
+# Large calls (v35, session 44): aligned rows that the staged kernel would walk with its long chain (each resident block
+# more than STAGED_LEAN_MAX_ROWS rows, 1-2 chunks a thread) run on rms_norm_bwd_cluster instead, in clusters of
+# CLUSTER_ROUNDS_BLOCKS blocks, over as many rounds of the clusters the GPU holds at once as give each block about
+# CLUSTER_ROUNDS_ROWS rows (by chunks a thread): the blocks of later rounds start on the SMs that finish first (the SMs
+# stream at different speeds, session 18), and a cluster leaves one partial row, so 8-block clusters write fewer
+# partial rows (30 a round on an H100) than blocks in 2-4 fewer rounds would. One H100, GPU us (docs/perf-notes.md,
+# v35): bf16 [32768, 4096] 300 -> 287 (89% -> 93% of copy bandwidth), [65536, 2048] 317 -> 285, [131072, 1024] 328 ->
+# 285, [16384, 4096] 156 -> 151, [32768, 8192] 583 -> 574, fp16 [16384, 8192] 324 -> 295; fp16 [16384, 6144] 228 ->
+# 230 (its staged plan holds 3 blocks an SM, the clusters 2). 2-chunk rows measured 1-2% slower on 16 rows a block,
+# 1-chunk rows 1-2% slower on 8 or 32, and 4-block clusters within 1%; the LEAN staged plans (shorter walks) stay
+# faster than any cluster grid (bf16 [8192, 4096] 82 against 87 us). CLUSTER_ROUNDS_BLOCKS = 0 turns it off (sweeps).
+CLUSTER_ROUNDS_BLOCKS = 8
+CLUSTER_ROUNDS_ROWS = {1: 16, 2: 32}
 # Aligned rows past those (fp16/bf16 over 16384 elements, fp32 over 16384) whose stage fits in shared memory:
 # rms_norm_bwd_reread (the current row read twice from its stage, only the dweight sums in registers), by
 # element size: REREAD_SLOTS chunks a thread on whole warps, up to REREAD_MAX_THREADS (its launch bound).
@@ -161,8 +174,8 @@ def _scalars(eps, offset, hidden) -> tuple[float, float, float]:
 
 class NormPlan:
     __slots__ = ("name", "grid", "block", "vectorized", "shifted", "staged", "small", "slots", "extents", "shared_mem",
-                 "shared_acc", "reread", "split", "cluster_step", "one_cluster", "out_layouts", "launch", "dw_launch",
-                 "new_output", "new_rstd", "new_dx", "new_dweight", "new_partial")
+                 "shared_acc", "reread", "split", "cluster_step", "one_cluster", "cluster_rounds", "out_layouts", "launch",
+                 "dw_launch", "new_output", "new_rstd", "new_dx", "new_dweight", "new_partial")
 
     def __init__(self, name, grid, block, vectorized, slots):
         self.name = name
@@ -178,6 +191,7 @@ class NormPlan:
         self.split = 1  # blocks a row is split over (a cluster: rms_norm_fwd_split, rms_norm_bwd_split)
         self.cluster_step = 1  # split: the cluster count a multiple of this where clusters walk several rows
         self.one_cluster = False  # backward: rms_norm_bwd_cluster, one launch that writes dweight itself
+        self.cluster_rounds = False  # backward: rms_norm_bwd_cluster over rounds of clusters (CLUSTER_ROUNDS_BLOCKS)
         self.small = False  # forward: planned as a small input (FWD_SMALL_ELEMS_PER_THREAD)
 
     def __repr__(self):
@@ -417,10 +431,10 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
                         f"{'true' if lean else 'false'}>", rows, width, slots, shared_limit, shifted)
 
 
-def _plan_one_cluster(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False):
-    """The plan of rms_norm_bwd_cluster for rows that rms_norm_bwd_staged would take with its LEAN variant (one
-    cluster of cluster_bwd_blocks(rows); each block's dweight sums after its stages), or None where they would not,
-    or its sums do not fit."""
+def _plan_clusters(dtype, weight_dtype, rows, hidden, shared_limit, shifted, blocks):
+    """The plan of rms_norm_bwd_cluster on clusters of `blocks` for rows that rms_norm_bwd_staged can take with its
+    LEAN variant (each block's dweight sums after its stages; its grid for the caller to set), or None where it
+    cannot, or the sums do not fit."""
     row = _staged_row(_arrays.ITEMSIZE[dtype], hidden, shifted)
     if row is None:
         return None
@@ -428,12 +442,19 @@ def _plan_one_cluster(dtype, weight_dtype, rows, hidden, shared_limit, shifted=F
     if not (slots and STAGED_LEAN_MAX_ROWS[slots] and width <= STAGED_LEAN_MAX_THREADS[slots]):
         return None
     sums = hidden * 4
-    blocks = cluster_bwd_blocks(rows)
     plan = _staged_plan(f"cupyrope::rms_norm_bwd_cluster<{_staged_variant(dtype, weight_dtype, slots, shifted)}, "
                         f"{blocks}>", rows, width, slots, shared_limit - sums, shifted)
     if plan:
         plan.shared_mem += sums
-        plan.grid, plan.one_cluster = blocks, True
+        plan.split = blocks
+    return plan
+
+
+def _plan_one_cluster(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False):
+    """_plan_clusters' plan as one cluster of cluster_bwd_blocks(rows), which writes dweight itself."""
+    plan = _plan_clusters(dtype, weight_dtype, rows, hidden, shared_limit, shifted, cluster_bwd_blocks(rows))
+    if plan:
+        plan.grid, plan.one_cluster = plan.split, True
     return plan
 
 
@@ -498,9 +519,11 @@ def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=Non
 
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto",
-                  shared_limit=SHARED_OPTIN_LIMIT, lean=False, clusters=False) -> NormPlan:
+                  shared_limit=SHARED_OPTIN_LIMIT, lean=False, clusters=False, rounds=False) -> NormPlan:
     """lean: a staged plan takes the LEAN variant (the caller decides, see lean_staged). clusters: the GPU
-    runs thread block clusters (sm_90+), so rows past rms_norm_bwd_reread may be split over one."""
+    runs thread block clusters (sm_90+), so rows past rms_norm_bwd_reread may be split over one. rounds: aligned
+    staged rows take rms_norm_bwd_cluster over rounds of clusters where it can (the caller decides, see
+    takes_cluster_rounds; _resident_grid sets the grid)."""
     weight_dtype = weight.dtype if weight is not None else "float32"
     long_rows = hidden * _arrays.ITEMSIZE[x.dtype] >= LONG_ROW_BYTES
     elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD
@@ -514,6 +537,11 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
             one = _plan_one_cluster(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted)
             if one:
                 return one
+        if rounds and weight is not None and not plan.shifted:
+            many = _plan_clusters(x.dtype, weight_dtype, rows, hidden, shared_limit, False, CLUSTER_ROUNDS_BLOCKS)
+            if many:
+                many.cluster_rounds = True
+                return many
         plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean) or plan
     if clusters and plan.vectorized and not (plan.staged or plan.slots):  # else read twice
         plan = _plan_backward_split(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted) or plan
@@ -543,9 +571,24 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
 def lean_staged(plan, rows: int) -> bool:
     """Whether a staged plan whose grid is its resident blocks should take the LEAN variant: each block
     walking at most STAGED_LEAN_MAX_ROWS rows, on at most STAGED_LEAN_MAX_THREADS (by chunks a thread)."""
-    if not plan.staged or plan.reread or plan.one_cluster:
+    if not plan.staged or plan.reread or plan.split > 1:
         return False
     return rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid and plan.block[0] <= STAGED_LEAN_MAX_THREADS[plan.slots]
+
+
+def takes_cluster_rounds(plan, weighted: bool, device: int) -> bool:
+    """Whether a staged plan (its grid its resident blocks) that lean_staged leaves on the long chain should be
+    re-planned on rounds of clusters (CLUSTER_ROUNDS_BLOCKS): aligned rows, a weight, a GPU that runs clusters."""
+    if not (CLUSTER_ROUNDS_BLOCKS and plan.staged and weighted) or plan.reread or plan.split > 1 or plan.shifted:
+        return False
+    return runs_clusters(device)
+
+
+def cluster_rounds_grid(plan, resident: int, rows: int) -> int:
+    """The grid of a plan on rounds of clusters: as many rounds of the `resident` clusters the GPU holds at once as
+    give each block about CLUSTER_ROUNDS_ROWS[plan.slots] rows, at most a cluster for each plan.split rows."""
+    rounds = max(1, -(-rows // (resident * plan.split * CLUSTER_ROUNDS_ROWS[plan.slots])))
+    return plan.split * max(1, min(resident * rounds, -(-rows // plan.split)))
 
 
 def cluster_bwd_blocks(rows: int) -> int:
@@ -870,6 +913,10 @@ def _resident_grid(plan, rows, xa):
     kernel = _kernel(plan, xa.device)
     if plan.one_cluster:
         return kernel if resident_clusters(kernel, plan.grid, plan.block[0], plan.shared_mem, xa.device) else None
+    if plan.cluster_rounds:
+        resident = resident_clusters(kernel, plan.split, plan.block[0], plan.shared_mem, xa.device)
+        plan.grid = cluster_rounds_grid(plan, resident, rows)
+        return kernel if resident else None
     if plan.split > 1:
         return kernel if _fit_clusters(plan, kernel, rows, xa.device) else None
     plan.grid = cap_grid(plan, _blocks_per_wave(kernel, plan, xa.device), rows, xa.dtype)
@@ -906,6 +953,11 @@ def _plan_backward_call(da, xa, wa, ra, eps, offset, impl):
         if lean_staged(plan, rows):  # decided on the default variant's resident grid
             plan = plan_backward(*planning, lean=True)
             kernel = _resident_grid(plan, rows, xa)
+        elif takes_cluster_rounds(plan, wa is not None, xa.device):
+            many = plan_backward(*planning, clusters=True, rounds=True)
+            many_kernel = _resident_grid(many, rows, xa) if many.cluster_rounds else None
+            if many_kernel:  # else no cluster fits: the staged plan
+                plan, kernel = many, many_kernel
         plan.launch = _launch.Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
         if wa is not None and not plan.one_cluster:
             partials = plan.grid // plan.split  # one partial row a block, or a cluster

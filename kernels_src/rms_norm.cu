@@ -663,7 +663,7 @@ struct NormBwdParams {  // mirrored by rmsnorm.py's _BWD_TAIL
     const void* weight;  // may be null: no dweight
     const float* rstd;   // may be null: recomputed
     void* dx;
-    float* partial;      // [gridDim.x, hidden]; unused without weight
+    float* partial;      // [gridDim.x (clusters: gridDim.x / CLUSTER), hidden]; unused without weight
     i64 rows, hidden;
     i64 dy_stride, x_stride, dx_stride;
     i64 shared_acc;  // 1: dynamic shared memory holds [blockDim.y, hidden] floats of dweight sums
@@ -1090,13 +1090,17 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
     store_staged_partial<SHIFT>(p, p.partial + (i64)blockIdx.x * p.hidden, dw, first, threadIdx.x, blockDim.x * E, p.hidden);
 }
 
-// ------------------------------------------------------------------ backward, small calls in one cluster
-// Calls of few rows (the planner's CLUSTER_BWD_MAX_ROWS) in one launch instead of rms_norm_bwd_staged and
-// rms_norm_dw: a single cluster of CLUSTER blocks (sm_90+), each walking rows rank, + CLUSTER, ... as the staged
-// kernel's LEAN variant and keeping its dweight sums in its own shared memory, after the stages. After a cluster
-// barrier, the cluster's threads each add columns across the blocks' sums in rank order (distributed shared memory)
-// and store dweight: the same additions, in the same order, as rms_norm_dw over the staged kernel's CLUSTER partial
-// rows (bitwise equal; deterministic). Here p.partial is dweight (W*, hidden values).
+// ------------------------------------------------------------------ backward, blocks in clusters
+// rms_norm_bwd_staged's LEAN walk on clusters of CLUSTER blocks (sm_90+), each block keeping its dweight sums in
+// its own shared memory, after the stages. After a cluster barrier, the cluster's threads each add columns across
+// the blocks' sums in rank order (distributed shared memory), so a cluster leaves one row of sums, not CLUSTER:
+// - one cluster (calls of few rows, the planner's CLUSTER_BWD_MAX_ROWS): that row is dweight (W*, hidden values,
+//   in p.partial), in one launch instead of rms_norm_bwd_staged and rms_norm_dw; the same additions, in the same
+//   order, as rms_norm_dw over the staged kernel's CLUSTER partial rows (bitwise equal);
+// - several (large calls, CLUSTER_ROUNDS_ROWS): cluster c's row is partial row c for rms_norm_dw. The grid is
+//   several rounds of the clusters the GPU holds at once, so the SMs that stream faster take more of the rows,
+//   with no more partial rows than a one-wave staged grid.
+// Deterministic either way: a block's rows, and the order of every addition, follow from the grid alone.
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT, int CLUSTER>
 __global__ void CLUSTER_DIMS(CLUSTER) __launch_bounds__(StagedMaxThreads<NPT, true>::value, 1)
     rms_norm_bwd_cluster(const NormBwdParams p) {
@@ -1112,12 +1116,17 @@ __global__ void CLUSTER_DIMS(CLUSTER) __launch_bounds__(StagedMaxThreads<NPT, tr
     const int hidden = (int)p.hidden;
     store_staged_partial<SHIFT>(p, sums, dw, first, threadIdx.x, blockDim.x * E, hidden);
     cluster_sync();  // every block's sums are in its shared memory
+    const bool one = gridDim.x == CLUSTER;  // else each cluster's partial row
     W* dweight = reinterpret_cast<W*>(p.partial);
-    for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < hidden; col += CLUSTER * blockDim.x) {
+    float* partial = p.partial + (i64)(blockIdx.x / CLUSTER) * hidden;
+    for (int col = (blockIdx.x % CLUSTER) * blockDim.x + threadIdx.x; col < hidden; col += CLUSTER * blockDim.x) {
         float total = 0.f;
 #pragma unroll
         for (int r = 0; r < CLUSTER; ++r) total += load_shared_of_rank(sums + col, r);
-        dweight[col] = from_float<W>(total);
+        if (one)
+            dweight[col] = from_float<W>(total);
+        else
+            partial[col] = total;
     }
     cluster_sync();  // no block exits while a peer may still read its shared memory
 #else

@@ -1,6 +1,6 @@
 """RMSNorm backward tuning sweep on a GPU: planner settings x shapes (not the benchmark suite).
 
-Usage: python scripts/sweep_bwd.py [--peers] [--xw] [--eager] [big|mid|table|odd|lean|wide|two|two16|small|ab] SETTING ...
+Usage: python scripts/sweep_bwd.py [--peers] [--xw] [--eager] [big|mid|table|odd|lean|wide|two|two16|small|ab|rounds] SETTING ...
 (--xw: the weight in x's dtype, as the benchmark suite has it; default fp32; --eager: each setting's eager µs a call
 too, after its GPU time)
 (odd: odd hidden sizes and ones whose chunks are not a power of two)
@@ -62,6 +62,13 @@ TWO16 += [(16384, 8192, torch.bfloat16), (32768, 8192, torch.bfloat16)]
 AB = [(32768, 4096, torch.bfloat16), (16384, 8192, torch.bfloat16), (8192, 16384, torch.float32),
       (8192, 1024, torch.bfloat16), (32768, 4096, torch.float16)]
 
+# Rounds of clusters (CLUSTER_ROUNDS_*, v35): where the staged kernel's long chain ran, near its threshold, and past.
+ROUNDS = [(13000, 4096, torch.bfloat16), (12800, 8192, torch.bfloat16), (16384, 4096, torch.bfloat16),
+          (32768, 4096, torch.bfloat16), (65536, 4096, torch.bfloat16), (65536, 2048, torch.bfloat16),
+          (131072, 1024, torch.bfloat16), (16384, 8192, torch.bfloat16), (32768, 8192, torch.bfloat16),
+          (16384, 6144, torch.float16), (32768, 4096, torch.float16), (16384, 8192, torch.float16),
+          (20000, 3072, torch.bfloat16)]
+
 # Small calls (the one-cluster rule, CLUSTER_BWD_MAX_ROWS): 1-256 rows.
 SMALL = [(r, h, torch.bfloat16) for h in (1024, 4096, 8192) for r in (1, 8, 16, 32, 64, 128, 256)]
 SMALL += [(r, 8192, torch.float32) for r in (1, 16, 64)] + [(r, 2053, torch.float16) for r in (8, 64)]
@@ -81,7 +88,7 @@ def main():
     args = sys.argv[1:]
     with_peers = "--peers" in args
     sets = {"big": BIG, "table": TABLE, "mid": MID, "odd": ODD, "lean": LEAN, "wide": WIDE, "two": TWO, "two16": TWO16,
-            "small": SMALL, "ab": AB}
+            "small": SMALL, "ab": AB, "rounds": ROUNDS}
     shapes = sets[next((a for a in args if a in sets), "big")]
     settings = [a for a in args if not a.startswith("--") and a not in sets] or ["old", ""]
     bw = bench.copy_bandwidth_gbps(torch)

@@ -666,3 +666,41 @@ def test_rms_norm_backward_one_cluster_rule():
     # Rows the staged kernel would read twice (rms_norm_bwd_reread) give no one-cluster plan.
     for dtype, hidden in (("bfloat16", 8200), ("bfloat16", 20000)):
         assert rmsnorm._plan_one_cluster(dtype, "float32", 3, hidden, 227 * 1024) is None
+
+
+def test_rms_norm_backward_cluster_rounds_rule(monkeypatch):
+    # Large calls whose staged plan takes the long chain re-plan (rounds=True) on rms_norm_bwd_cluster in clusters of
+    # CLUSTER_ROUNDS_BLOCKS: aligned rows of 1-2 chunks a thread with a weight, on a GPU that runs clusters.
+    blocks = rmsnorm.CLUSTER_ROUNDS_BLOCKS
+    assert blocks == 8 and rmsnorm.CLUSTER_ROUNDS_ROWS == {1: 16, 2: 32}
+    names = {name for _, name in rmsnorm.all_variants()}
+    x, w = arr((32768, 4096)), arr((4096,))
+    staged = plan_backward(x, x, x, w, (4096,) * 3, 32768, 4096, n_sm=132, clusters=True)
+    staged.grid = 264  # its resident wave: 124 rows a block, past the LEAN limit
+    assert not rmsnorm.lean_staged(staged, 32768)
+    for clusters in (True, False):  # sm_90+, or before
+        monkeypatch.setattr(rmsnorm, "runs_clusters", lambda device, clusters=clusters: clusters)
+        assert rmsnorm.takes_cluster_rounds(staged, True, 0) == clusters
+    assert not rmsnorm.takes_cluster_rounds(staged, False, 0)  # no weight
+    many = plan_backward(x, x, x, w, (4096,) * 3, 32768, 4096, n_sm=132, clusters=True, rounds=True)
+    assert many.name == "cupyrope::rms_norm_bwd_cluster<__nv_bfloat16, __nv_bfloat16, 1, 3, false, 8>", many
+    assert many.name in names and many.cluster_rounds and many.split == blocks and not many.one_cluster
+    assert many.block == (512, 1) and many.shared_mem == 3 * 2 * 8192 + 4096 * 4
+    assert not rmsnorm.lean_staged(many, 32768) and not rmsnorm.takes_cluster_rounds(many, True, 0)
+    # The grid: rounds of the resident clusters giving each block at most ~16 rows of 1 chunk a thread (30 clusters
+    # of 8 on an H100: 32768 rows in 9 rounds, 16384 in 5), ~32 of 2, at most a cluster for each 8 rows.
+    assert rmsnorm.cluster_rounds_grid(many, 30, 32768) == 8 * 30 * 9
+    assert rmsnorm.cluster_rounds_grid(many, 30, 16384) == 8 * 30 * 5
+    assert rmsnorm.cluster_rounds_grid(many, 30, 3840) == 8 * 30
+    assert rmsnorm.cluster_rounds_grid(many, 30, 100) == 8 * 13
+    wide = arr((16384, 8192), "float16")
+    two = plan_backward(wide, wide, wide, arr((8192,), "float32"), (8192,) * 3, 16384, 8192, n_sm=132, rounds=True)
+    assert two.name == "cupyrope::rms_norm_bwd_cluster<__half, float, 2, 3, false, 8>" and two.name in names, two
+    assert rmsnorm.cluster_rounds_grid(two, 30, 16384) == 8 * 30 * 3
+    # Not: without a weight, odd rows (shifted), fp32 rows of 8 chunks (no LEAN variant), rows read twice.
+    for a, weight, hidden in ((x, None, 4096), (arr((32768, 4095)), w, 4095), (arr((8192, 16384), "float32"),
+                                                                                arr((16384,), "float32"), 16384),
+                              (arr((8192, 20000)), arr((20000,)), 20000)):
+        p = plan_backward(a, a, a, weight, (hidden,) * 3, a.shape[0], hidden, n_sm=132, clusters=True, rounds=True)
+        assert not p.cluster_rounds and not p.name.startswith("cupyrope::rms_norm_bwd_cluster<"), p
+        assert not rmsnorm.takes_cluster_rounds(p, weight is not None, 0)

@@ -337,6 +337,42 @@ def test_backward_one_cluster(rng, monkeypatch, kind, dtype, hidden, rows, pad_o
         np.testing.assert_array_equal(to_host(dw), to_host(dw_two))
 
 
+# rms_norm_bwd_cluster over rounds of clusters (v35, sm_90+): large calls whose staged plan would take the long chain.
+# Forced at small sizes (a LEAN limit of 2 rows a block; 2-4 rows a block, so the grid is several rounds of the
+# resident clusters), and as the planner takes it (bf16 [20000, 4096], 76 rows a block at one wave); 1 and 2 chunks a
+# thread, strided rows, a weight in x's dtype or fp32, given rstd, an offset, a row count that leaves the last cluster
+# short. dx and dweight poisoned first and checked against float64 (each row), then a second call gives the same bits.
+@pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype,hidden,rows,pad,weight_dtype,forced", [
+    ("bfloat16", 4096, 2003, 0, "bfloat16", True), ("float16", 8192, 1500, 16, "float32", True),
+    ("bfloat16", 1024, 5001, 8, "float32", True), ("float16", 6144, 1200, 0, "float16", True),
+    ("bfloat16", 4096, 20000, 0, "bfloat16", False)])
+def test_backward_cluster_rounds(rng, monkeypatch, kind, dtype, hidden, rows, pad, weight_dtype, forced):
+    if forced:
+        monkeypatch.setattr(rmsnorm, "STAGED_LEAN_MAX_ROWS", {**rmsnorm.STAGED_LEAN_MAX_ROWS, 1: 2, 2: 2})
+        monkeypatch.setattr(rmsnorm, "CLUSTER_ROUNDS_ROWS", {1: 3, 2: 3})
+    x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), weight_dtype, rng)
+    x, dy = (strided_rows(a, dtype, kind, pad) if pad else to_device(a, dtype, kind) for a in (x_host, dy_host))
+    w = to_device(w_host, weight_dtype, kind)
+    _, rstd = cupyrope.rms_norm(x, w, return_rstd=True)
+    for given in (None, rstd):
+        fresh_plans(monkeypatch)
+        fill_next_allocation_with_nan((rows, hidden), dtype, kind)
+        fill_next_allocation_with_nan((hidden,), weight_dtype, kind)
+        dx, dw = cupyrope.rms_norm_backward(dy, x, w, rstd=given, offset=0.25)
+        plan = planned("bwd")
+        blocks = rmsnorm.CLUSTER_ROUNDS_BLOCKS
+        assert plan.cluster_rounds and plan.name.endswith(f", false, {blocks}>") and plan.split == blocks, plan
+        assert plan.grid % blocks == 0 and rows / plan.grid <= 2 * rmsnorm.CLUSTER_ROUNDS_ROWS[plan.slots], plan
+        if given is None:
+            assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
+        dx_again, dw_again = cupyrope.rms_norm_backward(dy, x, w, rstd=given, offset=0.25)
+        np.testing.assert_array_equal(to_host(dx), to_host(dx_again))
+        np.testing.assert_array_equal(to_host(dw), to_host(dw_again))
+
+
 # rms_norm_fwd_split (v24b, sm_90+): aligned rows past one block's registers from 128 KiB (fp32 over 32K elements,
 # the fp32 fused add's from 32K, fp16/bf16 from 64K) split over a cluster of 2, 4 or 8 blocks, the clusters
 # walking the rows (more rows than clusters: 300): parts of whole chunks and a shorter last one (65544, 32776),
