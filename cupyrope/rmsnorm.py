@@ -586,9 +586,11 @@ def takes_cluster_rounds(plan, weighted: bool, device: int) -> bool:
 
 def cluster_rounds_grid(plan, resident: int, rows: int) -> int:
     """The grid of a plan on rounds of clusters: as many rounds of the `resident` clusters the GPU holds at once as
-    give each block about CLUSTER_ROUNDS_ROWS[plan.slots] rows, at most a cluster for each plan.split rows."""
+    give each block about CLUSTER_ROUNDS_ROWS[plan.slots] rows, at most a cluster for each plan.split rows. At least
+    two clusters: rms_norm_bwd_cluster takes a grid of one cluster for the one-cluster call (dweight written in place of
+    partial rows)."""
     rounds = max(1, -(-rows // (resident * plan.split * CLUSTER_ROUNDS_ROWS[plan.slots])))
-    return plan.split * max(1, min(resident * rounds, -(-rows // plan.split)))
+    return plan.split * max(2, min(resident * rounds, -(-rows // plan.split)))
 
 
 def cluster_bwd_blocks(rows: int) -> int:

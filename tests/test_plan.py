@@ -693,6 +693,8 @@ def test_rms_norm_backward_cluster_rounds_rule(monkeypatch):
     assert rmsnorm.cluster_rounds_grid(many, 30, 16384) == 8 * 30 * 5
     assert rmsnorm.cluster_rounds_grid(many, 30, 3840) == 8 * 30
     assert rmsnorm.cluster_rounds_grid(many, 30, 100) == 8 * 13
+    # Never one cluster: the kernel would take it for the one-cluster call and write dweight, not a partial row.
+    assert rmsnorm.cluster_rounds_grid(many, 30, 5) == rmsnorm.cluster_rounds_grid(many, 1, 5) == 8 * 2
     wide = arr((16384, 8192), "float16")
     two = plan_backward(wide, wide, wide, arr((8192,), "float32"), (8192,) * 3, 16384, 8192, n_sm=132, rounds=True)
     assert two.name == "cupyrope::rms_norm_bwd_cluster<__half, float, 2, 3, false, 8>" and two.name in names, two
