@@ -194,6 +194,28 @@ def test_inputs_on_another_gpu_run_there(rng):
     assert torch.isfinite(q.grad).all() and torch.isfinite(norm.weight.grad).all()
 
 
+@pytest.mark.skipif(n_gpus() < 2, reason="needs 2 GPUs (run it on a 2-GPU machine)")
+@pytest.mark.multigpu
+def test_large_backward_on_another_gpu_gives_the_first_gpus_bits(rng):
+    # Large backward calls (sm_90+: rounds of clusters, v35) size their grid by the input's own GPU's occupancy
+    # query: on cuda:1, with cuda:0 current, dx matches float64 and dx and dweight are cuda:0's bits.
+    import cupy
+
+    rows, hidden = 20000, 4096
+    hosts = [random_host((rows, hidden), "bfloat16", rng) for _ in range(2)] + [random_host((hidden,), "float32", rng)]
+    results = []
+    for device in (0, 1):
+        dy, x, w = (to_device(h, "bfloat16" if h.ndim == 2 else "float32", "cupy", device=device) for h in hosts)
+        dx, dw = cupyrope.rms_norm_backward(dy, x, w)
+        assert dx.device.id == dw.device.id == device and cupy.cuda.runtime.getDevice() == 0
+        results.append((to_host(dx), to_host(dw)))
+    ref_dx, ref_dw = reference.rms_norm_backward(*hosts)
+    assert_matches(results[1][0], ref_dx, "bfloat16", scale=np.abs(ref_dx).max())
+    np.testing.assert_allclose(results[1][1], ref_dw, rtol=1e-4, atol=1e-4 * np.abs(ref_dw).max())
+    for first, second in zip(*results):
+        np.testing.assert_array_equal(first, second)
+
+
 @pytest.mark.huge
 def test_huge_tensors_past_2_31_elements(rng):
     import cupy
