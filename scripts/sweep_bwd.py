@@ -1,8 +1,9 @@
 """RMSNorm backward tuning sweep on a GPU: planner settings x shapes (not the benchmark suite).
 
-Usage: python scripts/sweep_bwd.py [--peers] [--xw] [--eager] [big|mid|table|odd|lean|wide|two|two16|small|ab|rounds] SETTING ...
-(--xw: the weight in x's dtype, as the benchmark suite has it; default fp32; --eager: each setting's eager µs a call
-too, after its GPU time)
+Usage: python scripts/sweep_bwd.py [--peers] [--xw] [--rstd] [--eager] [big|mid|table|odd|lean|wide|two|two16|small|ab|rounds] SETTING ...
+(--xw: the weight in x's dtype, as the benchmark suite has it; default fp32; --rstd: rstd given, as the benchmark suite
+and the torch layer's autograd pass it; default recomputed; --eager: each setting's eager µs a call too, after its GPU
+time)
 (odd: odd hidden sizes and ones whose chunks are not a power of two)
 A SETTING is a comma-separated list of rmsnorm planner constants, e.g. "STAGED_LOOKAHEAD_BYTES=65536,STAGED_ROW_THREADS=256";
 "old" is the unstaged kernel (STAGED_MIN_ROW_BYTES above every row). Each setting is checked against
@@ -74,6 +75,11 @@ SMALL = [(r, h, torch.bfloat16) for h in (1024, 4096, 8192) for r in (1, 8, 16, 
 SMALL += [(r, 8192, torch.float32) for r in (1, 16, 64)] + [(r, 2053, torch.float16) for r in (8, 64)]
 
 
+def backward_given_rstd(x, w, dy):
+    rstd = cupyrope.rms_norm(x, w, return_rstd=True)[1]
+    return lambda: cupyrope.rms_norm_backward(dy, x, w, rstd)
+
+
 def input_copies(rows, hidden, dt, weight_dtype=torch.float32):
     """(bytes of x and dy, enough (x, weight, dy) copies to defeat the L2)."""
     nbytes = 2 * rows * hidden * torch.finfo(dt).bits // 8
@@ -104,7 +110,8 @@ def main():
             dx, dw = cupyrope.rms_norm_backward(dy, x, w)
             check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), (dx, dw))
             names.append(next(p.name for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd").split("::")[1])
-            times.append(time_us(lambda x, w, dy: (lambda: cupyrope.rms_norm_backward(dy, x, w)), copies))
+            times.append(time_us(backward_given_rstd if "--rstd" in args else
+                                 lambda x, w, dy: (lambda: cupyrope.rms_norm_backward(dy, x, w)), copies))
             if "--eager" in args:
                 eager.append(bench.eager_time_us(torch, [lambda: cupyrope.rms_norm_backward(dy, x, w)]))
         if with_peers and "liger" in peers():
