@@ -185,6 +185,16 @@ def fill_next_allocation_with_nan(shape, dtype, kind):
     poison(to_device(np.zeros(shape), dtype, kind))
 
 
+def poisoned_backward(monkeypatch, kind, dy, x, w, rstd, dtype, weight_dtype):
+    """rms_norm_backward(dy, x, w, rstd, offset=0.25) planned afresh, into NaN-filled dx and dweight blocks: (dx,
+    dweight, the plan it took)."""
+    fresh_plans(monkeypatch)
+    fill_next_allocation_with_nan(tuple(x.shape), dtype, kind)
+    fill_next_allocation_with_nan((x.shape[-1],), weight_dtype, kind)
+    dx, dw = cupyrope.rms_norm_backward(dy, x, w, rstd=rstd, offset=0.25)
+    return dx, dw, planned("bwd")
+
+
 def assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype="float32"):
     """rms_norm_backward(dy, x, w, offset=0.25) = (dx, dw): every row of dx against float64, dweight within
     its terms' sum (and one rounding to a 16-bit weight's dtype), and bitwise the same dweight from a second call."""
@@ -316,11 +326,7 @@ def test_backward_one_cluster(rng, monkeypatch, kind, dtype, hidden, rows, pad_o
     w = to_device(w_host, weight_dtype, kind)
     _, rstd = cupyrope.rms_norm(x, w, return_rstd=True)
     for given in (None, rstd):
-        fresh_plans(monkeypatch)
-        fill_next_allocation_with_nan((rows, hidden), dtype, kind)
-        fill_next_allocation_with_nan((hidden,), weight_dtype, kind)
-        dx, dw = cupyrope.rms_norm_backward(dy, x, w, rstd=given, offset=0.25)
-        plan = planned("bwd")
+        dx, dw, plan = poisoned_backward(monkeypatch, kind, dy, x, w, given, dtype, weight_dtype)
         blocks = rmsnorm.cluster_bwd_blocks(rows)
         assert plan.one_cluster and plan.name.startswith("cupyrope::rms_norm_bwd_cluster<"), plan
         assert plan.grid == blocks and plan.name.endswith(f", {blocks}>"), plan
@@ -358,11 +364,7 @@ def test_backward_cluster_rounds(rng, monkeypatch, kind, dtype, hidden, rows, pa
     w = to_device(w_host, weight_dtype, kind)
     _, rstd = cupyrope.rms_norm(x, w, return_rstd=True)
     for given in (None, rstd):
-        fresh_plans(monkeypatch)
-        fill_next_allocation_with_nan((rows, hidden), dtype, kind)
-        fill_next_allocation_with_nan((hidden,), weight_dtype, kind)
-        dx, dw = cupyrope.rms_norm_backward(dy, x, w, rstd=given, offset=0.25)
-        plan = planned("bwd")
+        dx, dw, plan = poisoned_backward(monkeypatch, kind, dy, x, w, given, dtype, weight_dtype)
         blocks = rmsnorm.CLUSTER_ROUNDS_BLOCKS
         assert plan.cluster_rounds and plan.name.endswith(f", false, {blocks}>") and plan.split == blocks, plan
         assert plan.grid % blocks == 0 and rows / plan.grid <= 2 * rmsnorm.CLUSTER_ROUNDS_ROWS[plan.slots], plan
