@@ -75,6 +75,10 @@ SMALL = [(r, h, torch.bfloat16) for h in (1024, 4096, 8192) for r in (1, 8, 16, 
 SMALL += [(r, 8192, torch.float32) for r in (1, 16, 64)] + [(r, 2053, torch.float16) for r in (8, 64)]
 
 
+def backward(x, w, dy):
+    return lambda: cupyrope.rms_norm_backward(dy, x, w)
+
+
 def backward_given_rstd(x, w, dy):
     rstd = cupyrope.rms_norm(x, w, return_rstd=True)[1]
     return lambda: cupyrope.rms_norm_backward(dy, x, w, rstd)
@@ -97,6 +101,7 @@ def main():
             "small": SMALL, "ab": AB, "rounds": ROUNDS}
     shapes = sets[next((a for a in args if a in sets), "big")]
     settings = [a for a in args if not a.startswith("--") and a not in sets] or ["old", ""]
+    backward_call = backward_given_rstd if "--rstd" in args else backward
     bw = bench.copy_bandwidth_gbps(torch)
     print(f"{torch.cuda.get_device_name()}; copy bandwidth {bw:.0f} GB/s; backward GPU us and % of it")
     header = ["shape"] + [s or "default" for s in settings] + (["liger"] if with_peers else [])
@@ -110,10 +115,9 @@ def main():
             dx, dw = cupyrope.rms_norm_backward(dy, x, w)
             check(x, w, dy, cupyrope.rms_norm(x, w, 1e-6), (dx, dw))
             names.append(next(p.name for k, p in rmsnorm._plans._plans.items() if k[0] == "bwd").split("::")[1])
-            times.append(time_us(backward_given_rstd if "--rstd" in args else
-                                 lambda x, w, dy: (lambda: cupyrope.rms_norm_backward(dy, x, w)), copies))
+            times.append(time_us(backward_call, copies))
             if "--eager" in args:
-                eager.append(bench.eager_time_us(torch, [lambda: cupyrope.rms_norm_backward(dy, x, w)]))
+                eager.append(bench.eager_time_us(torch, [backward_call(x, w, dy)]))
         if with_peers and "liger" in peers():
             times.append(time_us(peers()["liger"][1], copies, capture=False))
         moved = nbytes * 1.5

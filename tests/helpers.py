@@ -6,7 +6,9 @@ import functools
 import numpy as np
 import pytest
 
-from cupyrope.reference import round_to, tolerance
+import cupyrope
+from cupyrope import reference
+from cupyrope.reference import round_to, tolerance, ulp
 
 
 @functools.cache
@@ -155,3 +157,17 @@ def assert_matches(out: np.ndarray, ref: np.ndarray, dtype: str, scale: float = 
         f"{what}: {np.count_nonzero(err > tol)} of {err.size} elements off; worst |{out.flat[worst]} - "
         f"{ref.flat[worst]}| = {err.flat[worst]:.3g} > {tol.flat[worst]:.3g}"
     )
+
+
+def assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype="float32"):
+    """rms_norm_backward(dy, x, w, offset=0.25) = (dx, dw): every row of dx against float64, dweight within
+    its terms' sum (and one rounding to a 16-bit weight's dtype), and bitwise the same dweight from a second call."""
+    ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host, offset=0.25)
+    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
+    scale = np.abs(dy_host * (w_host + 0.25) * rstd_ref[:, None]).max()
+    assert_matches(to_host(dx), ref_dx, dtype, scale=scale, what="dx")
+    terms = np.abs(dy_host * x_host * rstd_ref[:, None]).sum(0)
+    err = np.abs(to_host(dw) - ref_dw)
+    tol = 4e-6 * terms + (0 if weight_dtype == "float32" else ulp(ref_dw, weight_dtype))
+    assert np.all(err <= tol), f"dweight: worst {err.max():.3g}"
+    np.testing.assert_array_equal(to_host(cupyrope.rms_norm_backward(dy, x, w, offset=0.25)[1]), to_host(dw))

@@ -8,8 +8,8 @@ import pytest
 import cupyrope
 from cupyrope import _arrays, reference, rmsnorm
 from cupyrope.reference import ulp
-from helpers import (DTYPES, KINDS, assert_matches, n_gpus, outside_rows, poison, random_host, requires_gpu,
-                     requires_torch_cuda, to_device, to_host, unaligned_view)
+from helpers import (DTYPES, KINDS, assert_backward_with_offset, assert_matches, n_gpus, outside_rows, poison,
+                     random_host, requires_gpu, requires_torch_cuda, to_device, to_host, unaligned_view)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -193,20 +193,6 @@ def poisoned_backward(monkeypatch, kind, dy, x, w, rstd, dtype, weight_dtype):
     fill_next_allocation_with_nan((x.shape[-1],), weight_dtype, kind)
     dx, dw = cupyrope.rms_norm_backward(dy, x, w, rstd=rstd, offset=0.25)
     return dx, dw, planned("bwd")
-
-
-def assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype="float32"):
-    """rms_norm_backward(dy, x, w, offset=0.25) = (dx, dw): every row of dx against float64, dweight within
-    its terms' sum (and one rounding to a 16-bit weight's dtype), and bitwise the same dweight from a second call."""
-    ref_dx, ref_dw = reference.rms_norm_backward(dy_host, x_host, w_host, offset=0.25)
-    rstd_ref = reference.rms_norm(x_host, None, return_rstd=True)[1]
-    scale = np.abs(dy_host * (w_host + 0.25) * rstd_ref[:, None]).max()
-    assert_matches(to_host(dx), ref_dx, dtype, scale=scale, what="dx")
-    terms = np.abs(dy_host * x_host * rstd_ref[:, None]).sum(0)
-    err = np.abs(to_host(dw) - ref_dw)
-    tol = 4e-6 * terms + (0 if weight_dtype == "float32" else ulp(ref_dw, weight_dtype))
-    assert np.all(err <= tol), f"dweight: worst {err.max():.3g}"
-    np.testing.assert_array_equal(to_host(cupyrope.rms_norm_backward(dy, x, w, offset=0.25)[1]), to_host(dw))
 
 
 def assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind):
