@@ -2,11 +2,10 @@
 with NVRTC (no compiler toolchain, no build step)."""
 
 from . import reference, rope_scaling
-from ._cupy import vet_cache_dir
-from ._compile import KernelCompileError
-from ._launch import pdl_mode, set_pdl
-from .rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_backward
-from .rope import rope, rope_, rope_cache, rope_qk, rope_qk_cos_sin
+from ._runtime.compile import KernelCompileError, NoGPUError, vet_cache_dir
+from ._runtime.launch import pdl_mode, set_pdl
+from .ops.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_backward
+from .ops.rope import rope, rope_, rope_cache, rope_qk, rope_qk_cos_sin
 
 __version__ = "0.1.0"
 
@@ -14,6 +13,7 @@ vet_cache_dir()  # before anything imports CuPy: an unusable cache directory wou
 
 __all__ = [
     "KernelCompileError",
+    "NoGPUError",
     "fused_add_rms_norm",
     "pdl_mode",
     "reference",

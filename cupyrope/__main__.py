@@ -1,5 +1,8 @@
-"""python -m cupyrope {info,compile,check,bench}: environment report, compile-only build of every
-kernel variant (no GPU needed), GPU self-check against the float64 references, quick benchmark."""
+"""cupyrope's command line: ``python -m cupyrope`` (or ``cupyrope``) info | compile | check | bench.
+
+Exit codes: 0 done; 1 a failure (a check failed, a kernel did not compile, a missing dependency); 2 bad
+arguments; 3 no CUDA GPU or no CUDA driver on this machine (check, bench).
+"""
 
 import argparse
 import concurrent.futures
@@ -8,29 +11,30 @@ import platform
 import sys
 import time
 
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 3
+
 
 def _info(_args) -> int:
     import cupyrope
 
     print(f"cupyrope {cupyrope.__version__} on Python {platform.python_version()}")
     try:
-        from ._cupy import import_cupy
+        from ._runtime.compile import (NoGPUError, arch_unsupported, cache_dir, cuda_include_dir, device_count,
+                                       import_cupy, nvrtc_version)
 
         cupy = import_cupy()
-        from ._compile import arch_unsupported, cuda_include_dir
-
         headers = cuda_include_dir()
         if headers and not os.path.isfile(os.path.join(headers, "cuda_bf16.h")):
             headers = f"{headers} (no cuda_bf16.h there: fp16/bf16 kernels will not compile)"
-        print(f"CuPy {cupy.__version__}; NVRTC {'.'.join(map(str, cupy.cuda.nvrtc.getVersion()))}; "
+        print(f"CuPy {cupy.__version__}; NVRTC {nvrtc_version()}; "
               f"CUDA headers {headers or 'not found: pip install the cuda12 or cuda13 extra'}")
-        print(f"CuPy cache: {os.environ.get('CUPY_CACHE_DIR', '~/.cupy/kernel_cache')}")
+        print(f"kernel cache: {cache_dir()}")
         try:
-            n = cupy.cuda.runtime.getDeviceCount()
-        except cupy.cuda.runtime.CUDARuntimeError as error:
-            print(f"no CUDA device: {error}")
-            n = 0
-        for d in range(n):
+            count = device_count()
+        except NoGPUError as error:
+            print(f"GPU: {error}")
+            count = 0
+        for d in range(count):
             props = cupy.cuda.runtime.getDeviceProperties(d)
             arch = f"sm_{props['major']}{props['minor']}"
             print(f"cuda:{d} {props['name'].decode()} {arch} "
@@ -46,43 +50,75 @@ def _info(_args) -> int:
         print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, available: {torch.cuda.is_available()})")
     except ImportError:
         print("torch: not installed (optional)")
-    return 0
+    return EXIT_OK
 
 
-def compile_variants(arch: str, jobs: int):
-    from ._compile import compile_all
-    from ._variants import all_variants
+def compile_variants(arch: str, jobs: int, *, cache: bool = True, force: bool = False):
+    """compile_all over every kernel variant in ``jobs`` threads (NVRTC releases the GIL)."""
+    from ._runtime.compile import compile_all
+    from .ops import all_variants
 
     variants = all_variants()
     chunks = [variants[i::jobs] for i in range(jobs)]
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        results = [r for part in pool.map(lambda c: compile_all(arch, c), chunks) for r in part]
-    return results
+        parts = pool.map(lambda chunk: compile_all(arch, chunk, cache=cache, force=force), chunks)
+        return [result for part in parts for result in part]
+
+
+def _default_arch() -> str:
+    """The architecture of the GPUs on this machine (comma-separated), for compile without --arch."""
+    from ._runtime.compile import NoGPUError, device_count, import_cupy
+
+    try:
+        count = device_count()
+    except NoGPUError as error:
+        raise ValueError(f"arch: {error}; name the GPU's architecture, e.g. --arch sm_90") from None
+    cupy = import_cupy()
+    archs = []
+    for d in range(count):
+        arch = "sm_" + "".join(map(str, cupy.cuda.Device(d).compute_capability))
+        if arch not in archs:
+            archs.append(arch)
+    return ",".join(archs)
 
 
 def _compile(args) -> int:
-    from ._compile import KernelCompileError, checked_arch
+    from ._runtime.compile import KernelCompileError, cache_dir, checked_arch
 
     try:
-        archs = [checked_arch(a) for a in args.arch.split(",")]  # all checked before the first compile
+        archs = [checked_arch(a) for a in (args.arch or _default_arch()).split(",")]  # all checked first
         for arch in archs:
             start = time.perf_counter()
-            results = compile_variants(arch, args.jobs)
+            results = compile_variants(arch, args.jobs, cache=not args.check_only, force=args.force)
             if args.verbose:
-                for source, name, size in results:
-                    print(f"{source}: {name}: {size} bytes")
-            print(f"compiled {len(results)} kernel variants for {arch} in {time.perf_counter() - start:.1f} s",
+                for source, name, size, compiled in results:
+                    print(f"{source}: {name}: {size} bytes{'' if compiled else ' (cached)'}")
+            compiled = sum(r[3] for r in results)
+            where = "checked only, nothing kept" if args.check_only else (
+                f"{compiled} compiled, {len(results) - compiled} already in the kernel cache {cache_dir()}")
+            print(f"{arch}: {len(results)} kernel variants ({where}) in {time.perf_counter() - start:.1f} s",
                   flush=True)
     except (KernelCompileError, ValueError) as error:
         print(f"cupyrope compile: {error}", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _check(_args) -> int:
-    from .selfcheck import run_selfcheck
+    from ._runtime.compile import KernelCompileError
+    from .check import run_checks
 
-    return run_selfcheck()
+    try:
+        return EXIT_OK if run_checks() else EXIT_FAILED
+    except KernelCompileError as error:
+        print(f"cupyrope check: FAIL: {error}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _bench(args) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args)
 
 
 def _positive_int(text: str) -> int:
@@ -92,19 +128,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _bench(args) -> int:
-    from .bench import main as bench_main
-
-    return bench_main(args)
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupyrope", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cupyrope", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, CUDA devices, cache location").set_defaults(func=_info)
-    p = sub.add_parser("compile", help="compile every kernel variant with NVRTC alone (no GPU needed)")
-    p.add_argument("--arch", default="sm_90", help="target architecture(s), e.g. sm_90 or sm_80,sm_90,sm_100")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    sub.add_parser("info", help="versions, CUDA devices, kernel cache location").set_defaults(func=_info)
+    p = sub.add_parser("compile", help="build every kernel variant into the kernel cache ahead of time (no GPU "
+                                       "needed), so that first calls load them instead of compiling")
+    p.add_argument("--arch", help="target GPU architecture(s): sm_90, 90 or 9.0; several: sm_80,sm_90 (default: "
+                                  "the GPUs of this machine)")
+    p.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1)
+    p.add_argument("--force", action="store_true", help="compile again what the cache already holds")
+    p.add_argument("--check-only", action="store_true", help="only check that every variant compiles; keep nothing")
     p.add_argument("--verbose", action="store_true")
     p.set_defaults(func=_compile)
     sub.add_parser("check", help="run every op on the GPU against the float64 references").set_defaults(func=_check)
@@ -118,7 +153,13 @@ def main(argv=None) -> int:
     p.add_argument("--from-json", help="re-render tables and plot from a saved --json file (no GPU needed)")
     p.set_defaults(func=_bench)
     args = parser.parse_args(argv)
-    return args.func(args)
+    from ._runtime.compile import NoGPUError
+
+    try:
+        return args.func(args)
+    except NoGPUError as error:
+        print(f"cupyrope {args.command}: {error}", file=sys.stderr)
+        return EXIT_NO_GPU
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import reference
 
-L2_BYTES_FLOOR = 2 * 50 * 2**20  # H100: 50 MB of L2; inputs rotate over at least twice that
+L2_BYTES = 50 * 2**20  # at least this much L2 (an H100's; the device's own size is read where torch has CUDA)
 MAX_COPIES = 64
 CHECK_ROWS = 256
 GRAPH_TARGET_US = 2000.0  # calls per graph chosen so one replay lasts about this long
@@ -158,8 +158,19 @@ def host_only_us(fn, synchronize, calls=400, repeats=15) -> float:
     return statistics.median(times)
 
 
+def l2_bytes() -> int:
+    try:
+        import torch
+
+        return max(L2_BYTES, torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size)
+    except Exception:  # no torch, or no CUDA device: the floor
+        return L2_BYTES
+
+
 def copies_for(nbytes: int) -> int:
-    return max(1, min(MAX_COPIES, math.ceil(L2_BYTES_FLOOR / max(nbytes, 1))))
+    """Input copies a case rotates over: enough that their total is at least twice the L2, so no round reads
+    what the previous one left in the cache."""
+    return max(1, min(MAX_COPIES, math.ceil(2 * l2_bytes() / max(nbytes, 1))))
 
 
 # ------------------------------------------------------------------------------------------- providers
@@ -508,7 +519,7 @@ def _write_plot(rows, path):
         plot(rows, path)
         print(f"plot: {path}")
     except ImportError:
-        print("no plot: matplotlib is not installed (pip install matplotlib, or render the --json file "
+        print("no plot: matplotlib is not installed (pip install \"cupyrope[bench]\", or render the --json file "
               "elsewhere with: python -m cupyrope bench --from-json FILE --plot PNG)")
 
 
@@ -534,14 +545,19 @@ def main(args) -> int:
         print(saved["environment"])
         _report(saved["results"], saved["copy_gbps"], args)
         return 0
+    from ._runtime.compile import device_count
+
+    device_count()  # NoGPUError where there is no GPU or driver
     try:
         import torch
     except ImportError:
-        print("python -m cupyrope bench needs torch with CUDA (the peers are torch libraries)")
-        return 2
+        print("cupyrope bench: needs torch with CUDA (the peers are torch libraries): install it as pytorch.org says "
+              "for your CUDA version", file=sys.stderr)
+        return 1
     if not torch.cuda.is_available():
-        print("python -m cupyrope bench: no CUDA device")
-        return 2
+        print(f"cupyrope bench: this torch ({torch.__version__}) has no CUDA support; install a CUDA build",
+              file=sys.stderr)
+        return 1
     copy_gbps = copy_bandwidth_gbps(torch)
     env = f"{environment(torch)}; device copy bandwidth {copy_gbps:.0f} GB/s (read + write)"
     print(env)

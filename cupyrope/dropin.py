@@ -1,24 +1,22 @@
 """Drop-in replacements for the RoPE call sites of transformers, Liger, vLLM and FlashInfer, with their
-signatures and semantics, on cupyrope's kernels; and ``patch_transformers(model)``, which swaps them
-into a loaded Hugging Face model after checking that they compute what the model's own code does.
+signatures and semantics, on cupyrope's kernels (``cupyrope.patch.patch_transformers`` swaps them into a loaded
+Hugging Face model).
 
 Their cos/sin arrive as tensors (transformers) or as a vLLM-layout table (vLLM, FlashInfer). The
 kernels read transformers' per-token cos and sin where they lie (``rope_qk_cos_sin``: one launch, no
 table, no positions) and vLLM's table by position.
 """
 
-import copy
 import functools
-import sys
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import torch as ct
-from .rope import rope_ as _rope_inplace
+from .ops.rope import rope_ as _rope_inplace
 
-__all__ = ["apply_rotary_pos_emb", "patch_transformers", "rotary_embedding"]
+__all__ = ["apply_rotary_pos_emb", "rotary_embedding"]
 
 COS_LAYOUTS = ("halves", "interleaved")
 
@@ -131,182 +129,3 @@ def _heads_view(t: Tensor, name: str, positions: Tensor, head_size: int) -> Tens
     except RuntimeError:
         raise ValueError(f"{name}: its strides {t.stride()} do not split into heads of {head_size} without a copy; "
                          "the heads of one token must be evenly spaced and each head contiguous") from None
-
-
-# ------------------------------------------------------------------------------------ patch_transformers
-
-
-class _Skip(Exception):
-    """Why one module or function of a model is left as it is."""
-
-
-def patch_transformers(model: torch.nn.Module, *, rope: bool = True, rms_norm: bool = True) -> dict:
-    """Swap cupyrope into a loaded Hugging Face model, in place: each ``*RMSNorm`` submodule becomes a
-    ``cupyrope.torch.RMSNorm`` sharing its weight, and the ``apply_rotary_pos_emb`` of each modeling
-    module the model uses becomes ``apply_rotary_pos_emb`` above (for every model of that type in the
-    process, as Liger's patches do).
-
-    Nothing is swapped on trust: each candidate is first run on small random CPU inputs next to its
-    replacement (RMSNorm: which of ``weight`` or ``1 + weight`` it scales by, with its own eps; RoPE: the
-    model's own rotary embedding gives cos/sin, whose layout and rotation style must be matched), and
-    left alone when they disagree. Returns ``{"rms_norm": [module names], "rope": [modeling modules],
-    "skipped": [(name, reason)]}``."""
-    report = {"rms_norm": [], "rope": [], "skipped": []}
-    if rms_norm:
-        _swap_rms_norms(model, report)
-    if rope:
-        _patch_rope_functions(model, report)
-    return report
-
-
-def _swap_rms_norms(model, report) -> None:
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if not type(child).__name__.endswith("RMSNorm") or isinstance(child, ct.RMSNorm):
-                continue
-            full_name = f"{parent_name}.{name}" if parent_name else name
-            try:
-                eps, offset = _rms_norm_behaviour(child)
-            except _Skip as why:
-                report["skipped"].append((full_name, str(why)))
-                continue
-            new = ct.RMSNorm(child.weight.shape[0], eps=eps, offset=offset, device="meta")
-            new.weight = child.weight  # the same Parameter: tied weights and optimizer state stay as they are
-            new.train(child.training)
-            if hasattr(child, "variance_epsilon"):  # transformers' name, which other code may read
-                new.variance_epsilon = eps
-            setattr(parent, name, new)
-            report["rms_norm"].append(full_name)
-
-
-def _rms_norm_behaviour(module) -> tuple[float, float]:
-    """(eps, offset) with which cupyrope's RMSNorm computes what ``module`` does, or _Skip."""
-    weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
-        raise _Skip("no 1-D weight parameter")
-    if not isinstance(eps, (int, float)) or not eps > 0:
-        raise _Skip("no positive variance_epsilon or eps attribute")
-    if module._forward_hooks or module._forward_pre_hooks:
-        raise _Skip("has forward hooks (e.g. accelerate's offloading), which a new module would lose")
-    try:
-        probe = copy.deepcopy(module).to(device="cpu", dtype=torch.float32)
-    except Exception as error:  # e.g. weights on the meta device
-        raise _Skip(f"cannot be copied to the CPU to check it ({type(error).__name__})") from None
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        probe.weight.copy_(torch.randn(probe.weight.shape, generator=g))
-        xs = [torch.randn(3, weight.shape[0], generator=g) * scale for scale in (1.0, 1e-3)]  # 1e-3: eps matters
-        try:
-            expected = [probe(x).float() for x in xs]
-        except Exception as error:
-            raise _Skip(f"its forward fails on a (3, hidden) input ({type(error).__name__})") from None
-        offsets = [offset for offset in (0.0, 1.0)
-                   if all(_close(ct.rms_norm(x, probe.weight, float(eps), offset), e) for x, e in zip(xs, expected))]
-    if len(offsets) != 1:
-        raise _Skip("computes neither x / rms(x) * weight nor x / rms(x) * (1 + weight) with its eps")
-    return float(eps), offsets[0]
-
-
-def _close(got: Tensor, expected: Tensor) -> bool:
-    return got.shape == expected.shape and torch.allclose(got.float(), expected.float(), rtol=1e-5, atol=1e-5)
-
-
-def _patch_rope_functions(model, report) -> None:
-    modeling_modules = {}
-    for module in model.modules():
-        source = sys.modules.get(type(module).__module__)
-        if callable(getattr(source, "apply_rotary_pos_emb", None)):
-            modeling_modules[source.__name__] = source
-    for name, source in modeling_modules.items():
-        original = source.apply_rotary_pos_emb
-        if getattr(original, "func", None) is apply_rotary_pos_emb:
-            continue  # patched already
-        try:
-            pairs = _model_cos_sin(model, source)
-            layouts = [_cos_layout(cos) for cos, _ in pairs]
-            styles = {_matching_style(original, cos, sin, layout) for (cos, sin), layout in zip(pairs, layouts)}
-            if len(set(layouts)) != 1 or len(styles) != 1:
-                raise _Skip("its rotary embeddings (one per layer type) differ in cos layout or rotation style")
-        except _Skip as why:
-            report["skipped"].append((f"{name}.apply_rotary_pos_emb", str(why)))
-            continue
-        source.apply_rotary_pos_emb = functools.partial(apply_rotary_pos_emb, style=styles.pop(), cos_layout=layouts[0])
-        report["rope"].append(name)
-
-
-def _cos_sin_of(module, x, positions, layer_types) -> list[tuple[Tensor, Tensor]]:
-    """A rotary embedding module's (cos, sin) at ``positions`` for each layer type, in fp32 on the CPU."""
-    pairs = []
-    with torch.no_grad():
-        for layer_type in layer_types:
-            args = (x, positions) if layer_type is None else (x, positions, layer_type)
-            pairs.append(tuple(t.float().cpu() for t in module(*args)))
-    return pairs
-
-
-def _model_cos_sin(model, source) -> list[tuple[Tensor, Tensor]]:
-    """(cos, sin) pairs, (1, 16, rotary_dim) at positions 1-16, from each rotary embedding module of the
-    model defined in ``source`` (each layer type of each), in fp32 on the CPU; _Skip unless they are."""
-    pairs = []
-    for module in model.modules():
-        if type(module).__module__ != source.__name__ or not type(module).__name__.endswith("RotaryEmbedding"):
-            continue
-        tensor = next(iter(module.buffers()), None)
-        device = tensor.device if tensor is not None else torch.device("cpu")
-        x = torch.zeros(1, device=device)
-        positions = torch.arange(1, 17, device=device)[None]
-        layer_types = getattr(module, "layer_types", None) or [None]
-        try:
-            pairs += _cos_sin_of(module, x, positions, layer_types)
-        except Exception as error:
-            try:  # multimodal RoPE of transformers up to ~5.17: one row of positions each for time, height, width
-                pairs += _cos_sin_of(module, x, positions.expand(3, 1, 16), layer_types)
-            except Exception:
-                raise _Skip(f"its {type(module).__name__} fails on (x, position_ids) ({type(error).__name__})") from None
-    if not pairs:
-        raise _Skip("no *RotaryEmbedding module of this modeling module in the model to read cos/sin from")
-    shapes = {tuple(c.shape) for c, _ in pairs}
-    if any(len(shape) != 3 or shape[:2] != (1, 16) for shape in shapes):
-        raise _Skip(f"its rotary embeddings give cos of shapes {sorted(shapes)}, expected (1, 16, rotary_dim)")
-    return pairs
-
-
-def _cos_layout(cos: Tensor) -> str:
-    half = cos.shape[-1] // 2
-    if torch.equal(cos[..., :half], cos[..., half:]):
-        return "halves"
-    if torch.equal(cos[..., 0::2], cos[..., 1::2]):
-        return "interleaved"
-    raise _Skip("its cos holds neither two equal halves nor equal neighbours (one value per frequency)")
-
-
-def _matching_style(original, cos, sin, layout) -> str:
-    """The rotation style ("neox" or "gptj") whose result equals ``original``'s on random q and k, in
-    both of transformers' call forms (q (B, H, S, D), and (B, S, H, D) with unsqueeze_dim=2) and with a
-    head_dim above rotary_dim where ``original`` takes one; _Skip unless exactly one matches."""
-    g = torch.Generator().manual_seed(0)
-    rotary_dim = cos.shape[-1]
-    full = (torch.randn(1, 4, 16, rotary_dim, generator=g), torch.randn(1, 2, 16, rotary_dim, generator=g))
-    wide = (torch.randn(1, 4, 16, rotary_dim + 16, generator=g), torch.randn(1, 2, 16, rotary_dim + 16, generator=g))
-    cases = [(full, {}), ((full[0].transpose(1, 2), full[1].transpose(1, 2)), {"unsqueeze_dim": 2}), (wide, {})]
-    checked = []  # (q, k, options, original's result) of each call form the original takes
-    for index, ((q, k), options) in enumerate(cases):
-        try:
-            checked.append((q, k, options, original(q, k, cos, sin, **options)))
-        except Exception as error:
-            if index == 0:
-                raise _Skip(f"it fails on (q, k, cos, sin) ({type(error).__name__})") from None
-            # else the model never calls it that way
-
-    def matches(style):
-        for q, k, options, expected in checked:
-            got = apply_rotary_pos_emb(q, k, cos, sin, style=style, cos_layout=layout, **options)
-            if not (isinstance(expected, tuple) and len(expected) == 2 and all(map(_close, got, expected))):
-                return False
-        return True
-
-    styles = [style for style in ("neox", "gptj") if matches(style)]
-    if len(styles) != 1:
-        raise _Skip(f"its results match {'both' if styles else 'neither'} of cupyrope's rotation styles")
-    return styles[0]

@@ -2,13 +2,38 @@
 
 They follow the same definitions as the kernels: vLLM's cos/sin cache layout (cos half, then sin
 half), NeoX pairs (i, i + r/2), GPT-J pairs (2i, 2i + 1), and y = x / sqrt(mean(x^2) + eps) * (w + offset).
+They take NumPy arrays (or anything np.asarray takes) of any float dtype, compute in float64, and run the
+ops' own argument checks first, so bad input raises what the GPU functions raise.
 """
 
 import numpy as np
 
+from ._runtime.arrays import describe_host
+from .ops import rmsnorm_checks, rope_checks
 from .rope_scaling import frequencies, inv_freq  # noqa: F401 (inv_freq: part of the reference API)
 
+_FLOAT64 = ("float64",)
+
+
+def _float64(value, name: str):
+    """value as a float64 NumPy array and its description for the checks; a TypeError where it is not numbers."""
+    array = np.asarray(value)
+    if array.dtype.kind not in "fiub" and str(array.dtype) != "bfloat16":
+        raise TypeError(f"{name}: expected an array of numbers, got dtype {array.dtype}")
+    array = np.ascontiguousarray(array, dtype=np.float64)
+    return array, describe_host(array, name, numpy_ok=True)
+
+
+def _optional_float64(value, name: str):
+    return (None, None) if value is None else _float64(value, name)
+
+
+def _integers(value, name: str):
+    array = np.asarray(value)
+    return array, describe_host(array, name, numpy_ok=True)
+
 STYLES = ("neox", "gptj")
+_ROUNDED = ("float32", "float16", "bfloat16")
 
 
 def round_to(values, dtype: str) -> np.ndarray:
@@ -74,8 +99,11 @@ def _cos_sin(positions, leading_ndim, rotary_dim, theta, cos_sin_cache):
 
 def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False):
     """Rotate x (..., head_dim) by positions (aligned from the left with x's leading dimensions)."""
-    x = np.asarray(x, dtype=np.float64)
-    rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    x, xa = _float64(x, "x")
+    positions, pa = _integers(positions, "positions")
+    cos_sin_cache, ca = _optional_float64(cos_sin_cache, "cos_sin_cache")
+    rotary_dim = rope_checks.check_rope(xa, pa, ca, None, theta=theta, style=style, rotary_dim=rotary_dim,
+                                        inverse=inverse, impl="auto", dtypes=_FLOAT64)
     cos, sin = _cos_sin(positions, x.ndim - 1, rotary_dim, theta, cos_sin_cache)
     return _rotate(x, cos, sin, style, rotary_dim, inverse)
 
@@ -84,10 +112,13 @@ def rope_cos_sin(x, cos, sin, *, style="neox", rotary_dim=None, freq_step=1, inv
     """Rotate x (..., head_dim) by per-token cos and sin (..., columns) whose leading dimensions align
     with x's from the left (size-1 ones broadcast); frequency f at column f * freq_step
     (cupyrope.rope_qk_cos_sin's definition)."""
-    x = np.asarray(x, dtype=np.float64)
-    rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    x, xa = _float64(x, "x")
+    cos, cos_a = _float64(cos, "cos")
+    sin, sin_a = _float64(sin, "sin")
+    rotary_dim, _ = rope_checks.check_rope_qk_cos_sin(xa, xa, cos_a, sin_a, rotary_dim=rotary_dim, freq_step=freq_step,
+                                                      style=style, inverse=inverse, impl="auto", dtypes=_FLOAT64)
     pad = (1,) * (x.ndim - np.ndim(cos))
-    cos, sin = (np.asarray(t, dtype=np.float64)[..., 0 : freq_step * (rotary_dim // 2) : freq_step] for t in (cos, sin))
+    cos, sin = (t[..., 0 : freq_step * (rotary_dim // 2) : freq_step] for t in (cos, sin))
     cos, sin = (t.reshape(t.shape[:-1] + pad + t.shape[-1:]) for t in (cos, sin))
     return _rotate(x, cos, sin, style, rotary_dim, inverse)
 
@@ -112,20 +143,24 @@ def _rotate(x, cos, sin, style, rotary_dim, inverse):
 
 def rms_norm(x, weight=None, eps=1e-6, offset=0.0, return_rstd=False):
     """y = x / sqrt(mean(x^2) + eps) * (weight + offset); without weight, y = x / rms."""
-    x = np.asarray(x, dtype=np.float64)
+    x, xa = _float64(x, "x")
+    weight, wa = _optional_float64(weight, "weight")
+    rmsnorm_checks.check_forward(xa, wa, None, eps=eps, offset=offset, impl="auto", dtypes=_FLOAT64)
     rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1) + eps)
     y = x * rstd[..., None]
     if weight is not None:
-        y = y * (np.asarray(weight, dtype=np.float64) + offset)
+        y = y * (weight + offset)
     return (y, rstd) if return_rstd else y
 
 
 def rms_norm_backward(dy, x, weight=None, eps=1e-6, offset=0.0):
     """(dx, dweight) of rms_norm; dweight is None without weight."""
-    dy = np.asarray(dy, dtype=np.float64)
-    x = np.asarray(x, dtype=np.float64)
+    dy, dya = _float64(dy, "dy")
+    x, xa = _float64(x, "x")
+    weight, wa = _optional_float64(weight, "weight")
+    rmsnorm_checks.check_backward(dya, xa, wa, None, eps=eps, offset=offset, impl="auto", dtypes=_FLOAT64)
     rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-    scale = 1.0 if weight is None else np.asarray(weight, dtype=np.float64) + offset
+    scale = 1.0 if weight is None else weight + offset
     g = dy * scale
     dx = rstd * g - x * rstd**3 * np.mean(g * x, axis=-1, keepdims=True)
     if weight is None:
@@ -137,5 +172,11 @@ def rms_norm_backward(dy, x, weight=None, eps=1e-6, offset=0.0):
 def fused_add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, dtype="float32"):
     """vLLM semantics: residual <- x + residual (rounded once to ``dtype``), x <- rms_norm(residual).
     Returns (new x, new residual) in float64."""
-    new_residual = round_to(np.asarray(x, np.float64) + np.asarray(residual, np.float64), dtype)
+    x, xa = _float64(x, "x")
+    residual, ra = _float64(residual, "residual")
+    weight, wa = _optional_float64(weight, "weight")
+    rmsnorm_checks.check_fused_add(xa, ra, wa, eps=eps, offset=offset, impl="auto", dtypes=_FLOAT64)
+    if dtype not in _ROUNDED:
+        raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
+    new_residual = round_to(x + residual, dtype)
     return rms_norm(new_residual, weight, eps, offset), new_residual

@@ -4,8 +4,8 @@ Eager calls go straight to the kernels (no dispatcher): autograd through ``torch
 when a gradient is needed, a plain call otherwise. Under ``torch.compile`` the same functions call the
 ops registered with ``torch.library`` (``torch.ops.cupyrope.*``), which have fake (meta) kernels and
 registered autograd, so graphs trace with no breaks and ``mode="reduce-overhead"`` captures them in
-CUDA graphs. CPU tensors fall back to the same formulas in plain torch, so the modules stay drop-in
-replacements everywhere.
+CUDA graphs. CPU tensors fall back to the same formulas in plain torch, after the same argument checks as
+the GPU path (the same exceptions), so the modules stay drop-in replacements everywhere.
 """
 
 from typing import Optional
@@ -13,15 +13,19 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .rmsnorm import fused_add_rms_norm as _fused_add_rms_norm
-from .rmsnorm import rms_norm as _rms_norm
-from .rmsnorm import rms_norm_backward as _rms_norm_backward
-from .rope import rope as _rope
-from .rope import rope_cache as _rope_cache
-from .rope import rope_qk as _rope_qk
-from .rope import rope_qk_cos_sin as _rope_qk_cos_sin
 from . import reference as _reference
 from . import rope_scaling as _rope_scaling
+from ._runtime import checks as _checks
+from ._runtime.arrays import describe_host as _host
+from .ops import rmsnorm_checks as _norm_checks
+from .ops import rope_checks as _rope_checks
+from .ops.rmsnorm import fused_add_rms_norm as _fused_add_rms_norm
+from .ops.rmsnorm import rms_norm as _rms_norm
+from .ops.rmsnorm import rms_norm_backward as _rms_norm_backward
+from .ops.rope import rope as _rope
+from .ops.rope import rope_cache as _rope_cache
+from .ops.rope import rope_qk as _rope_qk
+from .ops.rope import rope_qk_cos_sin as _rope_qk_cos_sin
 
 __all__ = ["RMSNorm", "RotaryEmbedding", "fused_add_rms_norm", "rms_norm", "rope", "rope_qk", "rope_qk_",
            "rope_qk_cos_sin"]
@@ -38,9 +42,26 @@ def _contiguous_last(t: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------- RoPE
 
 
+def _optional_host(t, name):
+    return None if t is None else _host(t, name)
+
+
 def _rope_cpu(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse):
-    """The reference formula in torch (CPU tensors), float32 math, x's dtype out."""
-    rotary_dim = rotary_dim or x.shape[-1]
+    """rope() on CPU tensors: its checks, then the formula in torch, float32 math, x's dtype out."""
+    rotary_dim = _rope_checks.check_rope(_host(x, "x"), _host(positions, "positions"),
+                                         _optional_host(cos_sin_cache, "cos_sin_cache"), None, theta=theta,
+                                         style=style, rotary_dim=rotary_dim, inverse=inverse, impl="auto")
+    return _rope_formula(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
+
+
+def _check_rope_qk_cpu(q, k, positions, theta, style, rotary_dim, cos_sin_cache, inverse) -> int:
+    """rope_qk()'s checks on CPU tensors; returns the rotary dimension."""
+    return _rope_checks.check_rope_qk(_host(q, "q"), _host(k, "k"), _host(positions, "positions"),
+                                      _optional_host(cos_sin_cache, "cos_sin_cache"), theta=theta, style=style,
+                                      rotary_dim=rotary_dim, inverse=inverse, impl="auto")
+
+
+def _rope_formula(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse):
     half = rotary_dim // 2
     pos = positions.reshape(tuple(positions.shape) + (1,) * (x.dim() - 1 - positions.dim()))
     if cos_sin_cache is None:
@@ -160,7 +181,11 @@ def rope_qk(q: Tensor, k: Tensor, positions: Tensor, *, theta: float = 10000.0, 
             inverse: bool = False) -> tuple[Tensor, Tensor]:
     """Differentiable RoPE of q and k (out of place). On CUDA both are rotated in one launch, forward
     and backward; under torch.compile and on the CPU each goes through ``rope``."""
-    if _compiling() or not q.is_cuda:
+    if _compiling():
+        options = dict(theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, inverse=inverse)
+        return rope(q, positions, **options), rope(k, positions, **options)
+    if not q.is_cuda:
+        _check_rope_qk_cpu(q, k, positions, theta, style, rotary_dim, cos_sin_cache, inverse)  # as the GPU path
         options = dict(theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, inverse=inverse)
         return rope(q, positions, **options), rope(k, positions, **options)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
@@ -176,8 +201,10 @@ def _rope_qk_inplace_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: 
 
 def _rope_qk_inplace_any(q, k, positions, theta, style, rotary_dim, cos_sin_cache):
     if not q.is_cuda:
-        q.copy_(_rope_cpu(q, positions, theta, style, rotary_dim, cos_sin_cache, False))
-        k.copy_(_rope_cpu(k, positions, theta, style, rotary_dim, cos_sin_cache, False))
+        rotary_dim = _check_rope_qk_cpu(q, k, positions, theta, style, rotary_dim, cos_sin_cache, False)
+        _rope_checks.check_qk_outputs(_host(q, "q"), _host(k, "k"), None, None)  # in place: q and k are written
+        for t in (q, k):
+            t.copy_(_rope_formula(t, positions, theta, style, rotary_dim, cos_sin_cache, False))
     else:
         _rope_qk(q, k, positions, theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache)
 
@@ -199,7 +226,10 @@ def rope_qk_(q: Tensor, k: Tensor, positions: Tensor, *, theta: float = 10000.0,
 
 def _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
     if not q.is_cuda:
-        rotary_dim = rotary_dim or q.shape[-1]
+        rotary_dim, _ = _rope_checks.check_rope_qk_cos_sin(_host(q, "q"), _host(k, "k"), _host(cos, "cos"),
+                                                           _optional_host(sin, "sin"), rotary_dim=rotary_dim,
+                                                           freq_step=freq_step, style=style, inverse=inverse,
+                                                           impl="auto")
         lead = q.dim() - cos.dim()  # cos's leading dimensions align with q's from the left
         rows = [t[..., 0 : freq_step * (rotary_dim // 2) : freq_step].float() for t in (cos, sin)]
         c, s = (t.reshape(tuple(t.shape[:-1]) + (1,) * lead + (t.shape[-1],)) for t in rows)
@@ -249,6 +279,9 @@ def rope_qk_cos_sin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, rotary_di
 
 
 def _rms_norm_cpu(x, weight, eps, offset):
+    """rms_norm() on CPU tensors: its checks, then the formula in torch, fp32 math, x's dtype out; and rstd."""
+    _norm_checks.check_forward(_host(x, "x"), _optional_host(weight, "weight"), None, eps=eps, offset=offset,
+                               impl="auto")
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
     y = xf * rstd.unsqueeze(-1)
@@ -258,6 +291,8 @@ def _rms_norm_cpu(x, weight, eps, offset):
 
 
 def _rms_norm_backward_cpu(dy, x, weight, rstd, eps, offset):
+    _norm_checks.check_backward(_host(dy, "dy"), _host(x, "x"), _optional_host(weight, "weight"),
+                                _optional_host(rstd, "rstd"), eps=eps, offset=offset, impl="auto")
     xf, dyf = x.float(), dy.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps) if rstd is None else rstd
     r = rstd.unsqueeze(-1)
@@ -368,6 +403,8 @@ def _fused_add_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: fl
 
 def _fused_add_any(x, residual, weight, eps, offset):
     if not x.is_cuda:
+        _norm_checks.check_fused_add(_host(x, "x"), _host(residual, "residual"), _optional_host(weight, "weight"),
+                                     eps=eps, offset=offset, impl="auto")
         residual.add_(x)
         x.copy_(_rms_norm_cpu(residual, weight, eps, offset)[0])
     else:
@@ -398,6 +435,9 @@ class RMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, device=None, dtype=None):
         super().__init__()
+        if not _checks.is_int(hidden_size) or hidden_size < 1:
+            raise ValueError(f"hidden_size: expected an int >= 1, got {hidden_size!r}")
+        _norm_checks.check_options(eps, offset, "auto")
         init = torch.zeros if offset else torch.ones
         self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
         self.hidden_size = hidden_size
@@ -423,11 +463,16 @@ class RotaryEmbedding(nn.Module):
                  rotary_dim: Optional[int] = None, use_cache: Optional[bool] = None, scaling: Optional[dict] = None,
                  device=None):
         super().__init__()
+        if not _checks.is_int(head_dim) or head_dim < 2:
+            raise ValueError(f"head_dim: expected an int >= 2, got {head_dim!r}")
+        if not _checks.is_int(max_position) or max_position < 1:
+            raise ValueError(f"max_position: expected an int >= 1, got {max_position!r}")
+        _rope_checks.check_options(style, "auto", theta, False)
         self.head_dim = head_dim
         self.max_position = max_position
         self.theta = float(theta)
         self.style = style
-        self.rotary_dim = rotary_dim or head_dim
+        self.rotary_dim = _rope_checks.check_rotary_dim(rotary_dim, head_dim)
         self.scaling = None if _rope_scaling.check_scaling(scaling, self.theta) == "default" else dict(scaling)
         if self.scaling is not None and use_cache is False:
             raise ValueError("use_cache: scaled RoPE (scaling=...) needs the cos/sin table; leave use_cache unset")
@@ -471,7 +516,5 @@ class RotaryEmbedding(nn.Module):
 
 def rope_cache(max_position: int, rotary_dim: int, theta: float = 10000.0, *, scaling: Optional[dict] = None,
                dtype=torch.float32, device="cuda"):
-    """``cupyrope.rope_cache`` as a torch tensor on ``device``."""
-    index = torch.device(device).index or 0
-    return _rope_cache(max_position, rotary_dim, theta, scaling=scaling, dtype=str(dtype).removeprefix("torch."),
-                       kind="torch", device=index)
+    """``cupyrope.rope_cache`` as a torch tensor on ``device`` ("cpu", "cuda", "cuda:1", ...)."""
+    return _rope_cache(max_position, rotary_dim, theta, scaling=scaling, dtype=dtype, kind="torch", device=device)

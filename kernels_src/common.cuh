@@ -166,16 +166,13 @@ __device__ __forceinline__ void copy_async_wait() {
 #define CLUSTER_DIMS(n)
 #endif
 
-// Programmatic dependent launch (sm_90+; cupyrope/_launch.py): launched with the attribute, a kernel may start while
-// the previous kernel in its stream is still running. Each kernel calls this first: it waits until that kernel has
-// completed and its writes are visible (no memory is touched before), then lets the next kernel launch in turn, so
-// a grid's launch and block placement overlap the previous grid's last blocks (bf16 [512, 256] forward 2.03 ->
-// 1.54 us a call back to back). Launched plainly, both are no-ops (measured: no cost).
-#ifndef CUPYROPE_PDL  // 0: kernels without it, for A/B timing (the launcher then launches plainly: _programmatic)
-#define CUPYROPE_PDL 1
-#endif
+// Programmatic dependent launch (sm_90+; cupyrope/_runtime/launch.py): launched with the attribute, a kernel may
+// start while the previous kernel in its stream is still running. Each kernel calls this first: it waits until that
+// kernel has completed and its writes are visible (no memory is touched before), then lets the next kernel launch in
+// turn, so a grid's launch and block placement overlap the previous grid's last blocks (bf16 [512, 256] forward
+// 2.03 -> 1.54 us a call back to back). Launched plainly, both are no-ops (measured: no cost).
 __device__ __forceinline__ void wait_for_previous_grid() {
-#if CUPYROPE_PDL && __CUDA_ARCH__ >= 900
+#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -257,7 +254,7 @@ __device__ __forceinline__ V cluster_sum(V sums, V (&slots)[SPLIT]) {
 // rms_norm_bwd_split's aligned rows): whole E-element chunks, hidden / E / SPLIT of them rounded up, the last part
 // shorter (or empty). Returns its length; `offset` gets its first column. SHIFT (the forward's rows `shift` elements
 // past a 16-byte boundary): the parts split the chunks from that boundary, as many as a row of any shift spans
-// (rmsnorm.py's _row_chunks), so that block 0's part is `shift` elements shorter and every other part starts on a
+// (rmsnorm_rows.py's row_chunks), so that block 0's part is `shift` elements shorter and every other part starts on a
 // boundary.
 template <int E, int SPLIT, bool SHIFT = false>
 __device__ __forceinline__ i64 cluster_part(i64 hidden, i64& offset, int shift = 0) {
@@ -276,7 +273,7 @@ __device__ __forceinline__ i64 cluster_part(i64 hidden, i64& offset, int shift =
 // The columns of an odd row that the block of this cluster rank holds in rms_norm_bwd_split: whole E-column chunks
 // counted from the row's first column, hidden / E / SPLIT of them rounded up (the last part shorter, or empty), so
 // every part starts at the row's shift and holds the same columns whatever it is. Returns its length; `offset`
-// gets its first column. A part spans one 16-byte chunk more than its columns (rmsnorm.py's _plan_backward_split).
+// gets its first column. A part spans one 16-byte chunk more than its columns (rmsnorm_plan_backward.py's _plan_backward_split).
 template <int E, int SPLIT>
 __device__ __forceinline__ i64 cluster_columns(i64 hidden, i64& offset) {
     const i64 part = ((hidden + E - 1) / E + SPLIT - 1) / SPLIT * E;
@@ -310,9 +307,9 @@ __device__ __forceinline__ float group_sum(float v) {
 }
 
 // The same over groups of `width` lanes, a power of two up to 32 known only at run time: group_sum<width>'s
-// shuffles (offsets width / 2 ... 1), each step skipped by the width. lanes_sum_switch's jump table put a
+// shuffles (offsets width / 2 ... 1), each step skipped by the width. lanes_sum_switch's jump table puts a
 // constant-bank load and an indirect branch between a small call's loads and its stores: bf16 [512, 32] 1.58 ->
-// 1.51 us, [512, 256] 2.02 -> 1.96 with this (session 41).
+// 1.51 us, [512, 256] 2.02 -> 1.96 with this.
 __device__ __forceinline__ float lanes_sum(float v, int width) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2)
@@ -328,8 +325,8 @@ __device__ __forceinline__ float lanes_sum_loop(float v, int width) {
 }
 
 // The same by a switch over the width (a jump table): what the backward's register-bound kernels keep (row_sum2;
-// with lanes_sum, session 41: bf16 [1024, 131072] 377 -> 404 us, fp16 [4096, 65536] 619 -> 629-651), and the
-// forward's element-by-element rows of 4+ elements a thread (see norm_row).
+// with lanes_sum: bf16 [1024, 131072] 377 -> 404 us, fp16 [4096, 65536] 619 -> 629-651), and the forward's
+// element-by-element rows of 4+ elements a thread (see norm_row).
 __device__ __forceinline__ float lanes_sum_switch(float v, int width) {
     switch (width) {
         case 32: return group_sum<32>(v);
@@ -342,7 +339,7 @@ __device__ __forceinline__ float lanes_sum_switch(float v, int width) {
 }
 
 // Which of the three a kernel takes (row_sum's LANES): lanes_sum, lanes_sum_loop, lanes_sum_switch (JUMP also sums
-// the partials of 2-4 warps by partials_sum's compare chain: the form of session 40, for the rows that keep it).
+// the partials of 2-4 warps by partials_sum's compare chain, for the rows where it measured faster).
 enum LanesSum { LANES_SKIP, LANES_LOOP, LANES_JUMP };
 template <int LANES>
 __device__ __forceinline__ float lanes_sum_by(float v, int width) {
@@ -353,15 +350,12 @@ __device__ __forceinline__ float lanes_sum_by(float v, int width) {
 
 // The sum of the warps' partials (2 <= warps <= 32), to every lane: a shuffle tree as deep as the warps need (a row
 // of 4 warps takes 2 steps, not 4). Lanes past the partials add 0, so any depth gives the same bits.
-#ifndef CUPYROPE_PARTIALS_TREE  // 0: 4 or 5 steps whatever the warps (before session 40), for A/B timing
-#define CUPYROPE_PARTIALS_TREE 1
-#endif
 // CHAIN: rows of 2 or 4 warps take their tree by a compare first (row_sum's LANES_JUMP).
 template <bool CHAIN = false>
 __device__ __forceinline__ float partials_sum(const float* partials, int warps, int lane) {
-    if (CHAIN && CUPYROPE_PARTIALS_TREE && warps <= 2) return group_sum<2>(partials[lane % 2]);
-    if (CHAIN && CUPYROPE_PARTIALS_TREE && warps <= 4) return group_sum<4>(lane % 4 < warps ? partials[lane % 4] : 0.f);
-    const int group = CUPYROPE_PARTIALS_TREE ? 1 << (32 - __clz(warps - 1)) : (warps <= 16 ? 16 : 32);
+    if (CHAIN && warps <= 2) return group_sum<2>(partials[lane % 2]);
+    if (CHAIN && warps <= 4) return group_sum<4>(lane % 4 < warps ? partials[lane % 4] : 0.f);
+    const int group = 1 << (32 - __clz(warps - 1));
     const int slot = lane & (group - 1);
     return lanes_sum(slot < warps ? partials[slot] : 0.f, group);
 }

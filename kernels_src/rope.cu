@@ -4,7 +4,7 @@
 // is computed (or read from the cache) exactly once, into shared memory. Phase 2: the block's threads
 // stream independent items (token, head, lane) -- all q heads, then all k heads -- each item one
 // 16-byte chunk of a head (or one pair when scalar), several items in flight per thread.
-// Small calls (decode) and calls with a cos/sin cache (pack-aligned: rope.py) take rope_direct_kernel
+// Small calls (decode) and calls with a cos/sin cache (pack-aligned: rope_plan.py) take rope_direct_kernel
 // instead: one item a thread, no shared memory (see there).
 // Template parameters pick the variant:
 //   T      element type of q/k (float, __half, __nv_bfloat16)
@@ -23,24 +23,20 @@ namespace cupyrope {
 
 constexpr int NEOX = 0;
 constexpr int GPTJ = 1;
-// Tuning knob (docs/perf-notes.md): items whose loads are issued before the first store.
-#ifndef ROPE_ITEM_UNROLL
-#define ROPE_ITEM_UNROLL 1
-#endif
-#ifndef ROPE_MIN_BLOCKS  // blocks per SM the register budget must allow
-#define ROPE_MIN_BLOCKS 6
-#endif
-constexpr int UNROLL = ROPE_ITEM_UNROLL;
+// Items a thread of the block kernel loads before its first store: one measured fastest (the block's many threads
+// keep enough loads in flight).
+constexpr int UNROLL = 1;
+constexpr int MIN_BLOCKS = 6;  // blocks of the block kernel per SM the register budget must allow
 constexpr int BLOCK_THREADS = 256;
-constexpr int DIRECT_MAX_THREADS = 256;  // the most threads a block rope.py's DIRECT_THREADS may ask for
-constexpr int MAX_BLOCK_TOKENS = 64;  // rope.py keeps tokens_per_block * rot_dim * 4 bytes <= 32 KiB
-constexpr int MAX_ROTARY_DIM = 1024;  // rope.py checks it
+constexpr int DIRECT_MAX_THREADS = 256;  // the most threads a block rope_plan.py's DIRECT_THREADS may ask for
+constexpr int MAX_BLOCK_TOKENS = 64;  // rope_plan.py keeps tokens_per_block * rot_dim * 4 bytes <= 32 KiB
+constexpr int MAX_ROTARY_DIM = 1024;  // rope_checks.py checks it
 
 struct TokenRows {};  // the position type of the variants reading per-token cos and sin tensors
 template <typename P> constexpr bool TOKEN_ROWS = false;
 template <> constexpr bool TOKEN_ROWS<TokenRows> = true;
 
-struct RopeParams {  // mirrored by rope.py's _TAIL (all 8-byte fields: no padding)
+struct RopeParams {  // mirrored by rope_plan.py's _TAIL (all 8-byte fields: no padding)
     const void* q_in;
     void* q_out;
     const void* k_in;
@@ -48,7 +44,7 @@ struct RopeParams {  // mirrored by rope.py's _TAIL (all 8-byte fields: no paddi
     union { const void* positions; const void* cos; };  // cos: TokenRows variants
     union { const void* cache; const void* sin; };      // sin: TokenRows variants
     // What the direct kernel reads on its way to the position load comes first: few constant-cache lines.
-    i64 n_tokens;  // < 2^32 (rope.py checks): token indices are 32-bit
+    i64 n_tokens;  // < 2^32 (rope_plan.py checks): token indices are 32-bit
     i64 n1, n2;    // sizes of the two inner token dimensions (the outer one is implied)
     i64 pos_s[3];  // TokenRows: the element strides of the token dimensions in cos and in sin
     // Divisors of the direct kernel's index math as (magic | shift << 32), see fast_div: items a token
@@ -63,7 +59,7 @@ struct RopeParams {  // mirrored by rope.py's _TAIL (all 8-byte fields: no paddi
     i64 inverse;
 };
 
-// n / d for n < 2^31 with d's (magic, shift) from rope.py's fast_divisor: a multiply, an add and a
+// n / d for n < 2^31 with d's (magic, shift) from rope_plan.py's fast_divisor: a multiply, an add and a
 // shift where a 32-bit division by a run-time value costs ~20 dependent instructions. The direct
 // kernel's index math comes before its first load.
 __device__ __forceinline__ unsigned fast_div(unsigned n, i64 divisor) {
@@ -121,11 +117,10 @@ __device__ __forceinline__ void load_block_tokens(const RopeParams& p, unsigned 
 }
 
 // The cache's F cos and F sin of frequencies f0.. at pos (vLLM layout: cos half, then sin half), as two packs
-// where VEC (rope.py checked the cache's alignment: a bf16 cache's 16 two-byte loads of a 16-byte item cost up
-// to 0.2 us at decode on one of two H100s). A position out of range reads row 0 (rope.py checks that the cache
-// has one) and its values become NaN (documented): loading a valid row and selecting afterwards keeps the loads
-// free of a branch on the position, up to 0.1 us faster at decode on one of two H100s, the same on the other
-// (docs/perf-notes.md, session 31).
+// where VEC (the planner checked the cache's alignment: a bf16 cache's 16 two-byte loads of a 16-byte item cost
+// up to 0.2 us at decode). A position out of range reads row 0 (the checks make sure the cache has one) and its
+// values become NaN (documented): loading a valid row and selecting afterwards keeps the loads free of a branch on
+// the position, up to 0.1 us faster at decode.
 template <typename C, int F, bool VEC>
 __device__ __forceinline__ void cache_cos_sin(const RopeParams& p, i64 pos, i64 f0, i64 half, Pack<float, F>& c,
                                               Pack<float, F>& s) {
@@ -141,7 +136,7 @@ __device__ __forceinline__ void cache_cos_sin(const RopeParams& p, i64 pos, i64 
 }
 
 // The cos/sin of frequency f at pos: from the cache, or TokenRows: pos is where the token's row starts in
-// cos and sin (in range by construction: rope.py checked the shapes).
+// cos and sin (in range by construction: the shapes were checked).
 template <typename C, typename P>
 __device__ __forceinline__ void cached_cos_sin(const RopeParams& p, i64 pos, int f, int half, float& c, float& s) {
     if constexpr (TOKEN_ROWS<P>) {
@@ -299,7 +294,7 @@ template <typename T, bool VEC>
 constexpr int COPY_ELEMS = VEC ? 16 / sizeof(T) : 1;  // elements per copy access
 
 template <typename T, typename C, typename P, int STYLE, bool VEC, bool CACHE>
-__global__ void __launch_bounds__(BLOCK_THREADS, ROPE_MIN_BLOCKS) rope_kernel(const RopeParams p) {
+__global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) rope_kernel(const RopeParams p) {
     wait_for_previous_grid();
     constexpr int E = ELEMS<T, STYLE, VEC>, EC = COPY_ELEMS<T, VEC>;
     __shared__ BlockTokens bt;
@@ -325,7 +320,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, ROPE_MIN_BLOCKS) rope_kernel(co
 // runs its position load, the cos/sin and the x loads one after the other (three memory round trips,
 // which a call of a few tokens pays in full); here a thread issues its x and position loads together
 // and reads (or computes) the cos/sin of its own item. Heads no longer share computed cos/sin, so with
-// in-kernel cos/sin this pays only while the call is small (rope.py: DIRECT_MAX_TOKENS).
+// in-kernel cos/sin this pays only while the call is small (rope_plan.py: DIRECT_MAX_TOKENS).
 // Items: (token, head, lane) with lanes = rot_lanes rotating, then copy_lanes copying. One thread an
 // item, except for in-kernel cos/sin of 16-byte items: there G = F threads share one, each computing
 // one frequency's cos/sin (an exp and a sincos: 8 in one thread measured 1.7x slower at decode), and
@@ -337,7 +332,7 @@ __global__ void __launch_bounds__(DIRECT_MAX_THREADS) rope_direct_kernel(const R
     constexpr int F = STYLE == NEOX ? E : E / 2;  // frequencies per item
     constexpr unsigned G = VEC && !CACHE ? F : 1;   // threads per item (a power of two, <= 8)
     const unsigned rot_lanes = (unsigned)p.rot_lanes, lanes = rot_lanes + (unsigned)p.copy_lanes;
-    const unsigned thread = blockIdx.x * blockDim.x + threadIdx.x;  // rope.py keeps it < 2^31
+    const unsigned thread = blockIdx.x * blockDim.x + threadIdx.x;  // rope_plan.py keeps it < 2^31
     const unsigned item = thread / G, k = thread % G;
     // The token first, in one division: the position load waits for it and nothing else.
     const unsigned token = fast_div(item, p.div_token_items);

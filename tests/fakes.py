@@ -39,36 +39,39 @@ def stand_in_for_the_gpu(patch=setattr):
     """Let cupyrope's ops take CPU torch tensors as if they were on cuda:0 and make the driver calls (current
     device, current stream, cuLaunchKernel) no-ops, so that a call runs exactly cupyrope's own host code:
     fingerprints or recall, plan-cache lookup, overlap checks, parameter packing, output allocation.
-    ``patch(module, name, value)``: setattr (scripts/host_path_cpu.py), or a test's monkeypatch.setattr."""
+    ``patch(module, name, value)``: setattr (tools/host_path_cpu.py), or a test's monkeypatch.setattr."""
     import torch
 
-    from cupyrope import _arrays, _launch
-
-    rope_module, norm_module = sys.modules["cupyrope.rope"], sys.modules["cupyrope.rmsnorm"]
+    from cupyrope._runtime import arrays, launch, plan_cache
+    from cupyrope.ops import rmsnorm, rmsnorm_plan_backward, rmsnorm_plan_forward, rmsnorm_rows, rope
 
     def describe_cpu(obj, name):  # describe() that takes a CPU tensor as if it were on cuda:0 (planning only)
         if isinstance(obj, torch.Tensor):
-            array = _arrays._from_torch(obj)
+            array = arrays._from_torch(obj)
             array.device = 0  # a CPU tensor's get_device() is -1
             return array
-        return _arrays.describe(obj, name)
+        return arrays.describe(obj, name)
 
-    patch(_arrays, "_TORCH_TYPES", _arrays._TORCH_TYPES | {torch.Tensor})  # fingerprints take CPU tensors
-    no_kernel = SimpleNamespace(ptr=0, raw=SimpleNamespace(shared_size_bytes=0))
-    for module in (rope_module, norm_module):
-        patch(module, "describe", describe_cpu)
-        patch(module, "describe_optional", lambda obj, name: None if obj is None else describe_cpu(obj, name))
+    torch_types = arrays.TORCH_TYPES | {torch.Tensor}  # fingerprints and recall take CPU tensors
+    patch(arrays, "TORCH_TYPES", torch_types)
+    patch(plan_cache, "TORCH_TYPES", torch_types)
+    patch(plan_cache, "describe_optional", lambda obj, name: None if obj is None else describe_cpu(obj, name))
+    no_kernel = SimpleNamespace(ptr=0, device=0, attribute=lambda attribute: 0)
+    for module in (rope, rmsnorm, rmsnorm_rows, rmsnorm_plan_forward):
         patch(module, "get_kernel", lambda *args: no_kernel)
+    for module in (rope, rmsnorm, rmsnorm_rows):
         patch(module, "sm_count", lambda device: 132)  # an H100's
-    patch(norm_module, "shared_optin", lambda device: 227 * 1024)
-    patch(norm_module, "allow_shared_memory", lambda *args: None)
-    patch(norm_module, "_blocks_per_wave", lambda *args: 132 * 4)
-    patch(norm_module, "_waves", lambda *args: 1)
-    patch(norm_module, "runs_clusters", lambda device: True)
-    patch(norm_module, "resident_clusters", lambda *args: 16)  # clusters of 8 an H100 holds at once
-    patch(_launch, "_bind", lambda: None)
-    patch(_launch, "_runtime", SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None))
-    patch(_launch, "_driver", SimpleNamespace(launchKernel=lambda *args: None, CUDADriverError=RuntimeError))
-    patch(_launch, "_torch_stream", lambda device: 0)
-    patch(_launch, "_cupy_stream", lambda device: 0)
-    patch(_launch, "_programmatic", lambda device: False)  # plain launches: the no-op launchKernel above
+    patch(rmsnorm_rows, "shared_optin", lambda device: 227 * 1024)
+    patch(rmsnorm_rows, "allow_shared_memory", lambda *args: None)
+    for module in (rmsnorm_plan_forward, rmsnorm_plan_backward):
+        patch(module, "blocks_per_wave", lambda *args: 132 * 4)
+        patch(module, "runs_clusters", lambda device: True)
+    patch(rmsnorm_plan_forward, "waves", lambda *args: 1)
+    for module in (rmsnorm_rows, rmsnorm_plan_backward):
+        patch(module, "resident_clusters", lambda *args: 16)  # clusters of 8 an H100 holds at once
+    patch(launch, "_bind", lambda: None)
+    patch(launch, "_runtime", SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None))
+    patch(launch, "_driver", SimpleNamespace(launchKernel=lambda *args: None, CUDADriverError=RuntimeError))
+    patch(launch, "_torch_stream", lambda device: 0)
+    patch(launch, "_cupy_stream", lambda device: 0)
+    patch(launch, "_programmatic", lambda device: False)  # plain launches: the no-op launchKernel above

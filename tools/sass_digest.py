@@ -3,11 +3,11 @@ kernels it does not mean to touch unchanged: the bytes of each cubin's code sect
 SASS), its registers and stack frame. Needs pyelftools (`pip install pyelftools`; cuobjdump 13.5 and nvdisasm read
 none of NVRTC 13.5's cubins).
 
-Usage: python scripts/sass_digest.py [--arch sm_90] [--match SUBSTRING] OUT.json
-       python scripts/sass_digest.py --compare OLD.json NEW.json
-Run it once in the old tree (e.g. `git archive HEAD cupyrope kernels_src | tar -x -C /tmp/old`, then with
-PYTHONPATH=/tmp/old) and once in the new one, then compare: variants whose instructions differ are listed with
-their registers and spill bytes before and after.
+Usage: python tools/sass_digest.py [--arch sm_90] [--match SUBSTRING] OUT.json
+       python tools/sass_digest.py --compare OLD.json NEW.json
+Run it once in the old tree (e.g. `git worktree add /tmp/old HEAD~1`, then from there) and once in the new one,
+then compare: variants whose instructions differ are listed with their registers and spill bytes before and after.
+Variants are matched by name, so kernels that moved between source files compare too.
 """
 
 import argparse
@@ -21,7 +21,8 @@ from pathlib import Path
 
 from elftools.elf.elffile import ELFFile
 
-from cupyrope import _compile, _variants
+from cupyrope._runtime import compile as _compile
+from cupyrope.ops import all_variants
 
 
 def _info(cubin) -> dict:
@@ -41,8 +42,7 @@ def _info(cubin) -> dict:
 
 
 def digest(arch: str, source: str, name: str) -> dict:
-    text = _compile.program_text(source, name)
-    binary, _ = _compile._nvrtc_compile(text, name, f"-arch={arch}")
+    binary, _ = _compile._nvrtc_compile(source, name, arch)
     cubin = ELFFile(io.BytesIO(binary))
     code = b"".join(s.data() for s in cubin.iter_sections() if s.name.startswith(".text."))
     info = _info(cubin)
@@ -71,7 +71,7 @@ def main():
             print(f"  new {n}: {new[n]['instructions']} instructions, {new[n]['registers']} registers, "
                   f"stack {new[n]['stack']}")
         return
-    variants = [(s, n) for s, n in _variants.all_variants() if args.match in n]
+    variants = [(s, n) for s, n in all_variants() if args.match in n]
     with ThreadPoolExecutor(os.cpu_count()) as pool:
         results = pool.map(lambda v: digest(args.arch, *v), variants)
         table = {n: r for (_, n), r in zip(variants, results)}

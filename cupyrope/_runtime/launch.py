@@ -3,15 +3,15 @@
 A plan builds one ``Launch`` per kernel it runs: the grid, block, device and the constant bytes of the
 struct are fixed then, so a call only packs its pointers (and the constant bytes after them) into this
 thread's parameter buffer with one ``struct`` call and hands it to ``cuLaunchKernel`` through CuPy's
-typed binding. That is much cheaper than CuPy's per-argument kernel call (docs/perf-notes.md), and it
-takes a raw stream handle, so torch's current stream needs no wrapper object.
+typed binding. That is much cheaper than CuPy's per-argument kernel call, and it takes a raw stream handle,
+so torch's current stream needs no wrapper object.
 
 On compute capability 9.0+, launches captured into a CUDA graph are programmatic dependent launches (PDL):
 ``cuLaunchKernelEx`` with PROGRAMMATIC_STREAM_SERIALIZATION, so at replay a kernel is launched and placed while the
 previous kernel in its stream finishes. Every kernel waits for that kernel's completion before touching memory
 (``wait_for_previous_grid`` in kernels_src/common.cuh), so results are the same bits; back-to-back calls lose most of
 a launch's latency (bf16 [512, 256] forward 2.03 -> 1.54 us a call). Eager launches stay plain by default: there the
-PDL launch cost the host 0.6-1.5 us more a launch, which small calls pay in full (docs/perf-notes.md, session 42).
+PDL launch (through ctypes) costs the host 0.6-1.5 us more a launch than CuPy's binding, which small calls pay in full.
 ``set_pdl`` / ``CUPYROPE_PDL`` choose: "graphs" (the default), "always" or "never".
 """
 
@@ -21,17 +21,12 @@ import struct
 import sys
 import threading
 
-from ._compile import compile_options
-from ._cupy import import_cupy
-from ._device import launch_kernel_ex, runs_clusters
+from .compile import import_cupy
+from .device import LAUNCH_CONFIG, launch_kernel_ex, runs_clusters
 
 CUDA_ERROR_INVALID_CONTEXT = 201
 _PARAM_BYTES = 1024
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
-# CUlaunchConfig: grid x/y/z, block x/y/z, dynamic shared memory, stream, attributes, their count. The layout of
-# _device._LaunchConfig (tests/test_pdl.py checks they agree), packed by one struct call per launch rather than set
-# field by field.
-_CONFIG = struct.Struct("<7I4xQQI4x")
 # One CUlaunchAttribute: id, padding, then its 64-byte value (programmaticStreamSerializationAllowed = 1).
 _PDL_ATTRIBUTE = ctypes.create_string_buffer(struct.pack("<I4xi60x", PROGRAMMATIC_STREAM_SERIALIZATION, 1), 72)
 _PDL_ATTRIBUTE_ADDRESS = ctypes.addressof(_PDL_ATTRIBUTE)
@@ -70,10 +65,9 @@ def pdl_mode() -> str:
 
 
 def _programmatic(device: int) -> bool:
-    """Whether launches on ``device`` can be programmatic dependent launches: sm_90+, a driver with cuLaunchKernelEx,
-    and kernels that wait for the previous grid (not built with the A/B knob -DCUPYROPE_PDL=0). Compute capability
-    9.0 is where clusters start too (runs_clusters)."""
-    return runs_clusters(device) and "-DCUPYROPE_PDL=0" not in compile_options() and launch_kernel_ex() is not None
+    """Whether launches on ``device`` can be programmatic dependent launches: sm_90+ and a driver with
+    cuLaunchKernelEx."""
+    return runs_clusters(device) and launch_kernel_ex() is not None
 
 
 _driver = None
@@ -96,7 +90,7 @@ def _param_block():
     buffer, its address)."""
     buffer = ctypes.create_string_buffer(_PARAM_BYTES)
     pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
-    config = ctypes.create_string_buffer(_CONFIG.size)
+    config = ctypes.create_string_buffer(LAUNCH_CONFIG.size)
     _local.pointers = pointers  # keeps the array alive
     _local.block = buffer, ctypes.addressof(pointers), config, ctypes.addressof(config)
     return _local.block
@@ -111,7 +105,7 @@ def _cupy_stream(device: int) -> int:
 
 
 class Launch:
-    """One kernel launch of a plan: ``kernel`` (a cupyrope._compile.Kernel) with one struct parameter
+    """One kernel launch of a plan: ``kernel`` (a compile.Kernel) with one struct parameter
     made of ``n_pointers`` uint64 then ``tail``, on ``device``. Calling it with the pointers launches
     on the caller's current stream (torch's for ``kind="torch"``, CuPy's otherwise); it never
     synchronizes."""
@@ -159,7 +153,7 @@ class Launch:
         cuLaunchKernel. A driver that refuses the PDL gets this plan's launches plainly from then on (a refused
         launch has not run)."""
         if self.pdl and _pdl != NEVER and (_pdl == ALWAYS or _runtime.streamIsCapturing(stream)):
-            _CONFIG.pack_into(config, 0, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem, stream,
+            LAUNCH_CONFIG.pack_into(config, 0, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem, stream,
                               _PDL_ATTRIBUTE_ADDRESS, 1)
             status = _launch_ex(config_address, self.function, params, None)
             if status == CUDA_ERROR_INVALID_CONTEXT:

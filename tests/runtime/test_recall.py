@@ -1,38 +1,39 @@
-"""Recalled plans (cupyrope/_recall.py) on the CPU: a repeated call with torch tensors must launch exactly what
-the fingerprint path would have launched, and anything a fingerprint tells apart must not be recalled."""
-
-import sys
+"""Recalled plans (cupyrope/_runtime/plan_cache.py) on the CPU: a repeated call with torch tensors must launch
+exactly what the fingerprint path would have launched, and anything a fingerprint tells apart must not be
+recalled."""
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="recall serves torch tensors only")
 
 import cupyrope  # noqa: E402
-from cupyrope import _arrays, _launch, _recall  # noqa: E402
+from cupyrope._runtime import launch, plan_cache  # noqa: E402
+from cupyrope._runtime.plan_cache import OpPlans, RecentCalls  # noqa: E402
+from cupyrope.ops import rmsnorm, rope  # noqa: E402
 from fakes import stand_in_for_the_gpu  # noqa: E402
 
 
 def test_the_guard_passes_its_self_test_on_this_torch():
-    assert _recall._guards_usable(), "torch._C._dynamo.guards.TensorGuards failed the self-test: no recall"
+    assert plan_cache._guards_usable(), "torch._C._dynamo.guards.TensorGuards failed the self-test: no recall"
 
 
 def test_recall_can_be_switched_off(monkeypatch):
-    monkeypatch.setattr(_recall, "_guard_class", None)
+    monkeypatch.setattr(plan_cache, "_guard_class", None)
     monkeypatch.setenv("CUPYROPE_RECALL", "0")
-    assert not _recall._guards_usable()
-    calls = _recall.RecentCalls()
+    assert not plan_cache._guards_usable()
+    calls = RecentCalls()
     _remembered(calls, ("op",), (torch.zeros(4),))
     assert calls.recall(("op",), (torch.zeros(4),)) is None
 
 
 def _remembered(calls, options, tensors, plan="plan"):
-    key = ("key", len(calls._guards))
-    calls.remember(options, tensors, [t.data_ptr() for t in tensors], key, plan)
+    key = ("key", len(calls._entries))
+    calls.remember(options, tensors, [0 if t is None else t.data_ptr() for t in tensors], key, plan)
     return key
 
 
 def test_recall_tells_apart_what_a_fingerprint_tells_apart():
-    calls = _recall.RecentCalls()
+    calls = RecentCalls()
     q, pos = torch.randn(1, 32, 128, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64)
     _remembered(calls, ("op", 1.0), (q, pos))
     assert calls.recall(("op", 1.0), (torch.ones_like(q), torch.ones_like(pos))) == "plan"  # other memory
@@ -46,21 +47,33 @@ def test_recall_tells_apart_what_a_fingerprint_tells_apart():
 
 
 def test_calls_with_misaligned_pointers_are_not_remembered():
-    calls = _recall.RecentCalls()
+    calls = RecentCalls()
     x = torch.randn(2, 130, dtype=torch.bfloat16)
     _remembered(calls, ("op",), (x[:, 1:],))  # 2 bytes past a 16-byte boundary
     assert calls.recall(("op",), (x[:, 1:],)) is None
 
 
 def test_the_last_few_calls_are_remembered_and_a_guard_built_once():
-    calls = _recall.RecentCalls()
-    tensors = [(torch.randn(n, 64),) for n in range(1, _recall.RECENT + 2)]
+    calls = RecentCalls()
+    tensors = [(torch.randn(n, 64),) for n in range(1, plan_cache.RECENT + 2)]
     keys = [_remembered(calls, ("op",), t, plan=n) for n, t in enumerate(tensors)]
     assert calls.recall(("op",), tensors[0]) is None  # the oldest one is forgotten
-    assert [calls.recall(("op",), t) for t in tensors[1:]] == list(range(1, _recall.RECENT + 1))
-    guard = calls._guards[keys[1]][1]
+    assert [calls.recall(("op",), t) for t in tensors[1:]] == list(range(1, plan_cache.RECENT + 1))
+    guard = calls._entries[keys[1]][2]
     calls.remember(("op",), tensors[1], [tensors[1][0].data_ptr()], keys[1], 1)
-    assert calls._guards[keys[1]][1] is guard and calls._recent[0][2] == 1
+    assert calls._entries[keys[1]][2] is guard and calls._recent[0][3] == 1
+
+
+def test_absent_arrays_are_not_recalled_as_present_ones():
+    """A call's options say which of its arrays are absent: a remembered call is recalled only with the same
+    arrays present (the guard covers the present ones)."""
+    calls = RecentCalls()
+    x, w = torch.randn(2, 64), torch.randn(64)
+    _remembered(calls, ("op", False), (x, w))
+    _remembered(calls, ("op", True), (x, None), plan="no weight")
+    assert calls.recall(("op", True), (x, None)) == "no weight"
+    assert calls.recall(("op", False), (x, w)) == "plan"
+    assert calls.recall(("op", False), (x, None)) is None
 
 
 def _launch_log(monkeypatch, names):
@@ -72,7 +85,7 @@ def _launch_log(monkeypatch, names):
         log.append((launch.grid, launch.block, launch.shared_mem, launch.tail,
                      tuple(names.get(p, "new" if p else 0) for p in pointers)))
 
-    monkeypatch.setattr(_launch.Launch, "__call__", record)
+    monkeypatch.setattr(launch.Launch, "__call__", record)
     return log
 
 
@@ -119,6 +132,8 @@ def _calls():
         lambda: cupyrope.rope(q_moved, pos, cos_sin_cache=cache, out=q_moved),
         lambda: cupyrope.rope(q_off, pos3, out=q_off),
         lambda: cupyrope.rope(q, pos, cos_sin_cache=cache, out=q),
+        lambda: cupyrope.rope(q, pos, cos_sin_cache=cache),
+        lambda: cupyrope.rope(q, pos, out=q_moved),  # a caller's out (recalled too)
         lambda: cupyrope.rms_norm(x, w),
         lambda: cupyrope.rms_norm(x_moved, w),
         lambda: cupyrope.rms_norm(x),
@@ -161,10 +176,15 @@ def _run(calls, log):
     return outcomes
 
 
+OP_PLANS = ((rope, "_rope_plans"), (rope, "_rope_qk_plans"), (rope, "_rope_cos_sin_plans"),
+            (rmsnorm, "_forward_plans"), (rmsnorm, "_fused_add_plans"), (rmsnorm, "_backward_plans"))
+
+
 def _fresh_plans(monkeypatch, recall: bool):
-    monkeypatch.setattr(_recall, "_guard_class", None if recall else False)
-    for module in (sys.modules["cupyrope.rope"], sys.modules["cupyrope.rmsnorm"]):
-        monkeypatch.setattr(module, "_plans", _arrays.PlanCache())
+    monkeypatch.setattr(plan_cache, "_guard_class", None if recall else False)
+    for module, name in OP_PLANS:
+        plans = getattr(module, name)
+        monkeypatch.setattr(module, name, OpPlans(plans.names, plans.make_plan))
 
 
 def test_recalled_calls_launch_what_fingerprints_launch(monkeypatch):
@@ -177,5 +197,5 @@ def test_recalled_calls_launch_what_fingerprints_launch(monkeypatch):
     _fresh_plans(monkeypatch, recall=True)
     recalled = _run(calls, log)
     assert recalled == fingerprinted
-    for module, op in (("rope", "rope_qk"), ("rmsnorm", "fwd"), ("rmsnorm", "add"), ("rmsnorm", "bwd")):
-        assert sys.modules[f"cupyrope.{module}"]._plans.recent[op]._recent, f"no {op} call was remembered"
+    for module, name in OP_PLANS:
+        assert getattr(module, name).recent._recent, f"no call of {name} was remembered"

@@ -1,10 +1,12 @@
-"""Per-device facts the planners need (cached; read once per device)."""
+"""Per-device facts the planners need (read once per device), and the driver entry points CuPy has no
+binding for: cuLaunchKernelEx and cuOccupancyMaxActiveClusters, through ctypes."""
 
 import ctypes
 import functools
+import struct
 import sys
 
-from ._cupy import import_cupy
+from .compile import import_cupy
 
 
 @functools.cache
@@ -21,23 +23,24 @@ def shared_optin(device: int) -> int:
     return _properties(device)["sharedMemPerBlockOptin"]
 
 
+def runs_clusters(device: int) -> bool:
+    """Whether the device runs thread block clusters and programmatic dependent launch (compute capability 9.0
+    and newer)."""
+    return _properties(device)["major"] >= 9
+
+
 def resident_blocks(kernel, threads: int, shared_mem: int, device: int) -> int:
-    """Blocks of ``kernel`` (a cupyrope._compile.Kernel) of ``threads`` threads one SM holds at once,
-    as the driver computes it from the kernel's registers and shared memory."""
+    """Blocks of ``kernel`` (a compile.Kernel) of ``threads`` threads one SM holds at once, as the driver
+    computes it from the kernel's registers and shared memory."""
     cupy = import_cupy()
 
     with cupy.cuda.Device(device):
         return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, shared_mem))
 
 
-def runs_clusters(device: int) -> bool:
-    """Whether the device runs thread block clusters (compute capability 9.0 and newer)."""
-    return _properties(device)["major"] >= 9
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+# CUlaunchConfig (cuda.h): grid x/y/z, block x/y/z, dynamic shared memory, stream, attributes, their count. The
+# launcher packs it with one call per launch; the occupancy query below packs it the same way.
+LAUNCH_CONFIG = struct.Struct("<7I4xQQI4x")
 
 
 @functools.cache
@@ -47,8 +50,8 @@ def _libcuda():
 
 @functools.cache
 def launch_kernel_ex():
-    """The driver's cuLaunchKernelEx(config, function, params, extra) (CuPy has no binding for it); None with no
-    driver library or one older than CUDA 12."""
+    """The driver's cuLaunchKernelEx(config, function, params, extra); None with no driver library or one
+    older than CUDA 12."""
     try:
         function = _libcuda().cuLaunchKernelEx
     except (OSError, AttributeError):
@@ -65,18 +68,17 @@ NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute in cuda.h
 def resident_clusters(kernel, cluster: int, threads: int, shared_mem: int, device: int) -> int:
     """Clusters of ``cluster`` blocks of ``kernel`` (compiled with that cluster size) of ``threads`` threads the
     device holds at once: cuOccupancyMaxActiveClusters (a cluster's blocks share a GPC, so there may be fewer
-    than SMs / cluster). CuPy has no binding for it. 0 where the driver cannot say or place one. A cluster past
-    the portable size opts the kernel in to it first (for this query and its launches); where the driver refuses,
-    the query finds none."""
+    than SMs / cluster). 0 where the driver cannot say or place one. A cluster past the portable size opts the
+    kernel in to it first (for this query and its launches); where the driver refuses, the query finds none."""
     cupy = import_cupy()
-    config = _LaunchConfig((cluster, 1, 1), (threads, 1, 1), shared_mem, None, None, 0)
+    config = ctypes.create_string_buffer(LAUNCH_CONFIG.pack(cluster, 1, 1, threads, 1, 1, shared_mem, 0, 0, 0))
     count = ctypes.c_int(0)
     try:
         with cupy.cuda.Device(device):
             if cluster > PORTABLE_CLUSTER_BLOCKS:
                 _libcuda().cuFuncSetAttribute(ctypes.c_void_p(kernel.ptr), NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
             status = _libcuda().cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(kernel.ptr),
-                                                             ctypes.byref(config))
+                                                             config)
     except (OSError, AttributeError):  # no driver library, or one older than CUDA 12
         return 0
     return count.value if status == 0 else 0

@@ -8,7 +8,7 @@ Outputs that can be passed in are filled with NaN first. On a GPU the test suite
 this first.
 
 The cases take the array module and the ops as arguments, so the checks themselves are tested on the
-CPU (tests/test_selfcheck.py) with reference-backed stand-ins.
+CPU (tests/cli/test_check.py) with reference-backed stand-ins.
 """
 
 from types import SimpleNamespace
@@ -24,10 +24,10 @@ DTYPES = ("float32", "float16", "bfloat16")
 def _cupy_module():
     import cupy
 
-    from ._arrays import _cupy_dtype
+    from ._runtime.arrays import numpy_dtype
 
     def asarray(host, dtype):
-        return cupy.asarray(host.astype(_cupy_dtype(dtype)))
+        return cupy.asarray(host.astype(numpy_dtype(dtype)))
 
     return SimpleNamespace(asarray=asarray, nan=lambda shape, dtype: asarray(np.full(shape, np.nan), dtype),
                            host=lambda array: cupy.asnumpy(array).astype(np.float64))
@@ -133,22 +133,21 @@ def worst_miss(got, expected, dtype, scale) -> tuple[int, float]:
     return int(np.count_nonzero(ratio > 1)), float(ratio.max()) if ratio.size else 0.0
 
 
-def run_selfcheck(xp=None, ops=None, seed=0) -> int:
-    """Print one line per check; 0 when all pass, 1 otherwise (or when the GPU cannot run them)."""
-    failures = 0
-    try:
-        if ops is None:
-            import cupyrope as ops
+def run_checks(xp=None, ops=None, seed=0) -> bool:
+    """Print one line per check; True when all pass. Without ``xp`` and ``ops``: cupyrope's ops on CuPy arrays
+    (raises NoGPUError where there is no GPU). Other failures to run (a compile error) are raised."""
+    if ops is None:
+        import cupyrope as ops
+        from ._runtime.compile import device_count
 
-            xp = _cupy_module()
-            print("compiling each kernel variant on first use (CuPy's disk cache keeps them for later runs)")
-        for name, got, expected, dtype, scale in cases(xp, ops, np.random.default_rng(seed)):
-            off, worst = worst_miss(got, expected, dtype, scale)
-            failures += off > 0
-            print(f"{'ok  ' if not off else 'FAIL'} {name}: worst error {worst:.2f}x the tolerance"
-                  + (f", {off} of {got.size} elements outside it" if off else ""))
-    except Exception as error:  # no GPU, no driver, a compile failure: say what happened
-        print(f"FAIL: {type(error).__name__}: {error}")
-        return 1
+        device_count()
+        xp = _cupy_module()
+        print("compiling each kernel variant on first use (the kernel cache keeps them for later runs)")
+    failures = 0
+    for name, got, expected, dtype, scale in cases(xp, ops, np.random.default_rng(seed)):
+        off, worst = worst_miss(got, expected, dtype, scale)
+        failures += off > 0
+        print(f"{'ok  ' if not off else 'FAIL'} {name}: worst error {worst:.2f}x the tolerance"
+              + (f", {off} of {got.size} elements outside it" if off else ""))
     print(f"{'all checks passed' if not failures else f'{failures} checks FAILED'}")
-    return 1 if failures else 0
+    return not failures

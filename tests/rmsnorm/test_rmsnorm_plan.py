@@ -1,15 +1,10 @@
-"""Plans (variant, grid, block) are pure functions of shapes, dtypes, strides and alignment: checked
-here without a GPU."""
+"""RMSNorm's plans (kernel, variant, grid, block) are pure functions of shapes, dtypes, strides and alignment:
+checked here without a GPU."""
 
-from types import SimpleNamespace
-
-import numpy as np
 import pytest
 
-from cupyrope._arrays import Array
-from cupyrope import _arrays, rmsnorm
-from cupyrope.rmsnorm import cap_grid, plan_backward, plan_forward, row_shape
-from cupyrope.rope import plan_rope
+from cupyrope._runtime.arrays import ITEMSIZE, Array
+from cupyrope.ops import all_variants
 
 BASE = 0x7F0000000000
 
@@ -21,151 +16,12 @@ def arr(shape, dtype="bfloat16", strides=None, ptr=BASE):
             strides.insert(0, step)
             step *= n
     return Array(None, "cupy", ptr, dtype, tuple(shape), tuple(strides), 0)
-
-
-def plan(groups, pos, cache=None, **kw):
-    opts = dict(style="neox", rotary_dim=groups[0][0].shape[-1], theta=1e4, inverse=False, impl="auto", n_sm=132)
-    opts.update(kw)
-    return plan_rope(groups, pos, cache, **opts)
-
-
-def test_llama_prefill_bf16_is_vectorized_and_shares_cos_sin():
-    x, y = arr((32768, 32, 128)), arr((32768, 32, 128), ptr=BASE + 2**30)
-    p = plan([(x, y)], arr((32768,), "int64"))
-    assert p.vectorized
-    assert "rope_kernel<__nv_bfloat16, float, long long, 0, true, false>" in p.name
-    assert p.lanes == (8, 0)  # 8 lanes x 8 bf16 = one 64-pair half of a head per lane
-    assert p.tokens_per_block == 2  # 2 tokens x 32 heads x 8 lanes = 512 items for 256 threads
-    assert p.grid == 32768 // 2 and p.block == (256, 1)
-    assert p.shared_mem == 2 * 128 * 4  # one cos/sin row per token of the block
-
-
-def test_decode_takes_the_direct_kernel_one_pair_a_thread():
-    q, k = arr((1, 32, 128)), arr((1, 8, 128), ptr=BASE + 4096 * 2)
-    p = plan([(q, q), (k, k)], arr((1,), "int32"))
-    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, int, 0, false, false>"
-    assert p.lanes == (64, 0) and p.block == (64, 1) and p.grid == 40 and p.shared_mem == 0  # 40 heads x 64
-    # Forced 16-byte items: each shared by the 8 threads computing its 8 cos/sin (40 heads x 8 lanes x 8).
-    vector = plan([(q, q), (k, k)], arr((1,), "int32"), impl="vector")
-    assert vector.vectorized and vector.lanes == (8, 0) and vector.grid == 40 * 8 * 8 // 64
-    gptj = plan([(q, q), (k, k)], arr((1,), "int32"), style="gptj", impl="vector")  # 4 pairs in 16 bytes
-    assert gptj.lanes == (16, 0) and gptj.grid == 40 * 16 * 4 // 64
-
-
-@pytest.mark.parametrize("tokens,direct", [(1, True), (64, True), (65, False), (32768, False)])
-def test_in_kernel_cos_sin_take_the_block_kernel_past_64_tokens(tokens, direct):
-    x, y = arr((tokens, 32, 128)), arr((tokens, 32, 128), ptr=BASE + 2**30)
-    p = plan([(x, y)], arr((tokens,), "int64"))
-    assert ("rope_direct_kernel<" in p.name) == direct and p.vectorized != direct
-
-
-@pytest.mark.parametrize("tokens", [1, 64, 65, 32768])
-def test_a_cos_sin_cache_takes_the_direct_kernel_at_every_size(tokens):
-    x, y = arr((tokens, 32, 128)), arr((tokens, 32, 128), ptr=BASE + 2**30)
-    cache = arr((32768, 128), "float32", ptr=BASE + 2**34)
-    p = plan([(x, y)], arr((tokens,), "int64"), cache)
-    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, long long, 0, true, true>"
-    assert p.grid == -(-tokens * 32 * 8 // 64)  # one 16-byte pair of chunks a thread
-    scalar = plan([(x, y)], arr((tokens,), "int64"), cache, impl="scalar")  # one pair a thread: block past 64
-    assert ("rope_direct_kernel<" in scalar.name) == (tokens <= 64) and not scalar.vectorized
-
-
-def test_huge_calls_keep_the_block_kernel():  # the direct kernel's item index stays below 2^31
-    x = arr((2**20, 32, 128))
-    p = plan([(x, x)], arr((2**20,), "int64"), arr((32768, 128), "float32", ptr=BASE + 2**40))
-    assert "rope_kernel<" in p.name and p.vectorized
-
-
-def test_fast_divisor_matches_integer_division():
-    from cupyrope.rope import fast_divisor
-
-    rng = np.random.default_rng(0)
-    divisors = list(range(1, 300)) + [2**k for k in range(31)] + [2**k + 1 for k in range(30)] + [2**31 - 1]
-    divisors += rng.integers(1, 2**31, 200).tolist()
-    for d in divisors:
-        packed = fast_divisor(d)
-        magic, shift = packed & 0xFFFFFFFF, packed >> 32
-        n = np.array([0, 1, d - 1, d, d + 1, 2**31 - 1, (2**31 - 1) // d * d, (2**31 - 1) // d * d - 1]
-                     + rng.integers(0, 2**31, 50).tolist(), dtype=object)
-        n = n[(n >= 0) & (n < 2**31)]
-        got = (((n * magic) >> 32) + n) >> shift  # kernels_src/rope.cu: fast_div, in exact integers
-        assert (got == n // d).all(), d
-    with pytest.raises(ValueError):
-        fast_divisor(0)
-
-
-def test_misaligned_pointer_falls_back_to_scalar_and_vector_request_is_refused():
-    x = arr((4, 2, 64), ptr=BASE + 2)
-    assert not plan([(x, x)], arr((4,), "int64")).vectorized
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        plan([(x, x)], arr((4,), "int64"), impl="vector")
-
-
-@pytest.mark.parametrize(
-    "head_dim,rotary_dim,style,dtype,vec,lanes",
-    [
-        (128, 128, "neox", "float32", True, (16, 0)),
-        (64, 64, "gptj", "float32", True, (16, 0)),
-        (80, 80, "neox", "bfloat16", True, (5, 0)),
-        (128, 64, "neox", "bfloat16", True, (4, 8)),  # out of place: 8 lanes copy the last 64
-        (96, 40, "neox", "bfloat16", False, (20, 56)),  # 20 is not a multiple of 8: scalar
-        (64, 64, "gptj", "float16", True, (8, 0)),
-    ],
-)
-def test_lanes_per_head(head_dim, rotary_dim, style, dtype, vec, lanes):
-    x, y = arr((300, 4, head_dim), dtype), arr((300, 4, head_dim), dtype, ptr=BASE + 2**20)
-    p = plan([(x, y)], arr((300,), "int64"), style=style, rotary_dim=rotary_dim)
-    assert p.vectorized == vec
-    assert p.lanes == lanes
-
-
-def test_in_place_partial_rotary_copies_nothing():
-    x = arr((300, 4, 128))
-    p = plan([(x, x)], arr((300,), "int64"), rotary_dim=64)
-    assert p.lanes == (4, 0)  # 32 pairs = 4 lanes of 8 bf16 pairs; no copying lanes in place
-
-
-def test_fused_qkv_slices_stay_vectorized():
-    row = (32 + 8 + 8) * 128
-    q = arr((700, 32, 128), strides=(row, 128, 1))
-    k = arr((700, 8, 128), strides=(row, 128, 1), ptr=BASE + 32 * 128 * 2)
-    assert plan([(q, q), (k, k)], arr((700,), "int64")).vectorized
-    assert plan([(q, q), (k, k)], arr((700,), "int64"), impl="vector").vectorized
-
-
-def test_cache_variant_and_alignment():
-    x = arr((5, 2, 64))
-    cache = arr((100, 64), "float32")
-    p = plan([(x, x)], arr((5,), "int32"), cache)
-    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, int, 0, true, true>"
-    # The direct kernel reads an item's cos/sin as packs: a cache whose pointer or row stride is not aligned
-    # to one goes to the block kernel, which reads any cache element by element, still with 16-byte items.
-    for odd_cache in (arr((100, 64), "float32", ptr=BASE + 4), arr((100, 64), "float32", strides=(66, 1))):
-        odd = plan([(x, x)], arr((5,), "int32"), odd_cache)
-        assert odd.vectorized and odd.name.startswith("cupyrope::rope_kernel<")
-    # The pack is F frequencies of the cache's dtype: 4 bf16 (8 bytes) for GPT-J's 16-byte bf16 items.
-    gptj_cache = arr((100, 64), "bfloat16", ptr=BASE + 8, strides=(68, 1))
-    assert "rope_direct_kernel<" in plan([(x, x)], arr((5,), "int32"), gptj_cache, style="gptj").name
-    assert "rope_kernel<" in plan([(x, x)], arr((5,), "int32"), gptj_cache).name  # NeoX: 16-byte packs
-
-
-def test_transformers_cos_sin_rows_are_read_where_they_lie():
-    """rope_qk_cos_sin's plan for transformers' call: q (B, H, S, D), cos (B, 1, S, D) in fp32 with each
-    frequency at its column (freq_stride 1): the direct kernel reading each token's own row, with cos's
-    token strides in place of positions' and no cache bounds."""
-    import struct
-
-    from cupyrope.rope import TOKEN_ROWS, _TAIL
-
-    q, k = arr((2, 32, 2048, 128)), arr((2, 8, 2048, 128), ptr=BASE + 2**32)
-    rows = arr((2, 1, 2048), TOKEN_ROWS, strides=(2048 * 128, 2048 * 128, 128), ptr=BASE + 2**34)
-    cos = arr((2, 1, 2048, 128), "float32", ptr=BASE + 2**34)
-    p = plan([(q, q), (k, k)], rows, cos, freq_stride=2)
-    assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, cupyrope::TokenRows, 0, true, true>"
-    tail = struct.unpack(_TAIL.format, p.tail)
-    assert tail[0] == 2 * 2048  # tokens: (B, S); the heads of q and k share each token's row
-    assert tail[3:6] == (0, 2048 * 128, 128)  # cos's token strides (B merged away: padded to 3)
-    assert tail[26:28] == (2, 0)  # freq_stride, no max_position
+from cupyrope.ops import rmsnorm_plan_backward as backward
+from cupyrope.ops import rmsnorm_plan_forward as forward
+from cupyrope.ops.rmsnorm_plan_backward import cap_grid, plan_backward
+from cupyrope.ops.rmsnorm_plan_forward import plan_forward
+from cupyrope.ops import rmsnorm_rows
+from cupyrope.ops.rmsnorm_rows import row_shape
 
 
 @pytest.mark.parametrize(
@@ -226,18 +82,18 @@ def test_rms_norm_long_odd_rows_are_read_twice_in_shifted_chunks(dtype, hidden, 
     weight, strides = arr((hidden,), "float32", ptr=BASE + 2**38 + 4), (hidden,) * (3 if add else 2)
     p = plan_forward(x, y, residual, weight, strides, 64, hidden)
     assert (p.block, p.slots, p.vectorized, p.shifted) == ((512, 1), 0, True, True), p
-    assert p.name.endswith(f"{str(add).lower()}, true>") and p.name in {n for _, n in rmsnorm.all_variants()}
-    other = arr((64, hidden), dtype, ptr=BASE + 2**36 + _arrays.ITEMSIZE[dtype])
+    assert p.name.endswith(f"{str(add).lower()}, true>") and p.name in {n for _, n in all_variants()}
+    other = arr((64, hidden), dtype, ptr=BASE + 2**36 + ITEMSIZE[dtype])
     assert not plan_forward(x, other, residual, weight, strides, 64, hidden).vectorized
     b = plan_backward(x, x, y, weight, (hidden,) * 3, 4096, hidden, n_sm=131)
     if (dtype, hidden) == ("bfloat16", 20001):  # stage and weight fit in shared memory (v23)
         assert b.reread and b.shifted, b
         return
     assert (b.block, b.slots, b.shifted, b.staged) == ((512, 1), 0, True, False) and b.name.endswith(", 0, true>"), b
-    elems = 16 // _arrays.ITEMSIZE[dtype]
+    elems = 16 // ITEMSIZE[dtype]
     assert b.grid == 4 * 131 // elems * elems  # one shift a block: its dweight sums sit from it in shared memory
     span = -(-(hidden + elems - 1) // elems) * elems
-    assert b.shared_mem == (span * 4 if span * 4 <= rmsnorm.SHARED_ACC_LIMIT else 0), b
+    assert b.shared_mem == (span * 4 if span * 4 <= backward.SHARED_ACC_LIMIT else 0), b
 
 
 def test_rms_norm_odd_rows_held_element_by_element_stay_there():
@@ -277,16 +133,14 @@ def test_rms_norm_shifted_backward_grid_revisits_rows_of_one_shift(n_sm, rows, h
     (512, 1024, "true, 1"),  # a small input: one chunk a thread
 ])
 def test_rms_norm_forward_takes_wider_threads_to_fit_one_wave(monkeypatch, rows, hidden, expected):
-    from cupyrope import rmsnorm
-
     # An H100 (132 SMs) and the resident blocks its occupancy calculator gives for these variants.
-    monkeypatch.setattr(rmsnorm, "sm_count", lambda device: 132)
-    monkeypatch.setattr(rmsnorm, "runs_clusters", lambda device: True)
-    monkeypatch.setattr(rmsnorm, "get_kernel", lambda source, name, device: name)
-    monkeypatch.setattr(rmsnorm, "resident_blocks", lambda name, threads, shared, device: 65536 // (
+    monkeypatch.setattr(rmsnorm_rows, "sm_count", lambda device: 132)
+    monkeypatch.setattr(forward, "runs_clusters", lambda device: True)
+    monkeypatch.setattr(forward, "get_kernel", lambda source, name, device: name)
+    monkeypatch.setattr(rmsnorm_rows, "resident_blocks", lambda name, threads, shared, device: 65536 // (
         threads * (40 if ", 2, " in name else 64)))
     x, y = arr((rows, hidden)), arr((rows, hidden), ptr=BASE + 2**28)
-    plan = rmsnorm.plan_forward_for_device(x, y, None, arr((hidden,)), (hidden, hidden), rows, hidden, "auto", 0)
+    plan = forward.plan_forward_for_device(x, y, None, arr((hidden,)), (hidden, hidden), rows, hidden, "auto", 0)
     assert plan.name.startswith(f"cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, {expected},")
 
 
@@ -336,47 +190,47 @@ def test_rms_norm_backward_lean_rule():
     # The LEAN staged variant: one chunk a thread and at most STAGED_LEAN_MAX_ROWS rows a resident block.
     x = arr((8192, 4096))
     b = plan_backward(x, x, x, arr((4096,)), (4096,) * 3, 8192, 4096, n_sm=132)
-    limit = rmsnorm.STAGED_LEAN_MAX_ROWS[1]
+    limit = backward.STAGED_LEAN_MAX_ROWS[1]
     b.grid = -(-8192 // limit)
-    assert rmsnorm.lean_staged(b, 8192)
+    assert backward.lean_staged(b, 8192)
     b.grid -= 1  # a block would walk more rows than the limit
-    assert not rmsnorm.lean_staged(b, 8192)
+    assert not backward.lean_staged(b, 8192)
     lean = plan_backward(x, x, x, arr((4096,)), (4096,) * 3, 8192, 4096, n_sm=132, lean=True)
     assert lean.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, __nv_bfloat16, 1, 3, false, true>"
     assert lean.block == b.block and lean.shared_mem == b.shared_mem
     # Two chunks a thread on up to 512 threads too (LEAN's launch bound), not on 1024; nor the unstaged kernel.
     wide = arr((64, 8192))
     two = plan_backward(wide, wide, wide, None, (8192,) * 3, 64, 8192, n_sm=132)
-    assert two.staged and two.slots == 2 and two.block == (512, 1) and rmsnorm.lean_staged(two, 64)
+    assert two.staged and two.slots == 2 and two.block == (512, 1) and backward.lean_staged(two, 64)
     two_lean = plan_backward(wide, wide, wide, None, (8192,) * 3, 64, 8192, n_sm=132, lean=True)
     assert two_lean.name.endswith(", 2, 3, false, true>") and two_lean.block == (512, 1)
     wider = arr((64, 16384))
     two = plan_backward(wider, wider, wider, None, (16384,) * 3, 64, 16384, n_sm=132)
-    assert two.staged and two.slots == 2 and two.block == (1024, 1) and not rmsnorm.lean_staged(two, 64)
+    assert two.staged and two.slots == 2 and two.block == (1024, 1) and not backward.lean_staged(two, 64)
     two_lean = plan_backward(wider, wider, wider, None, (16384,) * 3, 64, 16384, n_sm=132, lean=True)
     assert two_lean.name == two.name  # past the 512-thread bound: never LEAN
     f = arr((64, 4096), "float32")
-    assert not rmsnorm.lean_staged(plan_backward(f, f, f, None, (4096,) * 3, 64, 4096, n_sm=132), 64)
+    assert not backward.lean_staged(plan_backward(f, f, f, None, (4096,) * 3, 64, 4096, n_sm=132), 64)
     # fp32 rows of 5-8K: 4 chunks on 512 threads (not 2 on 1024), LEAN however many rows a block walks.
     for hidden in (5120, 8192):
         f = arr((32768, hidden), "float32")
         p = plan_backward(f, f, f, arr((hidden,), "float32"), (hidden,) * 3, 32768, hidden, n_sm=132)
         assert p.staged and p.slots == 4 and p.block == (512, 1), p
         p.grid = 1
-        assert rmsnorm.lean_staged(p, 32768)
+        assert backward.lean_staged(p, 32768)
     # Every LEAN name the planner can give is a compiled variant.
-    names = {name for _, name in rmsnorm.all_variants()}
+    names = {name for _, name in all_variants()}
     for dtype in ("float32", "float16", "bfloat16"):
         for hidden in (1024, 1027, 2048, 5120, 8192, 16384):
-            plan = rmsnorm._plan_staged(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1, lean=True)
-            assert plan is None or not rmsnorm.STAGED_LEAN_MAX_ROWS[plan.slots] or plan.name in names
+            plan = backward._plan_staged(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1, lean=True)
+            assert plan is None or not backward.STAGED_LEAN_MAX_ROWS[plan.slots] or plan.name in names
 
 
 def test_rms_norm_backward_reread_plans():
     # Aligned rows past what the staged kernel holds in registers with their dweight sums (fp16/bf16 over
     # 16384 elements, fp32 over 16384) take rms_norm_bwd_reread where a stage fits in shared memory: 4 (8 for
     # fp32) chunks a thread on whole warps up to 1024 threads, the row read twice from its stage.
-    names = {name for _, name in rmsnorm.all_variants()}
+    names = {name for _, name in all_variants()}
 
     def plan(hidden, dtype="bfloat16", weight="float32", **kw):
         x = arr((8192, hidden), dtype)
@@ -385,7 +239,7 @@ def test_rms_norm_backward_reread_plans():
     p = plan(32768)  # 1024 x 4, one 128 KiB stage
     assert p.reread and p.staged and p.name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, float, 4, 1, false>", p
     assert p.block == (1024, 1) and p.shared_mem == 128 * 1024 and p.name in names
-    assert not rmsnorm.lean_staged(p, 8192) and plan(32768, lean=True).name == p.name  # never LEAN
+    assert not backward.lean_staged(p, 8192) and plan(32768, lean=True).name == p.name  # never LEAN
     assert plan(32768, weight="bfloat16").name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, __nv_bfloat16, 4, 1, false>"
     p = plan(18432, "float16")  # 2304 chunks: 576 threads x 4, one 72 KiB stage
     assert p.reread and p.block == (576, 1) and p.shared_mem == 72 * 1024 and p.name in names, p
@@ -408,7 +262,7 @@ def test_rms_norm_backward_split_plans():
     # whose parts of whole 16-byte chunks (the last may be shorter) the reread kernel holds in one stage; the
     # grid one cluster a row, at most the SMs' worth (one 1024-thread block an SM). Rows the reread
     # kernel holds, GPUs without clusters and rows past 8 parts keep their plans.
-    names = {name for _, name in rmsnorm.all_variants()}
+    names = {name for _, name in all_variants()}
 
     def plan(hidden, dtype="bfloat16", weight="float32", rows=8192, ptr=BASE, clusters=True, **kw):
         x = arr((rows, hidden), dtype, ptr=ptr)
@@ -458,7 +312,7 @@ def test_rms_norm_forward_split_plans():
     # fit registers (fp32 8 slots, the fused add's 4; fp16/bf16 4). The fp16/bf16 fused add, rows under 128 KiB
     # (the fp32 fused add's 96 KiB, bf16 49152), rows in registers, no clusters, past 8 parts: as before. Odd rows
     # (v25b): the chunks a row of any shift spans, split the same way.
-    names = {name for _, name in rmsnorm.all_variants()}
+    names = {name for _, name in all_variants()}
 
     def plan(hidden, dtype="float32", add=False, rows=64, ptr=BASE, clusters=True):
         x = arr((rows, hidden), dtype, ptr=ptr)
@@ -501,10 +355,10 @@ def test_rms_norm_backward_reread_plans_for_odd_rows():
     # stage sized on the chunks' span (from the 16-byte boundary before the row), then the weight copied from
     # the block's shift (the span, in the weight's dtype); one row ahead; the grid a multiple of E (one shift a
     # block). Where stage and weight do not fit, the two-pass loop.
-    names = {name for _, name in rmsnorm.all_variants()}
+    names = {name for _, name in all_variants()}
 
     def plan(hidden, dtype="bfloat16", weight="float32", **kw):
-        x = arr((8192, hidden), dtype, ptr=BASE + _arrays.ITEMSIZE[dtype])
+        x = arr((8192, hidden), dtype, ptr=BASE + ITEMSIZE[dtype])
         return plan_backward(x, x, x, arr((hidden,), weight), (hidden,) * 3, 8192, hidden, n_sm=132, **kw)
 
     p = plan(4099)  # up to 4106 elements: 514 chunks, 129 threads x 4 -> 160; 20 KiB of stage, then 4112 weights
@@ -529,7 +383,7 @@ def test_fused_add_row_cache_plan():
     def cache(hidden, dtype, shared_limit=227 * 1024 - 1024):
         x = arr((64, hidden), dtype)
         plan = plan_forward(x, x, x, arr((hidden,), "float32"), (hidden,) * 3, 64, hidden)
-        return plan.slots, plan.shifted, rmsnorm.row_cache_bytes(plan, hidden, dtype, shared_limit)
+        return plan.slots, plan.shifted, forward.row_cache_bytes(plan, hidden, dtype, shared_limit)
 
     assert cache(32768, "bfloat16") == (0, False, 65536)
     assert cache(20001, "float16") == (0, True, 20008 * 2) and cache(32761, "bfloat16") == (0, True, 65536)
@@ -559,7 +413,7 @@ def test_rms_norm_forward_takes_wide_rows(dtype, hidden, add, threads, slots, sh
     strides = (hidden,) * (3 if add else 2)
     plan = plan_forward(x, y, residual, arr((hidden,), "float32", ptr=BASE + 2**38), strides, 4096, hidden)
     assert (plan.block, plan.slots, plan.shifted) == ((threads, 1), slots, shifted)
-    assert plan.name in {name for _, name in rmsnorm.all_variants()}
+    assert plan.name in {name for _, name in all_variants()}
 
 
 @pytest.mark.parametrize("optin_kib", [64, 99, 163, 227])  # T4; A10/L4/RTX 4090/V100-class; A100; H100
@@ -574,64 +428,11 @@ def test_rms_norm_backward_plans_fit_the_gpus_shared_memory(optin_kib, dtype):
             assert p.shared_mem <= limit, (hidden, rows, p.name, p.shared_mem)
 
 
-def test_output_allocates_or_checks_the_callers_out():
-    torch = pytest.importorskip("torch")
-
-    def wrap(t):  # what describe() gives for a tensor (CPU here: the host-side logic only)
-        return Array(t, "torch", t.data_ptr(), str(t.dtype).removeprefix("torch."), t.shape, t.stride(), 0)
-
-    def plan(x, out):  # what the planners attach: the allocator and the layouts, computed once
-        return SimpleNamespace(grid=1, out_layouts=_arrays.out_layouts(x, out),
-                               new_output=_arrays.allocator(x, x.shape, x.dtype))
-
-    def output(x, out):
-        return _arrays.output(x.obj, x.ptr, None if out is None else out.obj, 0 if out is None else out.ptr,
-                              plan(x, out))
-
-    base = torch.zeros(8, 64, dtype=torch.bfloat16)
-    x = wrap(base[:4])
-    new, ptr = output(x, None)
-    assert new.shape == (4, 64) and new.dtype == torch.bfloat16 and ptr == new.data_ptr() != x.ptr
-    assert new.is_contiguous()
-    strided = wrap(base[:, :32])  # a strided input still gets a contiguous result
-    new, ptr = output(strided, None)
-    assert new.shape == (8, 32) and new.is_contiguous() and ptr == new.data_ptr()
-    same, ptr = output(x, x)  # in place
-    assert same is base[:4] or same.data_ptr() == x.ptr
-    other = wrap(base[4:])
-    assert output(x, other)[1] == other.ptr  # disjoint rows of one buffer
-    overlapping = wrap(base[2:6])
-    with pytest.raises(ValueError, match="out: overlaps x"):
-        output(x, overlapping)
-
-
-def test_fingerprint_tells_apart_everything_a_plan_depends_on():
-    """Plans are cached by fingerprint: two arrays share one only if one plan serves both."""
-    from fakes import FakeCupyArray as A
-
-    from cupyrope._arrays import fingerprint
-
-    base = fingerprint(A((6, 4, 64)), "x")
-    moved = fingerprint(A((6, 4, 64), ptr=0x7F0000000000 + 4096), "x")  # elsewhere, same alignment
-    assert moved[0] == base[0] and moved[1] == base[1] + 4096
-    others = [
-        A((6, 4, 64), "float16"),
-        A((6, 4, 32)),
-        A((6, 4, 64), strides=(512, 64, 1)),  # strided heads
-        A((6, 4, 64), ptr=0x7F0000000000 + 8),  # not 16-byte aligned
-        A((6, 4, 64), device=1),
-    ]
-    keys = {fingerprint(a, "x")[0] for a in others} | {base[0]}
-    assert len(keys) == len(others) + 1
-    with pytest.raises(TypeError, match="x: expected a cupy.ndarray or a CUDA torch.Tensor"):
-        fingerprint([1.0], "x")
-
-
 def test_rms_norm_backward_one_cluster_rule():
     # Calls of up to CLUSTER_BWD_MAX_ROWS rows with a weight whose staged plan can take LEAN: one launch of
     # rms_norm_bwd_cluster (8 blocks up to 8 rows, then 16; its dweight sums after the stages), where the GPU runs
     # clusters.
-    limit = rmsnorm.CLUSTER_BWD_MAX_ROWS
+    limit = backward.CLUSTER_BWD_MAX_ROWS
     assert limit == 32
     x, w = arr((limit, 4096)), arr((4096,), "float32")
     for rows, blocks in ((1, 8), (8, 8), (9, 16), (16, 16), (17, 16), (limit, 16)):
@@ -658,51 +459,51 @@ def test_rms_norm_backward_one_cluster_rule():
         p = plan_backward(a, a, a, arr((hidden,), dtype), (hidden,) * 3, 3, hidden, n_sm=132, clusters=True)
         assert not p.one_cluster, p
     # Every name it can give is a compiled variant.
-    names = {name for _, name in rmsnorm.all_variants()}
+    names = {name for _, name in all_variants()}
     for dtype in ("float32", "float16", "bfloat16"):
         for hidden in (512, 1024, 1027, 2048, 5120, 8192, 16384):
-            plan = rmsnorm._plan_one_cluster(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1)
+            plan = backward._plan_one_cluster(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1)
             assert plan is None or plan.name in names, plan
     # Rows the staged kernel would read twice (rms_norm_bwd_reread) give no one-cluster plan.
     for dtype, hidden in (("bfloat16", 8200), ("bfloat16", 20000)):
-        assert rmsnorm._plan_one_cluster(dtype, "float32", 3, hidden, 227 * 1024) is None
+        assert backward._plan_one_cluster(dtype, "float32", 3, hidden, 227 * 1024) is None
 
 
 def test_rms_norm_backward_cluster_rounds_rule(monkeypatch):
     # Large calls whose staged plan takes the long chain re-plan (rounds=True) on rms_norm_bwd_cluster in clusters of
     # CLUSTER_ROUNDS_BLOCKS: aligned rows of 1-2 chunks a thread with a weight, on a GPU that runs clusters.
-    blocks = rmsnorm.CLUSTER_ROUNDS_BLOCKS
-    assert blocks == 8 and rmsnorm.CLUSTER_ROUNDS_ROWS == {1: 16, 2: 32}
-    names = {name for _, name in rmsnorm.all_variants()}
+    blocks = backward.CLUSTER_ROUNDS_BLOCKS
+    assert blocks == 8 and backward.CLUSTER_ROUNDS_ROWS == {1: 16, 2: 32}
+    names = {name for _, name in all_variants()}
     x, w = arr((32768, 4096)), arr((4096,))
     staged = plan_backward(x, x, x, w, (4096,) * 3, 32768, 4096, n_sm=132, clusters=True)
     staged.grid = 264  # its resident wave: 124 rows a block, past the LEAN limit
-    assert not rmsnorm.lean_staged(staged, 32768)
+    assert not backward.lean_staged(staged, 32768)
     for clusters in (True, False):  # sm_90+, or before
-        monkeypatch.setattr(rmsnorm, "runs_clusters", lambda device, clusters=clusters: clusters)
-        assert rmsnorm.takes_cluster_rounds(staged, True, 0) == clusters
-    assert not rmsnorm.takes_cluster_rounds(staged, False, 0)  # no weight
+        monkeypatch.setattr(backward, "runs_clusters", lambda device, clusters=clusters: clusters)
+        assert backward.takes_cluster_rounds(staged, True, 0) == clusters
+    assert not backward.takes_cluster_rounds(staged, False, 0)  # no weight
     many = plan_backward(x, x, x, w, (4096,) * 3, 32768, 4096, n_sm=132, clusters=True, rounds=True)
     assert many.name == "cupyrope::rms_norm_bwd_cluster<__nv_bfloat16, __nv_bfloat16, 1, 3, false, 8>", many
     assert many.name in names and many.cluster_rounds and many.split == blocks and not many.one_cluster
     assert many.block == (512, 1) and many.shared_mem == 3 * 2 * 8192 + 4096 * 4
-    assert not rmsnorm.lean_staged(many, 32768) and not rmsnorm.takes_cluster_rounds(many, True, 0)
+    assert not backward.lean_staged(many, 32768) and not backward.takes_cluster_rounds(many, True, 0)
     # The grid: rounds of the resident clusters giving each block at most ~16 rows of 1 chunk a thread (30 clusters
     # of 8 on an H100: 32768 rows in 9 rounds, 16384 in 5), ~32 of 2, at most a cluster for each 8 rows.
-    assert rmsnorm.cluster_rounds_grid(many, 30, 32768) == 8 * 30 * 9
-    assert rmsnorm.cluster_rounds_grid(many, 30, 16384) == 8 * 30 * 5
-    assert rmsnorm.cluster_rounds_grid(many, 30, 3840) == 8 * 30
-    assert rmsnorm.cluster_rounds_grid(many, 30, 100) == 8 * 13
+    assert backward.cluster_rounds_grid(many, 30, 32768) == 8 * 30 * 9
+    assert backward.cluster_rounds_grid(many, 30, 16384) == 8 * 30 * 5
+    assert backward.cluster_rounds_grid(many, 30, 3840) == 8 * 30
+    assert backward.cluster_rounds_grid(many, 30, 100) == 8 * 13
     # Never one cluster: the kernel would take it for the one-cluster call and write dweight, not a partial row.
-    assert rmsnorm.cluster_rounds_grid(many, 30, 5) == rmsnorm.cluster_rounds_grid(many, 1, 5) == 8 * 2
+    assert backward.cluster_rounds_grid(many, 30, 5) == backward.cluster_rounds_grid(many, 1, 5) == 8 * 2
     wide = arr((16384, 8192), "float16")
     two = plan_backward(wide, wide, wide, arr((8192,), "float32"), (8192,) * 3, 16384, 8192, n_sm=132, rounds=True)
     assert two.name == "cupyrope::rms_norm_bwd_cluster<__half, float, 2, 3, false, 8>" and two.name in names, two
-    assert rmsnorm.cluster_rounds_grid(two, 30, 16384) == 8 * 30 * 3
+    assert backward.cluster_rounds_grid(two, 30, 16384) == 8 * 30 * 3
     # Not: without a weight, odd rows (shifted), fp32 rows of 8 chunks (no LEAN variant), rows read twice.
     for a, weight, hidden in ((x, None, 4096), (arr((32768, 4095)), w, 4095), (arr((8192, 16384), "float32"),
                                                                                 arr((16384,), "float32"), 16384),
                               (arr((8192, 20000)), arr((20000,)), 20000)):
         p = plan_backward(a, a, a, weight, (hidden,) * 3, a.shape[0], hidden, n_sm=132, clusters=True, rounds=True)
         assert not p.cluster_rounds and not p.name.startswith("cupyrope::rms_norm_bwd_cluster<"), p
-        assert not rmsnorm.takes_cluster_rounds(p, weight is not None, 0)
+        assert not backward.takes_cluster_rounds(p, weight is not None, 0)

@@ -1,0 +1,1 @@
+"""Shared machinery of the ops: arrays in, checks, plan cache, NVRTC and the kernel cache, launches."""

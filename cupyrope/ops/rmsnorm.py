@@ -1,0 +1,158 @@
+"""RMSNorm's public functions: rms_norm, fused_add_rms_norm and rms_norm_backward.
+
+A call finds its plan (the one preamble: _runtime/plan_cache.py), which a first call makes by checking its
+arguments (rmsnorm_checks.py) and planning (rmsnorm_plan_forward.py, rmsnorm_plan_backward.py), then launches with
+its own pointers.
+"""
+
+import struct
+
+from .._runtime import checks
+from .._runtime.arrays import allocator, contiguous_like
+from .._runtime.checks import IN_PLACE, NEW, OUT, output_mode
+from .._runtime.compile import get_kernel
+from .._runtime.device import sm_count
+from .._runtime.launch import Launch
+from .._runtime.plan_cache import EmptyPlan, OpPlans
+from . import rmsnorm_checks
+from .rmsnorm_checks import row_strides, rows
+from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name, plan_backward_for_device
+from .rmsnorm_plan_forward import plan_forward_for_device, row_cache_bytes
+from .rmsnorm_rows import kernel_for, shared_limit
+
+# Mirror NormParams, NormBwdParams and DweightParams in kernels_src: pointers, then these.
+FWD_TAIL = struct.Struct("<5q3f")  # rows, hidden, three row strides, then _scalars()
+BWD_TAIL = struct.Struct("<6q3f")  # rows, hidden, three row strides, shared_acc, then _scalars()
+DW_TAIL = struct.Struct("<2q")
+
+
+def _scalars(eps, offset, hidden) -> tuple[float, float, float]:
+    """The float parameters that end both row kernels' structs: eps, offset, 1 / hidden."""
+    return float(eps), float(offset), 1 / hidden
+
+
+def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=False, impl="auto"):
+    """y = x / sqrt(mean(x^2) + eps) * (weight + offset) over the last dimension of x (..., hidden).
+
+    weight: (hidden,), float32 or x's dtype; None means no scale. offset=1.0 gives Gemma's (1 + w).
+    Accumulates in fp32 and returns x's dtype. Returns y, or (y, rstd) with rstd fp32 of shape (...).
+    out: where to write y (x's shape and dtype; out=x normalizes in place).
+    """
+    mode = output_mode(out, x)
+    plan, (x_ptr, w_ptr, o_ptr) = _forward_plans.find(
+        (x, weight, out if mode == OUT else None), (mode, weight is None, eps, offset, return_rstd, impl))
+    if mode == NEW:
+        out, o_ptr = plan.new_output(x)
+    elif mode == IN_PLACE:
+        o_ptr = x_ptr
+    elif plan.grid:
+        checks.check_out_per_call(plan, x_ptr, o_ptr)
+    rstd, rstd_ptr = plan.new_rstd(x) if return_rstd else (None, 0)
+    if plan.grid:
+        plan.launch(x_ptr, o_ptr, 0, w_ptr, rstd_ptr)
+    return (out, rstd) if return_rstd else out
+
+
+def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"):
+    """vLLM's in-place fused residual add: residual <- x + residual (rounded to x's dtype), then
+    x <- rms_norm(residual, weight, eps). Each tensor is read once and written once (rows over 64 KiB read
+    the new residual a second time, mostly from the L2). Returns (x, residual)."""
+    plan, (x_ptr, r_ptr, w_ptr) = _fused_add_plans.find((x, residual, weight), (weight is None, eps, offset, impl))
+    if plan.grid:
+        checks.check_disjoint(x_ptr, plan.extents[0], r_ptr, plan.extents[1], "x", "residual", "pass separate memory")
+        plan.launch(x_ptr, x_ptr, r_ptr, w_ptr, 0)
+    return x, residual
+
+
+def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, impl="auto"):
+    """Gradients of rms_norm: returns (dx, dweight); dweight is None when weight is None.
+
+    rstd (fp32, shape x.shape[:-1], as returned by rms_norm(..., return_rstd=True)) is recomputed when
+    not given. dweight is reduced in a fixed order: bitwise identical from run to run, no atomics."""
+    plan, (d_ptr, x_ptr, w_ptr, r_ptr) = _backward_plans.find(
+        (dy, x, weight, rstd), (weight is None, rstd is None, eps, offset, impl))
+    dx, dx_ptr = plan.new_dx(x)
+    dweight, dweight_ptr = plan.new_dweight(weight) if weight is not None else (None, 0)
+    if not plan.grid:
+        if dweight is not None and len(dweight):
+            dweight[...] = 0
+        return dx, dweight
+    if weight is None:
+        plan.launch(d_ptr, x_ptr, 0, r_ptr, dx_ptr, 0)
+        return dx, None
+    if plan.one_cluster:  # its last pointer is dweight
+        plan.launch(d_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dweight_ptr)
+        return dx, dweight
+    partial, partial_ptr = plan.new_partial(x)
+    plan.launch(d_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, partial_ptr)
+    plan.dw_launch(partial_ptr, dweight_ptr)
+    return dx, dweight
+
+
+# ------------------------------------------------------------------------------------------ planning
+
+
+def _plan_forward_call(xa, wa, oa, mode, _no_weight, eps, offset, return_rstd, impl):
+    rmsnorm_checks.check_forward(xa, wa, oa, eps=eps, offset=offset, impl=impl)
+    checks.check_bool(return_rstd, "return_rstd")
+    if xa.size:
+        ya = xa if mode == IN_PLACE else oa if mode == OUT else contiguous_like(xa, xa.shape, xa.dtype)
+        n_rows, hidden = rows(xa.shape), xa.shape[-1]
+        strides = row_strides([xa, ya], ["x", "out"])
+        plan = plan_forward_for_device(xa, ya, None, wa, strides, n_rows, hidden, impl, xa.device)
+        if mode == OUT:
+            plan.out_layouts = checks.out_layouts(xa, oa)
+        tail = FWD_TAIL.pack(n_rows, hidden, strides[0], strides[1], 0, *_scalars(eps, offset, hidden))
+        plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, 5, tail, xa.device, xa.kind,
+                             plan.shared_mem)
+    else:
+        plan = EmptyPlan()
+    plan.new_output = allocator(xa, xa.shape, xa.dtype)
+    plan.new_rstd = allocator(xa, xa.shape[:-1], "float32") if return_rstd else None
+    return plan
+
+
+def _plan_fused_add_call(xa, ra, wa, _no_weight, eps, offset, impl):
+    rmsnorm_checks.check_fused_add(xa, ra, wa, eps=eps, offset=offset, impl=impl)
+    if not xa.size:
+        return EmptyPlan()
+    n_rows, hidden = rows(xa.shape), xa.shape[-1]
+    strides = row_strides([xa, ra], ["x", "residual"])
+    plan = plan_forward_for_device(xa, xa, ra, wa, (strides[0], strides[0], strides[1]), n_rows, hidden, impl,
+                                   xa.device)
+    plan.shared_mem = row_cache_bytes(plan, hidden, xa.dtype, shared_limit(xa.device))
+    tail = FWD_TAIL.pack(n_rows, hidden, strides[0], strides[0], strides[1], *_scalars(eps, offset, hidden))
+    plan.extents = (checks.layout_key(xa), checks.layout_key(ra))
+    plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, 5, tail, xa.device, xa.kind,
+                         plan.shared_mem)
+    return plan
+
+
+def _plan_backward_call(da, xa, wa, ra, _no_weight, _no_rstd, eps, offset, impl):
+    rmsnorm_checks.check_backward(da, xa, wa, ra, eps=eps, offset=offset, impl=impl)
+    n_rows, hidden = rows(xa.shape), xa.shape[-1]
+    if xa.size:
+        dxa = contiguous_like(xa, xa.shape, xa.dtype)
+        strides = row_strides([da, xa, dxa], ["dy", "x", "dx"])
+        plan, kernel = plan_backward_for_device(da, xa, dxa, wa, strides, n_rows, hidden, sm_count(xa.device), impl,
+                                                shared_limit(xa.device), xa.device)
+        tail = BWD_TAIL.pack(n_rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc),
+                             *_scalars(eps, offset, hidden))
+        plan.launch = Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
+        if wa is not None and not plan.one_cluster:
+            partials = plan.grid // plan.split  # one partial row a block, or a cluster
+            dw_kernel = get_kernel(plan.source, dweight_kernel_name(wa.dtype), xa.device)
+            plan.dw_launch = Launch(dw_kernel, -(-hidden // 32), (32, DW_SPLIT), 2, DW_TAIL.pack(partials, hidden),
+                                    xa.device, xa.kind)
+            plan.new_partial = allocator(xa, (partials, hidden), "float32")
+    else:
+        plan = EmptyPlan()
+    plan.new_dx = allocator(xa, xa.shape, xa.dtype)
+    # Like the weight (its shape and dtype): torch's empty_like, the cheapest allocation.
+    plan.new_dweight = allocator(wa, (hidden,), wa.dtype) if wa is not None else None
+    return plan
+
+
+_forward_plans = OpPlans(("x", "weight", "out"), _plan_forward_call)
+_fused_add_plans = OpPlans(("x", "residual", "weight"), _plan_fused_add_call)
+_backward_plans = OpPlans(("dy", "x", "weight", "rstd"), _plan_backward_call)

@@ -1,0 +1,78 @@
+"""RMSNorm's argument checks, on Array descriptions: the GPU path, the torch layer's CPU path and the references
+run the same ones and raise the same errors."""
+
+import math
+
+from .._runtime import checks
+from .._runtime.arrays import FLOAT_DTYPES, Array, is_contiguous, merge_dims
+
+
+def check_options(eps, offset, impl) -> None:
+    checks.check_positive(eps, "eps")
+    checks.check_finite(offset, "offset")
+    checks.check_impl(impl)
+
+
+def check_weight(weight: Array | None, like: Array, like_name: str) -> None:
+    if weight is None:
+        return
+    checks.check_same_device(like, weight, like_name, "weight")
+    if weight.dtype not in ("float32", like.dtype):
+        raise TypeError(f"weight: expected dtype float32 or {like.dtype} (like {like_name}), got {weight.dtype}")
+    if weight.shape != (like.shape[-1],):
+        raise ValueError(f"weight: expected shape ({like.shape[-1]},) (the hidden size of {like_name}), got "
+                         f"{weight.shape}")
+    checks.check_last_dim_contiguous(weight, "weight")
+
+
+def check_forward(x: Array, weight: Array | None, out: Array | None, *, eps, offset, impl,
+                  dtypes=FLOAT_DTYPES) -> None:
+    """Every check of an rms_norm() call."""
+    check_options(eps, offset, impl)
+    checks.check_float_input(x, "x", "hidden", dtypes)
+    check_weight(weight, x, "x")
+    if out is not None:
+        checks.check_like(out, x, "x", "out")
+        checks.check_not_overlapping(x, out, "x", "out", same_allowed=True)
+
+
+def check_fused_add(x: Array, residual: Array, weight: Array | None, *, eps, offset, impl,
+                    dtypes=FLOAT_DTYPES) -> None:
+    """Every check of a fused_add_rms_norm() call."""
+    check_options(eps, offset, impl)
+    checks.check_float_input(x, "x", "hidden", dtypes)
+    checks.check_like(residual, x, "x", "residual")
+    checks.check_not_overlapping(x, residual, "x", "residual")
+    check_weight(weight, x, "x")
+
+
+def check_backward(dy: Array, x: Array, weight: Array | None, rstd: Array | None, *, eps, offset, impl,
+                   dtypes=FLOAT_DTYPES) -> None:
+    """Every check of an rms_norm_backward() call."""
+    check_options(eps, offset, impl)
+    checks.check_float_input(x, "x", "hidden", dtypes)
+    checks.check_like(dy, x, "x", "dy")
+    check_weight(weight, x, "x")
+    if rstd is not None:
+        checks.check_same_device(x, rstd, "x", "rstd")
+        if rstd.dtype != "float32":
+            raise TypeError(f"rstd: expected dtype float32, got {rstd.dtype}")
+        if rstd.shape != x.shape[:-1]:
+            raise ValueError(f"rstd: expected shape {x.shape[:-1]} (x's rows), got {rstd.shape}")
+        if not is_contiguous(rstd) and rstd.size > 1:
+            raise ValueError(f"rstd: expected a contiguous array, got strides {rstd.strides}")
+
+
+def row_strides(arrays, names) -> tuple:
+    """One row stride per array (the kernels take rows as one strided run), or a ValueError saying so."""
+    lead = arrays[0].shape[:-1]
+    dims = [(n, tuple(a.strides[j] for a in arrays)) for j, n in enumerate(lead) if n != 1]
+    merged = merge_dims(dims)
+    if len(merged) > 1:
+        raise ValueError(f"{names[0]}: its rows (all dimensions but the last) must be evenly strided, got strides "
+                         f"{arrays[0].strides} for shape {arrays[0].shape}; pass a contiguous array")
+    return merged[0][1] if merged else tuple(arrays[0].shape[-1] for _ in arrays)
+
+
+def rows(shape) -> int:
+    return math.prod(shape[:-1])

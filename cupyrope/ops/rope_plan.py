@@ -1,0 +1,295 @@
+"""RoPE's plan: kernel variant, grid, block and parameters of a checked call. A pure function of shapes, dtypes,
+strides, pointer alignment and the SM count (unit-tested without a GPU).
+
+Two kernels (kernels_src/rope.cu). The block kernel gives a block a few tokens, computes each (token,
+frequency) cos/sin of them once into shared memory, and shares it across every head of q and k. The direct
+kernel gives each thread one item (a pair, or a 16-byte chunk, of one head of one token) with no shared memory
+and no barrier, so its x and position loads go out together: it takes small calls (decode), where the block
+kernel's three memory round trips (positions, cos/sin, x) are the whole call, and calls with a cos/sin cache,
+whose rows the L1 serves to every head.
+
+The tensors reduce to a canonical view (canonical_layout): up to three token dimensions (each with a position
+stride) times one head dimension, merged wherever every tensor's strides allow, with no copies.
+"""
+
+import math
+import struct
+
+from .._runtime.arrays import CTYPE, FLOAT_DTYPES, INDEX_DTYPES, ITEMSIZE, merge_dims
+
+SOURCE = "rope.cu"
+STYLES = {"neox": 0, "gptj": 1}
+BLOCK_THREADS = 256  # kernels_src/rope.cu: BLOCK_THREADS
+ITEMS_PER_BLOCK = 640  # items a block: two tokens of Llama q (or q+k) per block measured best
+MAX_BLOCK_TOKENS = 64
+COS_SIN_FLOATS = 8192  # shared-memory cos/sin table per block: 32 KiB
+MAX_ROTARY_DIM = 1024
+BLOCKS_PER_SM = 2  # below this many blocks per SM, fewer tokens per block
+# rope_direct_kernel takes calls of at most this many tokens, and every vectorized call with a cos/sin cache whose
+# rows it can read as packs; the block kernel takes the rest (with in-kernel cos/sin the block kernel's shared
+# cos/sin win from ~64 tokens on).
+DIRECT_MAX_TOKENS = 64
+DIRECT_WITH_CACHE = True
+DIRECT_THREADS = 64  # threads per block of the direct kernel: small blocks spread a call over the SMs
+
+# Mirrors RopeParams in kernels_src/rope.cu: six pointers, then this tail.
+_TAIL = struct.Struct("<3q3q4q16q2q3q3qdq")
+
+
+class RopePlan:
+    __slots__ = ("name", "grid", "block", "shared_mem", "tail", "vectorized", "tokens_per_block", "lanes", "extents",
+                 "slot_names", "disjoint", "launch", "out_layouts", "new_output")
+
+    def __init__(self, name, grid, block, shared_mem, tail, vectorized, tokens_per_block, lanes):
+        self.name = name
+        self.grid = grid
+        self.block = (block, 1)
+        self.shared_mem = shared_mem
+        self.tail = tail  # RopeParams after the six pointers, packed
+        self.vectorized = vectorized
+        self.tokens_per_block = tokens_per_block
+        self.lanes = lanes  # (rotating lanes, copying lanes) per head
+
+    def __repr__(self):
+        return f"RopePlan({self.name}, grid={self.grid}, tokens_per_block={self.tokens_per_block})"
+
+
+TOKEN_ROWS = "token rows"  # the "position dtype" of calls with per-token cos and sin tensors
+_POSITION_CTYPE = {**CTYPE, TOKEN_ROWS: "cupyrope::TokenRows"}
+
+
+def kernel_name(dtype, cache_dtype, pos_dtype, style, vectorized, use_cache, direct=False) -> str:
+    cache_ctype = CTYPE[cache_dtype] if use_cache else "float"
+    return (
+        f"cupyrope::{'rope_direct_kernel' if direct else 'rope_kernel'}<{CTYPE[dtype]}, {cache_ctype}, "
+        f"{_POSITION_CTYPE[pos_dtype]}, {STYLES[style]}, {'true' if vectorized else 'false'}, "
+        f"{'true' if use_cache else 'false'}>"
+    )
+
+
+def variants():
+    """Every RoPE kernel the planner can ask for."""
+    for dtype in FLOAT_DTYPES:
+        tables = sorted({"float32", dtype})
+        sources = [(None, pos) for pos in INDEX_DTYPES] + [(table, pos) for table in tables for pos in INDEX_DTYPES]
+        sources += [(table, TOKEN_ROWS) for table in tables]  # rope_qk_cos_sin
+        for table, pos in sources:
+            for style in STYLES:
+                for vectorized in (False, True):
+                    for direct in (False, True):
+                        yield SOURCE, kernel_name(dtype, table or "float32", pos, style, vectorized,
+                                                  table is not None, direct)
+
+
+def fast_divisor(d: int) -> int:
+    """(magic | shift << 32) such that n // d == (mulhi32(n, magic) + n) >> shift for every
+    0 <= n < 2^31 (kernels_src/rope.cu: fast_div; the round-up method of Granlund and Montgomery)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divisor {d} out of range")
+    shift = (d - 1).bit_length()  # ceil(log2(d))
+    magic = (2**32 * (2**shift - d)) // d + 1
+    return magic | shift << 32
+
+
+def _vector_blockers(tensors, dtype, style, rotary_dim, head_dim, copies) -> list[str]:
+    """Why the 16-byte kernel cannot run (empty when it can)."""
+    elems = 16 // ITEMSIZE[dtype]
+    reasons = []
+    need = 2 * elems if style == "neox" else elems
+    if rotary_dim % need:
+        reasons.append(f"rotary_dim {rotary_dim} is not a multiple of {need}")
+    if copies and (head_dim - rotary_dim) % elems:
+        reasons.append(f"head_dim - rotary_dim = {head_dim - rotary_dim} is not a multiple of {elems}")
+    for name, array, token_strides, head_stride in tensors:
+        if array.ptr % 16:
+            reasons.append(f"{name} is not 16-byte aligned")
+        if any(s % elems for s in token_strides) or head_stride % elems:
+            reasons.append(f"{name} has strides that are not multiples of {elems} elements")
+    return reasons
+
+
+def _cache_in_packs(cache, freqs) -> bool:
+    """Whether the direct kernel's 16-byte items, of `freqs` frequencies, can read their cos/sin from this
+    cache as packs (kernels_src/rope.cu: cache_cos_sin): its pointer and row stride aligned to a pack.
+    rotary_dim's own alignment follows from the items'."""
+    pack_bytes = min(16, freqs * ITEMSIZE[cache.dtype])
+    return cache.ptr % pack_bytes == 0 and cache.strides[0] * ITEMSIZE[cache.dtype] % pack_bytes == 0
+
+
+def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, impl, n_sm, in_place,
+              freq_stride=0) -> RopePlan:
+    """groups: [(input, output), ...] Arrays: q's pair, then k's (optional). All checked already. in_place: each
+    output is its input (out of place, features past rotary_dim are copied). positions of dtype TOKEN_ROWS: the
+    leading dimensions of per-token cos/sin tensors (their strides locate a token's row), cache then stands for
+    cos (its dtype) and freq_stride is the element stride between frequencies in cos and sin."""
+    dtype = groups[0][0].dtype
+    head_dim = groups[0][0].shape[-1]
+    layout = canonical_layout(
+        [(inp.shape[:-1], [inp.strides[:-1], out.strides[:-1]]) for inp, out in groups],
+        positions.shape,
+        positions.strides,
+    )
+    copies = not in_place and rotary_dim < head_dim
+    named = []
+    for g, (inp, out) in enumerate(groups):
+        for i, (role, array) in enumerate((("input", inp), ("output", out))):
+            t = 2 * g + i
+            named.append((f"{'qk'[g]} {role}", array, layout.token_strides[t], layout.head_strides[t]))
+    blockers = _vector_blockers(named, dtype, style, rotary_dim, head_dim, copies)
+    if impl == "vector" and blockers:
+        raise ValueError("impl: 'vector' is not possible here: " + "; ".join(blockers))
+    n_tokens, n_q_heads, n_heads = layout.n_tokens, layout.heads[0], sum(layout.heads)
+    can_vectorize = impl != "scalar" and not blockers
+    direct = n_tokens <= DIRECT_MAX_TOKENS or (DIRECT_WITH_CACHE and cache is not None and can_vectorize)
+    direct = direct and n_tokens * n_heads * head_dim < 2**31  # item indices in fast_div's range
+    # Direct calls with in-kernel cos/sin: one pair a thread measured 0.1-0.4 us faster than 16-byte items
+    # (whose 8 cos/sin are computed by 8 threads and gathered by shuffles), so auto takes it.
+    vectorized = can_vectorize and not (direct and cache is None and impl == "auto")
+    elems = 16 // ITEMSIZE[dtype] if vectorized else (2 if style == "gptj" else 1)
+    freqs = elems if style == "neox" else elems // 2  # frequencies an item rotates (the kernels' F)
+    if direct and vectorized and cache is not None and positions.dtype != TOKEN_ROWS:
+        direct = _cache_in_packs(cache, freqs)  # else the block kernel, which reads any cache
+    rot_lanes = rotary_dim // 2 // elems if style == "neox" else rotary_dim // elems
+    copy_lanes = (head_dim - rotary_dim) // (elems if vectorized else 1) if copies else 0
+    if n_tokens >= 2**31 or n_tokens * n_heads * max(rot_lanes, copy_lanes, 1) >= 2**32:
+        raise ValueError(f"x: {n_tokens} tokens x {n_heads} heads is too many for one call; split it")
+    if direct:  # items (token, head, lane), lanes rotating then copying; one thread each, or one per
+        # frequency of a 16-byte item when the kernel computes the cos/sin
+        per_item = freqs if vectorized and cache is None else 1
+        tokens, block = 0, DIRECT_THREADS
+        grid = -(-n_tokens * n_heads * (rot_lanes + copy_lanes) * per_item // block)
+    else:
+        # Tokens per block: enough items to keep every thread busy, few enough to spread over the SMs.
+        tokens = max(1, ITEMS_PER_BLOCK // max(1, n_heads * (rot_lanes + copy_lanes)))
+        tokens = min(tokens, MAX_BLOCK_TOKENS, COS_SIN_FLOATS // rotary_dim, max(1, n_tokens // (n_sm * BLOCKS_PER_SM)))
+        grid, block = max(1, -(-n_tokens // tokens)), BLOCK_THREADS
+
+    strides = []
+    for t in range(4):  # q in, q out, k in, k out; without k, k's slots repeat q's (0 k heads)
+        src = t if t < 2 * len(groups) else t - 2
+        strides.extend(layout.token_strides[src])
+        strides.append(layout.head_strides[src])
+    use_cache = cache is not None
+    if positions.dtype == TOKEN_ROWS:
+        cache_fields = (freq_stride, 0)
+    else:
+        cache_fields = (cache.strides[0], cache.shape[0]) if use_cache else (0, 0)
+    lanes = rot_lanes + copy_lanes
+    tail = (
+        n_tokens, layout.token_sizes[1], layout.token_sizes[2],
+        *layout.pos_strides,
+        *(fast_divisor(d) if direct else 0
+          for d in (n_heads * lanes, layout.token_sizes[2], layout.token_sizes[1], lanes)),
+        *strides,
+        *cache_fields,
+        n_q_heads, n_heads, tokens,
+        rotary_dim, rot_lanes, copy_lanes,
+        -2.0 * math.log(theta) / rotary_dim, int(bool(inverse)),
+    )  # fmt: skip
+    name = kernel_name(dtype, cache.dtype if use_cache else "float32", positions.dtype, style, vectorized, use_cache,
+                       direct)
+    return RopePlan(name, grid, block, tokens * rotary_dim * 4, _TAIL.pack(*tail), vectorized, tokens,
+                    (rot_lanes, copy_lanes))
+
+
+
+# ------------------------------------------------------------------------------------------- layout
+
+MAX_TOKEN_DIMS = 3
+
+
+class Layout:
+    """(..., head_dim) tensors and their broadcast positions as up to three token dimensions (each with a
+    position stride) times one head dimension. Leading dimensions where positions have size 1 are head
+    dimensions (cos/sin are shared across them); the others are token dimensions. Dimensions merge when every
+    tensor's strides allow it, so a contiguous tensor collapses to (tokens, heads) and (B, H, S, D) with
+    positions (B, 1, S) becomes two token dimensions and one head dimension. Head dimensions that cannot merge
+    into one run are demoted to token dimensions whose position stride is 0 (correct, only less sharing)."""
+
+    __slots__ = ("token_sizes", "token_strides", "pos_strides", "heads", "head_strides")
+
+    def __init__(self, token_sizes, token_strides, pos_strides, heads, head_strides):
+        self.token_sizes = token_sizes  # 3 sizes, outermost first
+        self.token_strides = token_strides  # one 3-tuple per tensor
+        self.pos_strides = pos_strides  # 3-tuple
+        self.heads = heads  # one count per group
+        self.head_strides = head_strides  # one stride per tensor
+
+    @property
+    def n_tokens(self) -> int:
+        a, b, c = self.token_sizes
+        return a * b * c
+
+
+def _merges(dims) -> bool:
+    """dims: (size, strides) outermost first; True when they form one run for every tensor."""
+    return all(
+        all(so == inner_size * si for so, si in zip(outer_strides, inner_strides))
+        for (_, outer_strides), (inner_size, inner_strides) in zip(dims, dims[1:])
+    )
+
+
+def canonical_layout(groups, pos_shape, pos_strides, arg_name="x") -> Layout:
+    """groups: [(leading_shape, [element strides of each tensor with that shape]), ...] -- q's tensors,
+    then k's. Groups share token dimensions and may differ in head dimensions (GQA)."""
+    ndim = len(groups[0][0])
+    if len(pos_shape) > ndim:
+        raise ValueError(
+            f"positions: expected at most {ndim} dimensions (the leading dimensions of {arg_name}, "
+            f"{tuple(groups[0][0])}), got shape {tuple(pos_shape)}"
+        )
+    pad = ndim - len(pos_shape)
+    pshape = tuple(pos_shape) + (1,) * pad
+    pstride = tuple(pos_strides) + (0,) * pad
+
+    for j in range(ndim):
+        if pshape[j] != 1 and any(shape[j] != pshape[j] for shape, _ in groups):
+            raise ValueError(
+                f"positions: shape {tuple(pos_shape)} does not match the leading dimensions of {arg_name}, "
+                f"{tuple(groups[0][0])} (aligned from the left; size-1 dimensions broadcast)"
+            )
+
+    def group_dims(g, indices):
+        shape, strides = groups[g]
+        return [(shape[j], tuple(s[j] for s in strides)) for j in indices if shape[j] != 1]
+
+    head_idx = [j for j in range(ndim) if pshape[j] == 1 and any(shape[j] != 1 for shape, _ in groups)]
+    keep = len(head_idx)
+    while keep > 1 and not all(_merges(group_dims(g, head_idx[-keep:])) for g in range(len(groups))):
+        keep -= 1
+    demoted = head_idx[: len(head_idx) - keep]
+    for j in demoted:
+        sizes = sorted({shape[j] for shape, _ in groups})
+        if len(sizes) != 1:
+            raise ValueError(
+                f"{arg_name}: dimension {j} has sizes {sizes} across q and k and cannot be merged with "
+                "their head dimension; give q and k the same size there"
+            )
+
+    token_idx = [j for j in range(ndim) if pshape[j] != 1 or j in demoted]
+    token_dims = [
+        (groups[0][0][j], tuple(s[j] for _, strides in groups for s in strides) + (pstride[j] if j not in demoted else 0,))
+        for j in token_idx
+        if groups[0][0][j] != 1
+    ]
+    tokens = merge_dims(token_dims)
+    if len(tokens) > MAX_TOKEN_DIMS:
+        raise ValueError(
+            f"{arg_name}: its leading dimensions reduce to {len(tokens)} token dimensions that cannot be "
+            f"merged (at most {MAX_TOKEN_DIMS} are supported); pass a contiguous tensor"
+        )
+    n_tensors = sum(len(strides) for _, strides in groups)
+    tokens = [(1, (0,) * (n_tensors + 1))] * (MAX_TOKEN_DIMS - len(tokens)) + tokens
+
+    heads, head_strides = [], []
+    for g, (_, strides) in enumerate(groups):
+        run = merge_dims(group_dims(g, head_idx[len(head_idx) - keep :]))
+        heads.append(run[0][0] if run else 1)
+        head_strides.extend(run[0][1] if run else (0,) * len(strides))
+    return Layout(
+        tuple(t[0] for t in tokens),
+        [tuple(t[1][i] for t in tokens) for i in range(n_tensors)],
+        tuple(t[1][n_tensors] for t in tokens),
+        heads,
+        head_strides,
+    )
