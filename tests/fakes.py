@@ -2,7 +2,6 @@
 anything touches a GPU (so these tests run in CI, which has none); and for the GPU itself, enough to run a
 planned call's host path with CPU torch tensors (stand_in_for_the_gpu)."""
 
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -43,7 +42,6 @@ def stand_in_for_the_gpu(patch=setattr):
     import torch
 
     from cupyrope._runtime import arrays, launch, plan_cache
-    from cupyrope.ops import rmsnorm, rmsnorm_plan_backward, rmsnorm_plan_forward, rmsnorm_rows, rope
 
     def describe_cpu(obj, name):  # describe() that takes a CPU tensor as if it were on cuda:0 (planning only)
         if isinstance(obj, torch.Tensor):
@@ -56,22 +54,32 @@ def stand_in_for_the_gpu(patch=setattr):
     patch(arrays, "TORCH_TYPES", torch_types)
     patch(plan_cache, "TORCH_TYPES", torch_types)
     patch(plan_cache, "describe_optional", lambda obj, name: None if obj is None else describe_cpu(obj, name))
-    no_kernel = SimpleNamespace(ptr=0, device=0, attribute=lambda attribute: 0)
-    for module in (rope, rmsnorm, rmsnorm_rows, rmsnorm_plan_forward):
-        patch(module, "get_kernel", lambda *args: no_kernel)
-    for module in (rope, rmsnorm, rmsnorm_rows):
-        patch(module, "sm_count", lambda device: 132)  # an H100's
-    patch(rmsnorm_rows, "shared_optin", lambda device: 227 * 1024)
-    patch(rmsnorm_rows, "allow_shared_memory", lambda *args: None)
-    for module in (rmsnorm_plan_forward, rmsnorm_plan_backward):
-        patch(module, "blocks_per_wave", lambda *args: 132 * 4)
-        patch(module, "runs_clusters", lambda device: True)
-    patch(rmsnorm_plan_forward, "waves", lambda *args: 1)
-    for module in (rmsnorm_rows, rmsnorm_plan_backward):
-        patch(module, "resident_clusters", lambda *args: 16)  # clusters of 8 an H100 holds at once
-    patch(launch, "_bind", lambda: None)
+    stand_in_for_the_device(patch)
     patch(launch, "_runtime", SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None))
     patch(launch, "_driver", SimpleNamespace(launchKernel=lambda *args: None, CUDADriverError=RuntimeError))
     patch(launch, "_torch_stream", lambda device: 0)
     patch(launch, "_cupy_stream", lambda device: 0)
-    patch(launch, "_programmatic", lambda device: False)  # plain launches: the no-op launchKernel above
+
+
+def stand_in_for_the_device(patch=setattr, shared_optin=227 * 1024, blocks_per_wave=132 * 4, resident_clusters=None):
+    """Answer the device queries the planners make as an H100 would (132 SMs, clusters), with ``shared_optin``
+    bytes of shared memory a block, ``blocks_per_wave`` resident blocks and ``resident_clusters(split)`` clusters
+    (default 16, clusters of 8 an H100 holds at once); no kernel is loaded and launches are plain."""
+    from cupyrope._runtime import launch
+    from cupyrope.ops import rmsnorm, rmsnorm_plan_backward, rmsnorm_plan_forward, rmsnorm_rows, rope
+
+    no_kernel = SimpleNamespace(ptr=0, device=0, attribute=lambda attribute: 0)
+    for module in (rope, rmsnorm, rmsnorm_rows, rmsnorm_plan_forward):
+        patch(module, "get_kernel", lambda *args: no_kernel)
+    for module in (rope, rmsnorm, rmsnorm_rows):
+        patch(module, "sm_count", lambda device: 132)
+    patch(rmsnorm_rows, "shared_optin", lambda device: shared_optin)
+    patch(rmsnorm_rows, "allow_shared_memory", lambda *args: None)
+    clusters = resident_clusters or (lambda split: 16)
+    for module in (rmsnorm_plan_forward, rmsnorm_plan_backward):
+        patch(module, "blocks_per_wave", lambda *args: blocks_per_wave)
+        patch(module, "runs_clusters", lambda device: True)
+    for module in (rmsnorm_rows, rmsnorm_plan_backward):
+        patch(module, "resident_clusters", lambda kernel, split, *args: clusters(split))
+    patch(launch, "_bind", lambda: None)
+    patch(launch, "_programmatic", lambda device: False)  # plain launches

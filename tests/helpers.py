@@ -57,10 +57,10 @@ def to_device(host: np.ndarray, dtype: str, kind: str, device: int = 0):
         return torch.from_numpy(host).to(device=f"cuda:{device}", dtype=getattr(torch, dtype))
     import cupy
 
-    from cupyrope._arrays import _cupy_dtype
+    from cupyrope._runtime.arrays import numpy_dtype
 
     with cupy.cuda.Device(device):
-        return cupy.asarray(host.astype(_cupy_dtype(dtype)))
+        return cupy.asarray(host.astype(numpy_dtype(dtype)))
 
 
 def to_host(array) -> np.ndarray:
@@ -104,10 +104,10 @@ def poisoned_allocations(kind: str, shapes, dtype: str):
     else:
         import cupy
 
-        from cupyrope._arrays import _cupy_dtype
+        from cupyrope._runtime.arrays import numpy_dtype
 
         with cupy.cuda.using_allocator(cupy.cuda.MemoryPool().malloc):
-            blocks = [cupy.empty(shape, dtype=_cupy_dtype(dtype)) for shape in shapes]
+            blocks = [cupy.empty(shape, dtype=numpy_dtype(dtype)) for shape in shapes]
             ptrs = {data_ptr(poison(block)) for block in blocks}
             del blocks
             yield ptrs
@@ -171,3 +171,30 @@ def assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype
     tol = 4e-6 * terms + (0 if weight_dtype == "float32" else ulp(ref_dw, weight_dtype))
     assert np.all(err <= tol), f"dweight: worst {err.max():.3g}"
     np.testing.assert_array_equal(to_host(cupyrope.rms_norm_backward(dy, x, w, offset=0.25)[1]), to_host(dw))
+
+
+# Each public op's plans: (its module, the name of its OpPlans there).
+OP_PLANS = {"rope": ("rope", "_rope_plans"), "rope_qk": ("rope", "_rope_qk_plans"),
+            "rope_qk_cos_sin": ("rope", "_rope_cos_sin_plans"), "rms_norm": ("rmsnorm", "_forward_plans"),
+            "fused_add_rms_norm": ("rmsnorm", "_fused_add_plans"), "rms_norm_backward": ("rmsnorm", "_backward_plans")}
+
+
+def fresh_plans(monkeypatch) -> dict:
+    """Empty plan caches (and recall) for every op, for this test: {op name: its OpPlans}, whose ``plans`` then
+    hold the plans the test's calls made."""
+    import importlib
+
+    from cupyrope._runtime.plan_cache import OpPlans
+
+    fresh = {}
+    for op, (module_name, name) in OP_PLANS.items():
+        module = importlib.import_module(f"cupyrope.ops.{module_name}")
+        old = getattr(module, name)
+        fresh[op] = OpPlans(old.names, old.make_plan)
+        monkeypatch.setattr(module, name, fresh[op])
+    return fresh
+
+
+def planned_kernels(plans) -> list:
+    """The kernel names of the plans an OpPlans made (calls with nothing to compute have none)."""
+    return [plan.name for plan in plans.plans.values() if hasattr(plan, "name")]

@@ -3,8 +3,6 @@ run (a compiled variant, launch limits, alignment for 16-byte accesses, shared m
 or a TypeError/ValueError that names the argument. What the plans compute is the GPU tests' job."""
 
 import math
-import sys
-from types import SimpleNamespace
 
 import pytest
 
@@ -12,10 +10,14 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from cupyrope._arrays import FLOAT_DTYPES, ITEMSIZE, Array  # noqa: E402
-from cupyrope._variants import all_variants  # noqa: E402
+from cupyrope._runtime.arrays import FLOAT_DTYPES, ITEMSIZE, Array  # noqa: E402
+from cupyrope._runtime.checks import IN_PLACE, NEW, OUT  # noqa: E402
+from cupyrope.ops import all_variants, rmsnorm, rope  # noqa: E402
+from cupyrope.ops import rmsnorm_plan_backward as backward  # noqa: E402
+from cupyrope.ops.rmsnorm_rows import STATIC_SHARED_BYTES  # noqa: E402
+from cupyrope.ops.rope_plan import _TAIL  # noqa: E402
+from fakes import stand_in_for_the_device  # noqa: E402
 
-rope_module, norm_module = sys.modules["cupyrope.rope"], sys.modules["cupyrope.rmsnorm"]
 BASE = 0x7F0000000000
 VARIANTS = {name for _, name in all_variants()}
 SHARED_OPTIN = 99 * 1024  # an L4's or RTX 4090's: below the H100's, so the limit shows
@@ -28,17 +30,8 @@ ARGUMENTS = ("x:", "q:", "k:", "positions:", "cos_sin_cache:", "cos:", "sin:", "
 @pytest.fixture(autouse=True)
 def no_gpu(monkeypatch):
     """The device queries the planners make, answered as an H100-like GPU with an L4's shared memory."""
-    kernel = SimpleNamespace(ptr=1, raw=SimpleNamespace(shared_size_bytes=0))
-    for module in (rope_module, norm_module):
-        monkeypatch.setattr(module, "sm_count", lambda device: 132)
-        monkeypatch.setattr(module, "get_kernel", lambda *args: kernel)
-    monkeypatch.setattr(norm_module, "shared_optin", lambda device: SHARED_OPTIN)
-    monkeypatch.setattr(norm_module, "allow_shared_memory", lambda *args: None)
-    monkeypatch.setattr(norm_module, "_blocks_per_wave", lambda kernel, plan, device: 132 * 2)
-    monkeypatch.setattr(norm_module, "runs_clusters", lambda device: True)
-    monkeypatch.setattr(norm_module, "resident_clusters", lambda kernel, split, threads, shared, device: 132 // split)
-    monkeypatch.setattr("cupyrope._launch._bind", lambda: None)
-    monkeypatch.setattr("cupyrope._launch._programmatic", lambda device: False)
+    stand_in_for_the_device(monkeypatch.setattr, shared_optin=SHARED_OPTIN, blocks_per_wave=132 * 2,
+                            resident_clusters=lambda split: 132 // split)
 
 
 def mostly(usual, anything):
@@ -84,7 +77,7 @@ def assert_runnable_rope(plan, arrays_, cache=None, style="neox"):
             freqs = 16 // ITEMSIZE[arrays_[0].dtype] // (2 if style == "gptj" else 1)
             pack = min(16, freqs * ITEMSIZE[cache.dtype])
             assert cache.ptr % pack == 0 and cache.strides[0] * ITEMSIZE[cache.dtype] % pack == 0
-    assert len(plan.tail) == rope_module._TAIL.size
+    assert len(plan.tail) == _TAIL.size
 
 
 @st.composite
@@ -119,7 +112,8 @@ def rope_calls(draw, qk=False):
 def test_rope_plans_are_runnable_or_refused_clearly(call):
     x, positions, cache, out, options = call
     try:
-        plan = rope_module._plan_rope_call(x, positions, cache, out, **options)
+        mode = NEW if out is None else IN_PLACE if out is x else OUT
+        plan = rope._plan_rope_call(x, positions, cache, out if mode == OUT else None, mode, cache is None, **options)
     except (TypeError, ValueError) as error:
         assert_clear_error(error)
         return
@@ -132,12 +126,14 @@ def test_rope_qk_plans_are_runnable_or_refused_clearly(call, new):
     """In place, or into new arrays (out="new": the planner describes them as contiguous)."""
     q, k, positions, cache, options = call
     try:
-        plan = rope_module._plan_rope_qk_call(q, k, positions, cache, *((None, None) if new else (q, k)), **options)
+        plan = rope._plan_rope_qk_call(q, k, positions, cache, None, None, NEW if new else IN_PLACE, cache is None,
+                                       **options)
     except (TypeError, ValueError) as error:
         assert_clear_error(error)
         return
     assert_runnable_rope(plan, [q, k], cache, options["style"])
     assert len(plan.new_output) == 2 if new else not hasattr(plan, "new_output")
+    assert plan.disjoint == ([] if new else [(0, 2)])  # in place: q against k, per call
 
 
 @SETTINGS
@@ -156,7 +152,7 @@ def test_rope_qk_cos_sin_plans_are_runnable_or_refused_clearly(call, data):
     options = dict(rotary_dim=options["rotary_dim"], freq_step=freq_step, style=options["style"],
                    inverse=options["inverse"], impl=options["impl"])
     try:
-        plan = rope_module._plan_rope_qk_cos_sin_call(q, k, cos, sin, q, k, **options)
+        plan = rope._plan_rope_cos_sin_call(q, k, cos, sin, None, None, IN_PLACE, False, **options)
     except (TypeError, ValueError) as error:
         assert_clear_error(error)
         return
@@ -190,16 +186,16 @@ def assert_runnable_norm(plan, arrays_):
     dtype, _, _, slots, add = plan.name.split("<")[1].split(", ")[:5]
     if plan.name.startswith("cupyrope::rms_norm_fwd<") and add == "true" and dtype != "float" and int(slots) >= 4:
         assert plan.block[0] * plan.block[1] <= 512  # the fp16/bf16 fused add stays at 512 threads (FWD_MAX_WIDTH)
-    if plan.split >= norm_module.CLASS_WALK_MIN_SPLIT and plan.shifted and plan.name.startswith("cupyrope::rms_norm_bwd"):
-        assert plan.block[0] <= norm_module.CLASS_WALK_MAX_THREADS  # its launch bound
+    if plan.split >= backward.CLASS_WALK_MIN_SPLIT and plan.shifted and plan.name.startswith("cupyrope::rms_norm_bwd"):
+        assert plan.block[0] <= backward.CLASS_WALK_MAX_THREADS  # its launch bound
         assert plan.grid // plan.split <= math.prod(arrays_[0].shape[:-1])  # no cluster without rows
-    assert plan.shared_mem <= SHARED_OPTIN - norm_module.STATIC_SHARED_BYTES
+    assert plan.shared_mem <= SHARED_OPTIN - STATIC_SHARED_BYTES
     if plan.vectorized and not plan.shifted:
         assert all(aligned_16(a) for a in arrays_ if a is not None)
     rows = math.prod(arrays_[0].shape[:-1])
     step = plan.grid // plan.split * plan.block[1]  # rows between a rows slot's rows
     # A rows slot's sums over rows of one shift (the split backward on 4+ blocks walks its rows class by class)
-    walks = plan.split >= norm_module.CLASS_WALK_MIN_SPLIT
+    walks = plan.split >= backward.CLASS_WALK_MIN_SPLIT
     if plan.shifted and plan.name.startswith("cupyrope::rms_norm_bwd") and not walks and step < rows:
         assert step % (16 // ITEMSIZE[arrays_[0].dtype]) == 0, plan
 
@@ -224,11 +220,11 @@ def test_rms_norm_plans_are_runnable_or_refused_clearly(call, op):
     x, weight, other, eps, offset, impl = call
     try:
         if op == "forward":
-            plan = norm_module._plan_forward_call(x, weight, other, eps, offset, True, impl)
+            plan = rmsnorm._plan_forward_call(x, weight, other, OUT, weight is None, eps, offset, True, impl)
         elif op == "fused add":
-            plan = norm_module._plan_fused_add_call(x, other, weight, eps, offset, impl)
+            plan = rmsnorm._plan_fused_add_call(x, other, weight, weight is None, eps, offset, impl)
         else:
-            plan = norm_module._plan_backward_call(other, x, weight, None, eps, offset, impl)
+            plan = rmsnorm._plan_backward_call(other, x, weight, None, weight is None, True, eps, offset, impl)
     except (TypeError, ValueError) as error:
         assert_clear_error(error)
         return
@@ -243,10 +239,10 @@ def test_rope_qk_out_of_place_reads_overlapping_inputs_but_never_writes_overlapp
     out = Array(None, "cupy", BASE + 2**30, "float32", (3, 2, 64), (128, 64, 1), 0)
     other = Array(None, "cupy", BASE + 2**31, "float32", (3, 2, 64), (128, 64, 1), 0)
     options = dict(theta=1e4, style="neox", rotary_dim=None, inverse=False, impl="auto")
-    assert rope_module._plan_rope_qk_call(q, q, pos, None, out, other, **options).grid
+    assert rope._plan_rope_qk_call(q, q, pos, None, out, other, OUT, True, **options).grid
     with pytest.raises(ValueError, match="out\\[1\\]: overlaps out\\[0\\]"):
-        rope_module._plan_rope_qk_call(q, q, pos, None, out, out, **options)
-    new = rope_module._plan_rope_qk_call(q, q, pos, None, None, None, **options)  # out="new": fresh memory
-    assert new.grid and len(new.new_output) == 2 and not hasattr(new, "disjoint")
+        rope._plan_rope_qk_call(q, q, pos, None, out, out, OUT, True, **options)
+    new = rope._plan_rope_qk_call(q, q, pos, None, None, None, NEW, True, **options)  # out="new": fresh memory
+    assert new.grid and len(new.new_output) == 2 and new.disjoint == []
     with pytest.raises(ValueError, match="k: overlaps q"):  # in place
-        rope_module._plan_rope_qk_call(q, q, pos, None, q, q, **options)
+        rope._plan_rope_qk_call(q, q, pos, None, None, None, IN_PLACE, True, **options)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import cupyrope
-from cupyrope import _compile, reference
-from helpers import (DTYPES, assert_backward_with_offset, assert_matches, index_to_device, n_gpus, poison, random_host,
-                     requires_gpu, to_device, to_host)
+from cupyrope import reference
+from cupyrope._runtime import compile
+from helpers import (DTYPES, assert_backward_with_offset, assert_matches, fresh_plans, index_to_device, n_gpus, poison,
+                     random_host, requires_gpu, to_device, to_host)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 hypothesis = pytest.importorskip("hypothesis")
@@ -90,11 +91,10 @@ def test_eight_threads_compile_each_variant_once(rng, monkeypatch):
     import cupy
 
     loads = []
-    real_load = _compile._load
-    monkeypatch.setattr(_compile, "_load", lambda *args: loads.append(args) or real_load(*args))
-    monkeypatch.setattr(_compile, "_functions", {})
-    for module in ("cupyrope.rope", "cupyrope.rmsnorm"):
-        monkeypatch.setattr(sys.modules[module], "_plans", type(sys.modules[module]._plans)())
+    real_load = compile._load
+    monkeypatch.setattr(compile, "_load", lambda *args: loads.append(args) or real_load(*args))
+    monkeypatch.setattr(compile, "_kernels", {})
+    fresh_plans(monkeypatch)
     hosts = [random_host((33, 3, 64), "float16", rng) for _ in range(8)]
     pos = rng.integers(0, 5000, 33).astype(np.int32)
     results, errors, barrier = [None] * 8, [], threading.Barrier(8)

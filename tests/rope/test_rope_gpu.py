@@ -1,16 +1,14 @@
 """RoPE on the GPU against the float64 reference: every variant, layouts, streams, graphs."""
 
-import importlib
-
 import numpy as np
 import pytest
 
 import cupyrope
-from cupyrope import _arrays, reference
+from cupyrope import reference
+from cupyrope.ops import rope, rope_plan
 
-rope_module = importlib.import_module("cupyrope.rope")  # the module (cupyrope.rope is the function)
-from helpers import (DTYPES, KINDS, assert_matches, data_ptr, index_to_device, poison, poisoned_allocations,
-                     random_host, requires_gpu, requires_torch_cuda, to_device, to_host)
+from helpers import (DTYPES, KINDS, assert_matches, data_ptr, fresh_plans, index_to_device, planned_kernels, poison,
+                     poisoned_allocations, random_host, requires_gpu, requires_torch_cuda, to_device, to_host)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -21,15 +19,21 @@ MAX_POS = 2**24
 def kernel(request, monkeypatch):
     """Runs a test with each RoPE kernel: the block kernel (cos/sin shared by a block's heads) and the
     direct one (one item a thread; what the planner takes for small calls). Returns its name's start."""
-    monkeypatch.setattr(rope_module, "DIRECT_MAX_TOKENS", 0 if request.param == "block" else 2**31)
-    monkeypatch.setattr(rope_module, "DIRECT_WITH_CACHE", request.param == "direct")
-    monkeypatch.setattr(rope_module, "_plans", _arrays.PlanCache())
+    monkeypatch.setattr(rope_plan, "DIRECT_MAX_TOKENS", 0 if request.param == "block" else 2**31)
+    monkeypatch.setattr(rope_plan, "DIRECT_WITH_CACHE", request.param == "direct")
+    fresh_plans(monkeypatch)
     return "rope_direct_kernel<" if request.param == "direct" else "rope_kernel<"
+
+
+def made_plans():
+    """The kernel names of every RoPE plan made since the kernel fixture (or fresh_plans) ran."""
+    return [name for plans in (rope._rope_plans, rope._rope_qk_plans, rope._rope_cos_sin_plans)
+            for name in planned_kernels(plans)]
 
 
 def assert_ran(kernel):
     """Every plan made since the kernel fixture ran that kernel."""
-    names = [plan.name for plan in rope_module._plans._plans.values() if hasattr(plan, "name")]
+    names = made_plans()
     assert names and all(kernel in name for name in names), names
 
 
@@ -213,7 +217,7 @@ def test_cache_rows_off_16_byte_boundaries(rng, style, cache_dtype, impl, kernel
     """A column-offset cache view (rows off 16-byte boundaries): the same results as an aligned cache. The
     direct kernel reads a 16-byte item's cos/sin as packs, so 16-byte items take the block kernel here
     (which reads any cache element by element); one pair a thread stays in the direct kernel."""
-    monkeypatch.setattr(rope_module, "_plans", _arrays.PlanCache())
+    fresh_plans(monkeypatch)
     shape, rotary_dim, max_pos = (21, 3, 128), 128, 500
     x_host = random_host(shape, "bfloat16", rng)
     table = reference.round_to(reference.rope_cache(max_pos, rotary_dim, 10000.0), cache_dtype)
@@ -353,7 +357,7 @@ def test_rope_qk_cos_sin_every_variant(rng, dtype, style, table_dtype, freq_step
         expected = reference.rope(x_host, pos_host, style=style, rotary_dim=rotary_dim, cos_sin_cache=table)
         assert_matches(to_host(got), expected, dtype, what=f"{name} {dtype} {style} {impl} step {freq_step}")
     assert_ran(kernel)
-    assert all("TokenRows" in plan.name for plan in rope_module._plans._plans.values() if hasattr(plan, "name"))
+    assert all("TokenRows" in name for name in made_plans())
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,21 +1,24 @@
-"""Compile-only path (NVRTC alone, no GPU), source discovery and cache keys, compile errors."""
+"""NVRTC with no GPU: every kernel variant compiles, the kernel cache that `compile` fills and first calls read,
+source discovery and cache keys, compile errors naming the file and line, target names."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from cupyrope import _compile, _sources
-from cupyrope.__main__ import compile_variants, main
-from cupyrope._variants import all_variants
+from cupyrope._runtime import compile
+from cupyrope.__main__ import compile_variants
+from cupyrope.ops import all_variants
 
 pytest.importorskip("cupy", reason="compile tests need CuPy (its NVRTC bindings)")
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_variant_compiles_without_a_gpu(arch):
-    results = compile_variants(arch, jobs=os.cpu_count() or 1)
+    results = compile_variants(arch, jobs=os.cpu_count() or 1, cache=False)
     assert sorted(r[:2] for r in results) == sorted(all_variants())
-    assert all(size > 1000 for _, _, size in results)  # a real cubin each
+    assert all(size > 1000 for _, _, size, _ in results)  # a real cubin each
 
 
 def test_variant_list_covers_both_ops_and_is_unique():
@@ -28,106 +31,156 @@ def test_variant_list_covers_both_ops_and_is_unique():
     assert len(rope) == ((2 + 3 + 3) * 2 + 1 + 2 + 2) * 2 * 2 * 2
     assert sum("TokenRows" in name for name in rope) == (1 + 2 + 2) * 2 * 2 * 2
     assert sum("rope_direct_kernel<" in name for name in rope) == len(rope) // 2
-    norm = [name for source, name in variants if source == "rms_norm.cu"]
-    assert any("rms_norm_bwd" in n for n in norm) and any("rms_norm_dw" in n for n in norm)
-    assert any(n.endswith("true>") and "rms_norm_fwd" in n for n in norm)  # fused add
-
+    forward = [name for source, name in variants if source == "rmsnorm_fwd.cu"]
+    backward = [name for source, name in variants if source == "rmsnorm_bwd.cu"]
+    assert all(n.startswith("cupyrope::rms_norm_fwd") for n in forward)
+    assert any(n.endswith("true, false>") and "rms_norm_fwd<" in n for n in forward)  # fused add
+    assert all(n.startswith("cupyrope::rms_norm_bwd") or n.startswith("cupyrope::rms_norm_dw") for n in backward)
+    assert len(rope) + len(forward) + len(backward) == len(variants)
 
 
 def test_cuda_headers_are_found():
     """The fp16/bf16 headers NVRTC needs come with the install extra (CUDA 12 wheels keep them in
     nvidia/cuda_runtime/include, CUDA 13 ones in nvidia/cu13/include)."""
-    include = _compile.cuda_include_dir()
+    include = compile.cuda_include_dir()
     assert include and all(os.path.isfile(os.path.join(include, h)) for h in ("cuda_fp16.h", "cuda_bf16.h")), include
 
 
 def test_missing_cuda_headers_say_how_to_install_them(monkeypatch):
-    monkeypatch.setattr(_compile, "cuda_include_dir", lambda: None)
+    monkeypatch.setattr(compile, "cuda_include_dir", lambda: None)
     bf16 = next(v for v in all_variants() if "__nv_bfloat16" in v[1])
-    with pytest.raises(_compile.KernelCompileError, match=r"(?s)cuda_(fp|bf)16\.h.*pip install \"cupyrope\[cuda12\]\""):
-        _compile.compile_all("sm_90", [bf16])
+    with pytest.raises(compile.KernelCompileError, match=r"(?s)cuda_(fp|bf)16\.h.*pip install \"cupyrope\[cuda12\]\""):
+        compile.compile_all("sm_90", [bf16], cache=False)
 
 
-def test_bad_arch_is_a_clear_error():
-    with pytest.raises(ValueError, match="arch"):
-        _compile.compile_all("hopper", [])
+@pytest.mark.parametrize("arch,expected", [("sm_90", "sm_90"), ("90", "sm_90"), ("9.0", "sm_90"), (" sm_80 ", "sm_80"),
+                                           ("12.0", "sm_120")])
+def test_architectures_are_named_as_nvrtc_targets(arch, expected):
+    assert compile.checked_arch(arch) == expected
+
+
+@pytest.mark.parametrize("arch,message", [
+    ("hopper", r"arch: expected something like 'sm_90', '90' or '9.0', got 'hopper'"),
+    ("sm_90a", r"architecture-specific target; .* pass 'sm_90'"),
+    ("compute_90", r"PTX target; .* pass 'sm_90'"),
+    ("sm_91", r"has no target sm_91; its targets are sm_"),
+])
+def test_bad_architectures_are_refused_saying_what_to_pass(arch, message):
+    with pytest.raises(ValueError, match=message):
+        compile.compile_all(arch, [], cache=False)
 
 
 @pytest.fixture
 def broken_sources(tmp_path, monkeypatch):
     (tmp_path / "common.cuh").write_text("#pragma once\n")
     (tmp_path / "broken.cu").write_text('#include "common.cuh"\n__global__ void k() {\n  int x = ;\n}\n')
-    monkeypatch.setattr(_compile, "kernels_dir", lambda: tmp_path)
-    monkeypatch.setattr(_compile, "sources_hash", lambda: "0")
+    monkeypatch.setattr(compile, "kernels_dir", lambda: tmp_path)
+    monkeypatch.setattr(compile, "sources_hash", lambda: "0")
     return tmp_path
 
 
 def test_compile_error_names_file_and_line(broken_sources):
-    with pytest.raises(_compile.KernelCompileError, match=r"broken\.cu:3"):
-        _compile.compile_all("sm_90", [("broken.cu", "k")])
+    with pytest.raises(compile.KernelCompileError, match=r"broken\.cu:3"):
+        compile.compile_all("sm_90", [("broken.cu", "k")], cache=False)
 
 
 def test_sources_found_and_hash_covers_headers(tmp_path, monkeypatch):
-    assert (_sources.kernels_dir() / "rope.cu").is_file()
+    assert (compile.kernels_dir() / "rope.cu").is_file()
     for name in ("common.cuh", "rope.cu"):
-        (tmp_path / name).write_bytes((_sources.kernels_dir() / name).read_bytes())
-    monkeypatch.setattr(_sources, "kernels_dir", lambda: tmp_path)
-    _sources.sources_hash.cache_clear()
+        (tmp_path / name).write_bytes((compile.kernels_dir() / name).read_bytes())
+    monkeypatch.setattr(compile, "kernels_dir", lambda: tmp_path)
+    compile.sources_hash.cache_clear()
     try:
-        before = _sources.sources_hash()
+        before = compile.sources_hash()
         (tmp_path / "common.cuh").write_text((tmp_path / "common.cuh").read_text() + "\n// edit\n")
-        _sources.sources_hash.cache_clear()
-        assert _sources.sources_hash() != before
+        compile.sources_hash.cache_clear()
+        assert compile.sources_hash() != before
     finally:
-        _sources.sources_hash.cache_clear()
+        compile.sources_hash.cache_clear()
 
-
-def test_compile_options_carry_the_source_hash():
-    options = _compile.compile_options()
-    assert any(o.startswith("-DCUPYROPE_SOURCES_HASH=0x") for o in options)
-    assert f"-I{_sources.kernels_dir()}" in options
 
 def test_architecture_this_nvrtc_dropped_says_which_extra_targets_it():
     import cupy
 
     if cupy.cuda.nvrtc.getVersion() < (13, 0):
         pytest.skip("NVRTC 12 still compiles for sm_70 (CI's CUDA 12 step does)")
-    with pytest.raises(_compile.KernelCompileError, match=r"(?s)sm_70.*pip install \"cupyrope\[cuda12\]\""):
-        _compile.compile_all("sm_70", all_variants()[:1])
+    with pytest.raises(ValueError, match=r"(?s)sm_70.*pip install \"cupyrope\[cuda12\]\""):
+        compile.compile_all("sm_70", all_variants()[:1], cache=False)
 
 
 def test_gpus_this_nvrtc_cannot_target_are_named_before_compiling(monkeypatch):
-    monkeypatch.setattr(_compile, "nvrtc_archs", lambda: (75, 80, 90, 120))  # NVRTC 13's range, shortened
-    assert _compile.arch_unsupported("sm_90") is None
-    assert _compile.arch_unsupported("sm_130") is None  # newer GPUs: CuPy compiles for NVRTC's newest target
-    assert 'pip install "cupyrope[cuda12]"' in _compile.arch_unsupported("sm_70")
-    monkeypatch.setattr(_compile, "nvrtc_archs", lambda: (50, 60, 70, 90))  # NVRTC 12's
-    assert "compute capability 7.0 (Volta) and newer" in _compile.arch_unsupported("sm_35")
+    monkeypatch.setattr(compile, "nvrtc_archs", lambda: (75, 80, 90, 120))  # NVRTC 13's range, shortened
+    assert compile.arch_unsupported("sm_90") is None
+    assert compile.arch_unsupported("sm_130") is None  # newer GPUs: the newest target's PTX
+    assert compile.target_of(90) == "sm_90" and compile.target_of(130) == "compute_120"
+    assert compile.target_of(86) == "compute_80"  # no machine code of its own: the PTX of the one below
+    assert 'pip install "cupyrope[cuda12]"' in compile.arch_unsupported("sm_70")
+    monkeypatch.setattr(compile, "nvrtc_archs", lambda: (50, 60, 70, 90))  # NVRTC 12's
+    assert "compute capability 7.0 (Volta) and newer" in compile.arch_unsupported("sm_35")
     # A V100 with the CUDA 13 extra: the first kernel load says so, before NVRTC or the GPU is asked.
-    monkeypatch.setattr(_compile, "nvrtc_archs", lambda: (75, 80, 90, 120))
-    monkeypatch.setattr(_compile, "_device_arch", lambda device: "sm_70")
-    with pytest.raises(_compile.KernelCompileError, match=r"cuda:0: NVRTC .* cannot compile for sm_70.*cuda12"):
-        _compile._load("rope.cu", all_variants()[0][1], 0)
+    monkeypatch.setattr(compile, "nvrtc_archs", lambda: (75, 80, 90, 120))
+    monkeypatch.setattr(compile, "_device_capability", lambda device: 70)
+    with pytest.raises(compile.KernelCompileError, match=r"cuda:0: NVRTC .* cannot compile for sm_70.*cuda12"):
+        compile._load("rope.cu", all_variants()[0][1], 0)
 
 
-def test_cli_compile(capsys, monkeypatch):
-    monkeypatch.setattr("cupyrope._variants.all_variants", lambda: all_variants()[:2])
-    assert main(["compile", "--arch", "sm_90", "--jobs", "1"]) == 0
-    assert "compiled 2 kernel variants for sm_90" in capsys.readouterr().out
-    assert main(["compile", "--arch", "sm_80, sm_120", "--jobs", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "2 kernel variants for sm_80" in out and "2 kernel variants for sm_120" in out
+# ----------------------------------------------------------------------------------------- the kernel cache
 
 
-def test_cli_compile_reports_errors_without_a_traceback(capsys):
-    assert main(["compile", "--arch", "sm_90,hopper", "--jobs", "1"]) == 1
-    assert "cupyrope compile: arch: expected something like 'sm_90', got 'hopper'" in capsys.readouterr().err
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "kernel_cache"))
+    return tmp_path / "kernel_cache"
+
+
+def test_compile_fills_the_kernel_cache_and_a_second_run_compiles_nothing(cache_dir, monkeypatch):
+    variants = all_variants()[:3] + all_variants()[-2:]
+    first = compile.compile_all("sm_90", variants)
+    assert all(compiled for *_, compiled in first)
+    assert len(list(cache_dir.glob("cupyrope-*.bin"))) == len(variants)
+    compiled_now = []
+    real = compile._nvrtc_compile
+    monkeypatch.setattr(compile, "_nvrtc_compile", lambda *args: compiled_now.append(args) or real(*args))
+    second = compile.compile_all("sm_90", variants)
+    assert not compiled_now and not any(compiled for *_, compiled in second)
+    assert [r[:3] for r in first] == [r[:3] for r in second]
+    # What a first call on an sm_90 GPU reads: the same binary, with no NVRTC compile.
+    binary, lowered, compiled = compile.cached_binary(*variants[0], compile.target_of(90))
+    assert not compiled and not compiled_now and len(binary) == first[0][2] and lowered.startswith("_Z")
+    compile.compile_all("sm_90", variants[:1], force=True)
+    assert len(compiled_now) == 1
+
+
+def test_cache_entries_are_keyed_by_target_and_sources(cache_dir, monkeypatch):
+    variant = all_variants()[0]
+    paths = {compile._cache_path(*variant, target) for target in ("sm_80", "sm_90", "compute_120")}
+    assert len(paths) == 3
+    monkeypatch.setattr(compile, "sources_hash", lambda: "edited")
+    assert compile._cache_path(*variant, "sm_90") not in paths  # an edited source never loads a stale binary
+
+
+@pytest.mark.parametrize("damage", [b"", b"garbage", None])
+def test_a_damaged_cache_entry_is_compiled_again(cache_dir, damage):
+    variant = all_variants()[0]
+    (path_entry,) = [compile._cache_path(*variant, "sm_90")]
+    compile.compile_all("sm_90", [variant])
+    data = path_entry.read_bytes()
+    path_entry.write_bytes(data[:-10] + b"0123456789" if damage is None else damage)  # None: a flipped tail
+    ((*_, compiled),) = compile.compile_all("sm_90", [variant])
+    assert compiled and compile._read_cached(path_entry, variant[1]) is not None  # a good entry again
+
+
+def test_an_unwritable_cache_warns_once_and_carries_on(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(blocked / "cache"))
+    monkeypatch.setattr(compile, "_warned_unwritable", False)
+    with pytest.warns(RuntimeWarning, match="cannot write the kernel cache"):
+        results = compile.compile_all("sm_90", all_variants()[:2])
+    assert all(compiled for *_, compiled in results)
 
 
 def test_unusable_kernel_cache_dir_degrades_with_a_warning(tmp_path):
-    import subprocess
-    import sys
-
     bad = tmp_path / "not-a-dir"
     bad.write_text("a file where CuPy's cache directory should be")
     code = (
@@ -135,9 +188,9 @@ def test_unusable_kernel_cache_dir_degrades_with_a_warning(tmp_path):
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    import cupyrope  # vets the directory before anything imports CuPy\n"
-        "    from cupyrope import _compile\n"
-        "    from cupyrope._variants import all_variants\n"
-        "    assert _compile.compile_all('sm_90', all_variants()[:1])\n"
+        "    from cupyrope._runtime import compile\n"
+        "    from cupyrope.ops import all_variants\n"
+        "    assert compile.compile_all('sm_90', all_variants()[:1])\n"
         "assert any('not usable' in str(w.message) for w in caught), caught\n"
         "print('ok')\n"
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -23,19 +23,19 @@ def test_wheel_contains_package_and_kernel_sources(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for source in (ROOT / "kernels_src").glob("*.cu*"):
         assert f"cupyrope/kernels_src/{source.name}" in names
-    for module in ("__init__.py", "torch.py", "dropin.py", "py.typed"):  # py.typed: type checkers read the hints
+    for module in ("__init__.py", "torch.py", "dropin.py", "patch.py", "py.typed", "ops/rope.py", "_runtime/launch.py"):  # py.typed: type checkers read the hints
         assert f"cupyrope/{module}" in names
 
 
 def test_installed_wheel_finds_its_sources(wheel, tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(tmp_path / "site")  # what pip install puts in site-packages
-    code = "import cupyrope._sources as s; print(s.kernels_dir()); print(s.sources_hash())"
+    code = "import cupyrope._runtime.compile as c; print(c.kernels_dir()); print(c.sources_hash())"
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     found, digest = done.stdout.split()
     assert Path(found) == tmp_path / "site" / "cupyrope" / "kernels_src"
-    from cupyrope import _sources
+    from cupyrope._runtime.compile import sources_hash
 
-    assert digest == _sources.sources_hash()  # the same sources as the checkout
+    assert digest == sources_hash()  # the same sources as the checkout

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 import cupyrope
-from cupyrope import _device, _launch, reference
+from cupyrope import reference
+from cupyrope._runtime import launch as _launch
+from cupyrope._runtime.device import LAUNCH_CONFIG
 from helpers import has_torch_cuda, n_gpus
 
 CUDA_ERROR_NOT_SUPPORTED = 801
@@ -41,11 +43,16 @@ def test_a_bad_cupyrope_pdl_names_the_variable():
     assert ok.stdout.strip() == "never", ok.stderr
 
 
+class CUlaunchConfig(ctypes.Structure):  # cuda.h
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
 def test_launch_config_matches_cuda_h_layout():
-    """_CONFIG packs a CUlaunchConfig; _device._LaunchConfig (the cluster occupancy query's) is the same struct."""
-    fields = {name: getattr(_device._LaunchConfig, name).offset for name, _ in _device._LaunchConfig._fields_}
-    assert _launch._CONFIG.size == ctypes.sizeof(_device._LaunchConfig) == 56
-    packed = _launch._CONFIG.pack(1, 2, 3, 4, 5, 6, 7, 0x1122334455667788, 0x99AA, 1)
+    """LAUNCH_CONFIG packs a CUlaunchConfig, as the launcher and the cluster occupancy query pass it."""
+    fields = {name: getattr(CUlaunchConfig, name).offset for name, _ in CUlaunchConfig._fields_}
+    assert LAUNCH_CONFIG.size == ctypes.sizeof(CUlaunchConfig) == 56
+    packed = LAUNCH_CONFIG.pack(1, 2, 3, 4, 5, 6, 7, 0x1122334455667788, 0x99AA, 1)
     assert struct.unpack_from("<Q", packed, fields["stream"])[0] == 0x1122334455667788
     assert struct.unpack_from("<Q", packed, fields["attrs"])[0] == 0x99AA
     assert struct.unpack_from("<I", packed, fields["num_attrs"])[0] == 1
@@ -63,7 +70,7 @@ def _launch_with(monkeypatch, launch_ex_status, mode="always", capturing=False):
     calls = {"ex": [], "plain": []}
 
     def launch_ex(config, function, params, extra):
-        calls["ex"].append(ctypes.string_at(config, _launch._CONFIG.size))
+        calls["ex"].append(ctypes.string_at(config, LAUNCH_CONFIG.size))
         return launch_ex_status
 
     monkeypatch.setattr(_launch, "_bind", lambda: None)
@@ -83,7 +90,7 @@ def test_programmatic_launch_passes_the_plan_and_stream(monkeypatch):
     launch, calls = _launch_with(monkeypatch, 0)
     launch(0xA, 0xB)
     assert not calls["plain"] and len(calls["ex"]) == 1
-    grid, _, _, bx, by, _, shared, stream, attrs, count = _launch._CONFIG.unpack(calls["ex"][0])
+    grid, _, _, bx, by, _, shared, stream, attrs, count = LAUNCH_CONFIG.unpack(calls["ex"][0])
     assert (grid, bx, by, shared, stream, count) == (96, 32, 4, 640, 0x5000, 1)
     assert attrs == ctypes.addressof(_launch._PDL_ATTRIBUTE)
     monkeypatch.setattr(_launch, "_pdl", _launch.NEVER)  # set_pdl("never"): plain launches

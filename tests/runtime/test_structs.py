@@ -6,13 +6,13 @@ import re
 
 import pytest
 
-from cupyrope import _sources
+from cupyrope._runtime.compile import kernels_dir
 
 
 def _struct_format(source: str, name: str) -> str:
     """struct.Struct codes of a kernel parameter struct's fields, read from its source text: pointers
     'Q', i64 'q', double 'd', float 'f' (arrays repeat their code)."""
-    text = (_sources.kernels_dir() / source).read_text()
+    text = (kernels_dir() / source).read_text()
     body = re.search(r"struct " + name + r" \{(.*?)\n\};", text, re.S).group(1)
     body = re.sub(r"//[^\n]*", "", body)
     # An anonymous union of same-sized scalar members (two names for one field) counts as its first.
@@ -42,10 +42,10 @@ def _expand(fmt: str) -> str:
 
 
 @pytest.mark.parametrize("source,name,pointers,tail", [
-    ("rope.cu", "RopeParams", 6, "cupyrope.rope:_TAIL"),
-    ("rms_norm.cu", "NormParams", 5, "cupyrope.rmsnorm:_FWD_TAIL"),
-    ("rms_norm.cu", "NormBwdParams", 6, "cupyrope.rmsnorm:_BWD_TAIL"),
-    ("rms_norm.cu", "DweightParams", 2, "cupyrope.rmsnorm:_DW_TAIL"),
+    ("rope.cu", "RopeParams", 6, "cupyrope.ops.rope_plan:_TAIL"),
+    ("rmsnorm_fwd.cu", "NormParams", 5, "cupyrope.ops.rmsnorm:FWD_TAIL"),
+    ("rmsnorm_bwd.cu", "NormBwdParams", 6, "cupyrope.ops.rmsnorm:BWD_TAIL"),
+    ("rmsnorm_bwd.cu", "DweightParams", 2, "cupyrope.ops.rmsnorm:DW_TAIL"),
 ])
 def test_parameter_structs_mirror_the_kernels(source, name, pointers, tail):
     """The launcher packs pointers then the planner's tail: field for field what the kernel's struct holds."""

@@ -172,13 +172,9 @@ def test_rope_gradient_against_float64_autograd(dtype, use_cache, rng):
 def test_rope_qk_gradient_takes_one_launch_each_way(dtype, use_cache, rng, monkeypatch):
     """ct.rope_qk with autograd: q and k (GQA column slices of a fused qkv leaf) rotated in one launch
     forward and one backward (the inverse rotation of both gradients); v gets a zero gradient."""
-    import importlib
+    from helpers import assert_matches, fresh_plans
 
-    from cupyrope import _arrays
-    from helpers import assert_matches
-
-    rope_module = importlib.import_module("cupyrope.rope")
-    monkeypatch.setattr(rope_module, "_plans", _arrays.PlanCache())
+    plans = fresh_plans(monkeypatch)
     t, hq, hk, d, rotary_dim = 19, 8, 2, 128, 96
     qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=TORCH_DTYPES[dtype], requires_grad=True)
     q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
@@ -188,8 +184,8 @@ def test_rope_qk_gradient_takes_one_launch_each_way(dtype, use_cache, rng, monke
     q_out, k_out = ct.rope_qk(q, k, torch.from_numpy(pos).cuda(), rotary_dim=rotary_dim, cos_sin_cache=cache)
     grads = torch.randn_like(q_out), torch.randn_like(k_out)
     torch.autograd.backward((q_out, k_out), grads)
-    assert {key[0] for key in rope_module._plans._plans} == {"rope_qk"}  # no per-tensor rope() calls
-    assert len(rope_module._plans._plans) == 2  # the forward plan and the inverse one
+    assert not plans["rope"].plans  # no per-tensor rope() calls
+    assert len(plans["rope_qk"].plans) == 2  # the forward plan and the inverse one
     host = lambda x: x.detach().double().cpu().numpy()  # noqa: E731
     for out, x, g, lo, hi in ((q_out, q, grads[0], 0, hq), (k_out, k, grads[1], hq, hq + hk)):
         options = dict(rotary_dim=rotary_dim, cos_sin_cache=table)
