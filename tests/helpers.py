@@ -184,13 +184,10 @@ def fresh_plans(monkeypatch) -> dict:
     hold the plans the test's calls made."""
     import importlib
 
-    from cupyrope._runtime.plan_cache import OpPlans
-
     fresh = {}
     for op, (module_name, name) in OP_PLANS.items():
         module = importlib.import_module(f"cupyrope.ops.{module_name}")
-        old = getattr(module, name)
-        fresh[op] = OpPlans(old.names, old.make_plan)
+        fresh[op] = getattr(module, name).emptied()
         monkeypatch.setattr(module, name, fresh[op])
     return fresh
 
@@ -198,3 +195,16 @@ def fresh_plans(monkeypatch) -> dict:
 def planned_kernels(plans) -> list:
     """The kernel names of the plans an OpPlans made (calls with nothing to compute have none)."""
     return [plan.name for plan in plans.plans.values() if hasattr(plan, "name")]
+
+
+def rotate_half(x):  # transformers' (Llama), on torch tensors
+    import torch
+
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def assert_close(got, expected, dtype):
+    """assert_matches on torch tensors: fp32 1e-5 relative, fp16/bf16 one rounding of the output."""
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    assert_matches(to_host(got), to_host(expected), dtype, scale=float(expected.abs().max()))

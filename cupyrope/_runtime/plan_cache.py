@@ -20,7 +20,7 @@ import os
 import sys
 from functools import reduce
 
-from .arrays import TORCH_TYPES, describe_optional, fingerprint_optional
+from .arrays import TORCH_TYPES, describe_optional, fingerprint, fingerprint_optional
 
 RECENT = 4  # calls remembered per op: a model alternates a few shapes per op (Qwen3's q_norm and k_norm)
 PLAN_LIMIT = 4096  # plans kept per op before the cache starts again
@@ -34,14 +34,21 @@ class EmptyPlan:
 
 
 class OpPlans:
-    """The plans of one op's calls. ``names``: the op's array arguments, in the order calls pass them;
-    ``make_plan(*arrays described, *options)`` checks a call's arguments and plans it (raising for bad ones)."""
+    """The plans of one op's calls. ``names``: the op's array arguments, in the order calls pass them, those in
+    ``optional`` may be None; ``make_plan(*arrays described, *options)`` checks a call's arguments and plans it
+    (raising for bad ones)."""
 
-    def __init__(self, names: tuple[str, ...], make_plan):
+    def __init__(self, names: tuple[str, ...], make_plan, optional=()):
         self.names = names
         self.make_plan = make_plan
+        self.optional = optional
+        self._fingerprints = [fingerprint_optional if name in optional else fingerprint for name in names]
         self.plans: dict = {}
         self.recent = RecentCalls()
+
+    def emptied(self) -> "OpPlans":
+        """A new OpPlans for the same op, with no plans and no recent calls."""
+        return OpPlans(self.names, self.make_plan, self.optional)
 
     def find(self, arrays: tuple, options: tuple):
         """(plan, pointers) of a call: ``arrays`` are its array arguments (None where absent), ``options``
@@ -54,8 +61,8 @@ class OpPlans:
                 if not reduce(operator.or_, pointers) & 15:
                     return plan, pointers
         keys, pointers = [], []
-        for array, name in zip(arrays, self.names):
-            key, pointer = fingerprint_optional(array, name)
+        for array, name, fingerprint_of in zip(arrays, self.names, self._fingerprints):
+            key, pointer = fingerprint_of(array, name)
             keys.append(key)
             pointers.append(pointer)
         key = (*keys, *options)

@@ -153,6 +153,6 @@ def _plan_backward_call(da, xa, wa, ra, _no_weight, _no_rstd, eps, offset, impl)
     return plan
 
 
-_forward_plans = OpPlans(("x", "weight", "out"), _plan_forward_call)
-_fused_add_plans = OpPlans(("x", "residual", "weight"), _plan_fused_add_call)
-_backward_plans = OpPlans(("dy", "x", "weight", "rstd"), _plan_backward_call)
+_forward_plans = OpPlans(("x", "weight", "out"), _plan_forward_call, optional=("weight", "out"))
+_fused_add_plans = OpPlans(("x", "residual", "weight"), _plan_fused_add_call, optional=("weight",))
+_backward_plans = OpPlans(("dy", "x", "weight", "rstd"), _plan_backward_call, optional=("weight", "rstd"))

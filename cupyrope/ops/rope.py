@@ -72,7 +72,7 @@ def rope_qk_cos_sin(q, k, cos, sin, *, rotary_dim=None, freq_step=1, style="neox
     outputs."""
     mode, q_out, k_out = _qk_outputs(out)
     plan, pointers = _rope_cos_sin_plans.find(
-        (q, k, cos, sin, q_out, k_out), (mode, sin is None, rotary_dim, freq_step, style, inverse, impl))
+        (q, k, cos, sin, q_out, k_out), (mode, rotary_dim, freq_step, style, inverse, impl))
     return _launch_qk(plan, pointers, q, k, mode, out)
 
 
@@ -138,7 +138,7 @@ def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, mode, _no_cache, theta, style, ro
                     style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse, impl=impl)
 
 
-def _plan_rope_cos_sin_call(qa, ka, cos, sin, qo, ko, mode, _no_sin, rotary_dim, freq_step, style, inverse, impl):
+def _plan_rope_cos_sin_call(qa, ka, cos, sin, qo, ko, mode, rotary_dim, freq_step, style, inverse, impl):
     rotary_dim, rows = rope_checks.check_rope_qk_cos_sin(qa, ka, cos, sin, rotary_dim=rotary_dim,
                                                          freq_step=freq_step, style=style, inverse=inverse, impl=impl)
     return _plan_qk(qa, ka, qo, ko, mode, (cos, sin), ("cos", "sin"), True, positions=rows, cache=cos, style=style,
@@ -188,9 +188,11 @@ def _prepare_launch(plan, like) -> None:
     plan.launch = Launch(kernel, plan.grid, plan.block, 6, plan.tail, like.device, like.kind, plan.shared_mem)
 
 
-_rope_plans = OpPlans(("x", "positions", "cos_sin_cache", "out"), _plan_rope_call)
-_rope_qk_plans = OpPlans(("q", "k", "positions", "cos_sin_cache", "out[0]", "out[1]"), _plan_rope_qk_call)
-_rope_cos_sin_plans = OpPlans(("q", "k", "cos", "sin", "out[0]", "out[1]"), _plan_rope_cos_sin_call)
+_rope_plans = OpPlans(("x", "positions", "cos_sin_cache", "out"), _plan_rope_call, optional=("cos_sin_cache", "out"))
+_rope_qk_plans = OpPlans(("q", "k", "positions", "cos_sin_cache", "out[0]", "out[1]"), _plan_rope_qk_call,
+                         optional=("cos_sin_cache", "out[0]", "out[1]"))
+_rope_cos_sin_plans = OpPlans(("q", "k", "cos", "sin", "out[0]", "out[1]"), _plan_rope_cos_sin_call,
+                              optional=("out[0]", "out[1]"))
 
 
 # ---------------------------------------------------------------------------------------------- tables

@@ -152,7 +152,7 @@ def test_rope_qk_cos_sin_plans_are_runnable_or_refused_clearly(call, data):
     options = dict(rotary_dim=options["rotary_dim"], freq_step=freq_step, style=options["style"],
                    inverse=options["inverse"], impl=options["impl"])
     try:
-        plan = rope._plan_rope_cos_sin_call(q, k, cos, sin, None, None, IN_PLACE, False, **options)
+        plan = rope._plan_rope_cos_sin_call(q, k, cos, sin, None, None, IN_PLACE, **options)
     except (TypeError, ValueError) as error:
         assert_clear_error(error)
         return

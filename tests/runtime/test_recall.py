@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch", reason="recall serves torch tensors only")
 
 import cupyrope  # noqa: E402
 from cupyrope._runtime import launch, plan_cache  # noqa: E402
-from cupyrope._runtime.plan_cache import OpPlans, RecentCalls  # noqa: E402
+from cupyrope._runtime.plan_cache import RecentCalls  # noqa: E402
 from cupyrope.ops import rmsnorm, rope  # noqa: E402
 from fakes import stand_in_for_the_gpu  # noqa: E402
 
@@ -184,7 +184,7 @@ def _fresh_plans(monkeypatch, recall: bool):
     monkeypatch.setattr(plan_cache, "_guard_class", None if recall else False)
     for module, name in OP_PLANS:
         plans = getattr(module, name)
-        monkeypatch.setattr(module, name, OpPlans(plans.names, plans.make_plan))
+        monkeypatch.setattr(module, name, plans.emptied())
 
 
 def test_recalled_calls_launch_what_fingerprints_launch(monkeypatch):

@@ -1,0 +1,275 @@
+"""cupyrope.patch.patch_transformers: on a stand-in for a transformers modeling module (CI, no transformers), on tiny
+real models where transformers is installed, and on CUDA."""
+
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+patch = pytest.importorskip("cupyrope.patch")
+
+from helpers import assert_close, requires_torch_cuda, rotate_half  # noqa: E402
+
+
+@pytest.fixture
+def gen(rng):
+    return torch.Generator().manual_seed(int(rng.integers(2**31)))
+
+
+# patch_transformers on a stand-in for a transformers modeling module (no transformers needed).
+
+def _fake_modeling(apply_fn=None):
+    """A module shaped like transformers.models.llama.modeling_llama: RMSNorm classes, a rotary
+    embedding module and an apply_rotary_pos_emb global that the attention looks up at call time."""
+    module = types.ModuleType("fake_modeling_for_cupyrope_tests")
+    sys.modules[module.__name__] = module
+    nn = torch.nn
+
+    class FakeRMSNorm(nn.Module):  # Llama's
+        def __init__(self, hidden, eps=1e-5):
+            super().__init__()
+            self.weight, self.variance_epsilon = nn.Parameter(torch.ones(hidden)), eps
+
+        def forward(self, x):
+            h = x.float()
+            return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+
+    class FakeGemmaRMSNorm(nn.Module):  # Gemma's (1 + weight)
+        def __init__(self, hidden, eps=1e-6):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.zeros(hidden)), eps
+
+        def forward(self, x):
+            h = x.float()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+    class FakeLayerRMSNorm(FakeRMSNorm):  # a name that fits, a computation that does not (mean-centred)
+        def forward(self, x):
+            return super().forward(x - x.mean(-1, keepdim=True))
+
+    class FakeRotaryEmbedding(nn.Module):
+        def __init__(self, dim, theta=10000.0):
+            super().__init__()
+            self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, dim, 2).float() / dim), persistent=False)
+
+        @torch.no_grad()
+        def forward(self, x, position_ids):
+            freqs = position_ids[..., None].float() * self.inv_freq
+            emb = torch.cat((freqs, freqs), -1)
+            return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # transformers' Llama code
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    class FakeAttentionModel(nn.Module):
+        def __init__(self, hidden=64, heads=4, kv_heads=2, head_dim=16):
+            super().__init__()
+            self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+            self.norm, self.gemma_norm, self.odd_norm = FakeRMSNorm(hidden), FakeGemmaRMSNorm(hidden), FakeLayerRMSNorm(hidden)
+            self.q_norm = FakeRMSNorm(head_dim, eps=1e-6)
+            self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * head_dim)
+            self.rotary_emb = FakeRotaryEmbedding(head_dim)
+
+        def forward(self, x, position_ids):
+            b, s, _ = x.shape
+            h = self.gemma_norm(self.odd_norm(self.norm(x)))
+            q, k, _ = self.qkv(h).split([self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2, -1)
+            q = self.q_norm(q.view(b, s, -1, self.head_dim)).transpose(1, 2)
+            k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+            cos, sin = self.rotary_emb(x, position_ids)
+            q, k = sys.modules[module.__name__].apply_rotary_pos_emb(q, k, cos, sin)
+            return torch.cat((q.flatten(1), k.flatten(1)), -1)
+
+    for cls in (FakeRMSNorm, FakeGemmaRMSNorm, FakeLayerRMSNorm, FakeRotaryEmbedding, FakeAttentionModel):
+        cls.__module__ = module.__name__
+        setattr(module, cls.__name__, cls)
+    module.apply_rotary_pos_emb = apply_fn or apply_rotary_pos_emb
+    return module
+
+
+@pytest.fixture
+def fake_model(gen):
+    created = []
+
+    def make(apply_fn=None):
+        module = _fake_modeling(apply_fn)
+        created.append(module.__name__)
+        model = module.FakeAttentionModel()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+        return module, model
+
+    yield make
+    for name in created:
+        sys.modules.pop(name, None)
+
+
+def test_patch_transformers_swaps_what_it_has_checked(fake_model, gen):
+    module, model = fake_model()
+    x, position_ids = torch.randn(2, 7, 64, generator=gen), torch.arange(3, 10)[None].expand(2, -1)
+    norm_weight = model.norm.weight
+    with torch.no_grad():
+        before = model(x, position_ids)
+        report = patch.patch_transformers(model)
+        after = model(x, position_ids)
+    assert sorted(report["rms_norm"]) == ["gemma_norm", "norm", "q_norm"]
+    assert report["rope"] == [module.__name__]
+    assert [name for name, _ in report["skipped"]] == ["odd_norm"]
+    assert "neither" in report["skipped"][0][1]
+    assert model.norm.weight is norm_weight  # shared, not copied
+    assert (model.norm.eps, model.norm.offset, model.norm.variance_epsilon) == (1e-5, 0.0, 1e-5)
+    assert model.gemma_norm.offset == 1.0 and model.gemma_norm.eps == 1e-6
+    assert module.apply_rotary_pos_emb.keywords == {"style": "neox", "cos_layout": "halves"}
+    assert_close(after, before, "float32")
+    again = patch.patch_transformers(model)  # idempotent
+    assert again["rms_norm"] == [] and again["rope"] == []
+
+
+def test_patch_transformers_leaves_a_rope_it_cannot_match(fake_model):
+    def negated_sin(q, k, cos, sin, unsqueeze_dim=1):  # rotates the other way: no style of ours matches
+        cos, sin = cos.unsqueeze(unsqueeze_dim), -sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    module, model = fake_model(negated_sin)
+    report = patch.patch_transformers(model, rms_norm=False)
+    assert report["rope"] == [] and report["rms_norm"] == []
+    assert module.apply_rotary_pos_emb is negated_sin
+    assert report["skipped"] == [(f"{module.__name__}.apply_rotary_pos_emb", "its results match neither of cupyrope's rotation styles")]
+
+
+def test_patch_transformers_reads_multimodal_rope_from_three_position_rows(fake_model, gen):
+    # transformers up to ~5.17: Qwen2-VL's and Qwen3-VL's rotary embeddings take (3, batch, seq) positions
+    # only (time, height, width rows) and fold them into one cos/sin; a (batch, seq) probe fails there.
+    module, model = fake_model()
+    one_row = model.rotary_emb.forward
+
+    def three_rows(x, position_ids):
+        if position_ids.dim() != 3 or position_ids.shape[0] != 3:
+            raise IndexError("expected (3, batch, seq) positions")
+        return one_row(x, position_ids[0])  # stand-in for the fold: the time row
+
+    model.rotary_emb.forward = three_rows
+    x, t = torch.randn(2, 7, 64, generator=gen), torch.arange(3, 10)[None].expand(2, -1)
+    position_ids = torch.stack([t, t // 2, t % 3])
+    with torch.no_grad():
+        before = model(x, position_ids)
+        report = patch.patch_transformers(model)
+        after = model(x, position_ids)
+    assert report["rope"] == [module.__name__]
+    assert_close(after, before, "float32")
+
+
+def test_patch_transformers_leaves_a_rope_whose_embedding_it_cannot_run(fake_model):
+    module, model = fake_model()
+
+    def broken(x, position_ids):
+        raise IndexError("no positions fit")
+
+    model.rotary_emb.forward = broken
+    original = module.apply_rotary_pos_emb
+    report = patch.patch_transformers(model, rms_norm=False)
+    assert report["rope"] == [] and module.apply_rotary_pos_emb is original
+    assert report["skipped"] == [(f"{module.__name__}.apply_rotary_pos_emb",
+                                  "its FakeRotaryEmbedding fails on (x, position_ids) (IndexError)")]
+
+
+def test_patch_transformers_leaves_hooked_modules(fake_model):
+    _, model = fake_model()
+    model.norm.register_forward_pre_hook(lambda module, args: None)
+    report = patch.patch_transformers(model, rope=False)
+    assert "norm" not in report["rms_norm"]
+    assert ("norm", "has forward hooks (e.g. accelerate's offloading), which a new module would lose") in report["skipped"]
+
+
+# Real transformers models, where transformers is installed (CPU; the GPU test below repeats it in bf16).
+
+TINY_MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama-3.1-scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"partial_rotary_factor": 0.5}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5}),
+    # Multimodal RoPE (text towers of vision-language models): the rotary embedding picks each frequency's
+    # position from one of three rows (time, height, width), in sections or interleaved; the rotation
+    # itself is transformers' apply_rotary_pos_emb.
+    "qwen2-vl-mrope": ("Qwen2VLTextConfig", "Qwen2VLTextModel", {"rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}),
+    "qwen3-vl-interleaved-mrope": ("Qwen3VLTextConfig", "Qwen3VLTextModel", {"head_dim": 16, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}}),
+}
+
+
+def tiny_model(name, dtype=torch.float32, device="cpu"):
+    transformers = pytest.importorskip("transformers")
+    config_name, model_name, options = TINY_MODELS[name]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    config = getattr(transformers, config_name)(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, **options)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():  # norms start at their identity: make them count
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor):
+                module.weight.normal_()
+    return model.to(device=device, dtype=dtype)
+
+
+def model_inputs(name, device="cpu"):
+    """Token ids, and for multimodal RoPE three distinct position rows (as an image's grid gives)."""
+    gen = torch.Generator().manual_seed(1)
+    inputs = {"input_ids": torch.randint(1, 64, (2, 40), generator=gen)}
+    if "mrope" in name:
+        t = torch.arange(40).expand(2, 40)
+        inputs["position_ids"] = torch.stack([t, t // 5, t % 7])
+    return {key: value.to(device) for key, value in inputs.items()}
+
+
+def _patched_outputs(model, inputs):
+    """The model's first output (logits, or the last hidden state of a text tower) before and after
+    patch_transformers, and its report."""
+    source = sys.modules[type(model).__module__]
+    original = source.apply_rotary_pos_emb
+    try:
+        with torch.no_grad():
+            before = model(**inputs)[0]
+            report = patch.patch_transformers(model)
+            after = model(**inputs)[0]
+    finally:
+        source.apply_rotary_pos_emb = original  # other tests build this model type too
+    return before, after, report
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_patch_transformers_on_real_models(name):
+    model = tiny_model(name)
+    before, after, report = _patched_outputs(model, model_inputs(name))
+    assert report["rope"] == [type(model).__module__] and report["skipped"] == []
+    assert len(report["rms_norm"]) >= (0 if name == "cohere" else 5)  # Cohere's norm is a LayerNorm
+    assert_close(after, before, "float32")
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+def gpu(test):
+    return pytest.mark.gpu(requires_torch_cuda(test))
+
+
+@gpu
+@pytest.mark.parametrize("name", ["llama", "gemma3", "cohere", "qwen3-vl-interleaved-mrope"])
+def test_patch_transformers_on_gpu(name):
+    model = tiny_model(name, dtype=torch.float32, device="cuda")
+    before, after, report = _patched_outputs(model, model_inputs(name, "cuda"))
+    assert report["rope"] == [type(model).__module__]
+    # Two layers of fp32 ops whose summation orders differ (the kernels' reductions against torch's):
+    # the kernels' own accuracy is tested op by op; here the model must agree to a few fp32 roundings.
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4 * float(before.abs().max()))
