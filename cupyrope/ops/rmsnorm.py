@@ -9,7 +9,7 @@ import struct
 
 from .._runtime import checks
 from .._runtime.arrays import allocator, contiguous_like
-from .._runtime.checks import IN_PLACE, NEW, OUT, output_mode
+from .._runtime.checks import IN_PLACE, NEW, OUT
 from .._runtime.compile import get_kernel
 from .._runtime.device import sm_count
 from .._runtime.launch import Launch
@@ -38,7 +38,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
     Accumulates in fp32 and returns x's dtype. Returns y, or (y, rstd) with rstd fp32 of shape (...).
     out: where to write y (x's shape and dtype; out=x normalizes in place).
     """
-    mode = output_mode(out, x)
+    mode = NEW if out is None else IN_PLACE if out is x else OUT
     plan, (x_ptr, w_ptr, o_ptr) = _forward_plans.find(
         (x, weight, out if mode == OUT else None), (mode, weight is None, eps, offset, return_rstd, impl))
     if mode == NEW:

@@ -5,7 +5,7 @@ arguments (rope_checks.py) and planning (rope_plan.py), then launches with its o
 """
 
 from .._runtime import checks
-from .._runtime.checks import IN_PLACE, NEW, OUT, output_mode
+from .._runtime.checks import IN_PLACE, NEW, OUT
 from .._runtime.arrays import FLOAT_DTYPES, allocator, contiguous_like, numpy_dtype
 from .._runtime.compile import get_kernel
 from .._runtime.device import sm_count
@@ -27,7 +27,7 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
     [0, max_position) become NaN. inverse=True rotates by -angle (the backward of RoPE).
     out=x rotates in place. Returns ``out`` (a new array of x's kind when out is None).
     """
-    mode = output_mode(out, x)
+    mode = NEW if out is None else IN_PLACE if out is x else OUT
     plan, (x_ptr, p_ptr, c_ptr, o_ptr) = _rope_plans.find(
         (x, positions, cos_sin_cache, out if mode == OUT else None),
         (mode, cos_sin_cache is None, theta, style, rotary_dim, inverse, impl))

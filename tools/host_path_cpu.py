@@ -2,10 +2,10 @@
 
 CPU torch tensors stand in for CUDA ones and the three driver calls (current device, current stream,
 cuLaunchKernel) are no-ops (tests/fakes.py), so what is timed is exactly cupyrope's own per-call
-code: fingerprints or recall, plan-cache lookup, overlap checks, parameter packing, output allocation. Run it on the build machine
-to try host-path changes between GPU sessions; scripts/overhead.py measures the real thing on a GPU.
+code: fingerprints or recall, plan-cache lookup, overlap checks, parameter packing, output allocation. Run it on a machine with no GPU
+to try host-path changes; tools/overhead.py measures the real thing on a GPU.
 Host speed varies between machines and runs: compare rows of one run. Usage:
-PYTHONPATH=. python scripts/host_path_cpu.py
+PYTHONPATH=. python tools/host_path_cpu.py
 """
 
 import statistics
@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 import cupyrope
-from cupyrope import _launch
-from cupyrope._arrays import fingerprint
+from cupyrope._runtime import launch
+from cupyrope._runtime.arrays import fingerprint
+from cupyrope.ops import rope
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fakes import stand_in_for_the_gpu  # noqa: E402
@@ -34,10 +35,10 @@ def rows():
     cache = torch.randn(4096, 128)
     cos, sin = torch.randn(1, 1, 128, dtype=torch.bfloat16), torch.randn(1, 1, 128, dtype=torch.bfloat16)
     outs = torch.empty_like(q), torch.empty_like(k)
-    cupyrope.rope_qk(q, k, pos)  # remembered with its guard (cupyrope/_recall.py)
-    guard = sys.modules["cupyrope.rope"]._plans.recent["rope_qk"]._recent[0][1]
-    launcher = _launch.Launch(types.SimpleNamespace(ptr=0), 1, (32, 1), 1, b"", 0, "torch")
-    key = ("rope_qk", fingerprint(q, "q")[0], fingerprint(k, "k")[0], fingerprint(pos, "positions")[0])
+    cupyrope.rope_qk(q, k, pos)  # remembered with its guard (cupyrope/_runtime/plan_cache.py)
+    guard = rope._rope_qk_plans.recent._recent[0][2]
+    launcher = launch.Launch(types.SimpleNamespace(ptr=0), 1, (32, 1), 1, b"", 0, "torch")
+    key = (fingerprint(q, "q")[0], fingerprint(k, "k")[0], fingerprint(pos, "positions")[0])
     return {
         "rope_qk, in place": lambda: cupyrope.rope_qk(q, k, pos),
         "rope_qk, in place, cache": lambda: cupyrope.rope_qk(q, k, pos, cos_sin_cache=cache),
