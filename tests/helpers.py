@@ -14,14 +14,15 @@ from cupyrope.reference import round_to, tolerance, ulp
 @functools.cache
 def gpu_status() -> tuple[int, str]:
     try:
-        import cupy
+        import cupy  # noqa: F401
     except ImportError as error:
         return 0, f"CuPy is not installed ({error})"
+    from cupyrope._runtime.compile import NoGPUError, device_count
+
     try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # no driver, no device
-        return 0, f"no CUDA device ({type(error).__name__}: {error})"
-    return n, "" if n else "no CUDA device"
+        return device_count(), ""
+    except NoGPUError as error:
+        return 0, str(error)
 
 
 def n_gpus() -> int:

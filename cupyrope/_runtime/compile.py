@@ -76,16 +76,29 @@ def import_cupy():
 
 
 def device_count() -> int:
-    """CUDA devices on this machine; NoGPUError (saying so plainly) where there is no GPU or no driver."""
+    """CUDA devices on this machine; NoGPUError (saying why plainly) where there is no GPU or no usable driver."""
     cupy = import_cupy()
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError as error:
-        # No driver library reads as "insufficient driver" (35); no device as 100.
-        raise NoGPUError(f"no CUDA GPU/driver found ({error})") from None
+        raise NoGPUError(_why_no_gpu(error)) from None
     if not count:
-        raise NoGPUError("no CUDA GPU/driver found (the driver sees no device)")
+        raise NoGPUError("no CUDA GPU/driver found: the driver sees no GPU")
     return count
+
+
+def _why_no_gpu(error) -> str:
+    """The CUDA runtime reports a missing driver library as an "insufficient" driver (error 35): tell them apart."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    except OSError:
+        return "no CUDA GPU/driver found: the CUDA driver (libcuda) is not installed on this machine"
+    if getattr(error, "status", None) == 35:
+        return (f"the CUDA driver is older than the CUDA runtime that CuPy uses ({error}): update the driver, or "
+                "install the cupyrope extra that matches it (cuda12 or cuda13)")
+    return f"no CUDA GPU/driver found ({error})"
 
 
 # --------------------------------------------------------------------------------------------- sources

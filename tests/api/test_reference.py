@@ -1,9 +1,11 @@
-"""The float64 references against textbook formulas (CPU only)."""
+"""The float64 references against textbook formulas, their argument checks, and host cos/sin tables (CPU only)."""
 
 import numpy as np
 import pytest
 
+import cupyrope
 from cupyrope import reference
+from helpers import n_gpus
 
 
 def hf_llama_rope(x, positions, theta, rotary_dim):
@@ -153,3 +155,67 @@ def test_rope_cos_sin_is_rope_at_the_positions_whose_rows_it_holds(rng, style, f
         got = reference.rope_cos_sin(x, cos, sin, style=style, rotary_dim=32, freq_step=freq_step, inverse=inverse)
         expected = reference.rope(x, positions, style=style, rotary_dim=32, cos_sin_cache=table, inverse=inverse)
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-15)
+
+
+REFERENCE_ERRORS = [
+    (lambda: reference.rope(np.zeros((6, 4, 64)), np.zeros(6, np.int64), style="llama"), ValueError,
+     "style: expected one of"),
+    (lambda: reference.rope(np.zeros((6, 4, 64)), np.zeros(6, np.float32)), TypeError,
+     "positions: expected an integer array"),
+    (lambda: reference.rope(np.zeros((6, 4, 64)), np.zeros(5, np.int64)), ValueError, r"positions: shape \(5,\)"),
+    (lambda: reference.rope(np.zeros((6, 4, 64)), np.zeros(6, np.int64), rotary_dim=33), ValueError,
+     "rotary_dim: expected an even number"),
+    (lambda: reference.rope(np.zeros((6, 4, 64)), np.zeros(6, np.int64), cos_sin_cache=np.zeros((9, 32))),
+     ValueError, "cos_sin_cache: .*narrower"),
+    (lambda: reference.rope(np.array(["a"]), np.zeros(1, np.int64)), TypeError, "x: expected an array of numbers"),
+    (lambda: reference.rope_cos_sin(np.zeros((2, 64)), np.zeros((2, 32)), np.zeros((2, 32)), freq_step=3),
+     ValueError, "freq_step: expected 1"),
+    (lambda: reference.rms_norm(np.zeros((2, 64)), np.zeros(32)), ValueError, r"weight: expected shape \(64,\)"),
+    (lambda: reference.rms_norm(np.zeros((2, 64)), None, eps=0.0), ValueError, "eps: expected a finite number > 0"),
+    (lambda: reference.rms_norm_backward(np.zeros((2, 32)), np.zeros((2, 64))), ValueError,
+     r"dy: expected shape \(2, 64\)"),
+    (lambda: reference.fused_add_rms_norm(np.zeros((2, 64)), np.zeros((2, 64)), None, dtype="float64"), TypeError,
+     "dtype: expected one of"),
+]
+
+
+@pytest.mark.parametrize("call,error,message", REFERENCE_ERRORS, ids=[c[2][:40] for c in REFERENCE_ERRORS])
+def test_references_check_their_inputs_as_the_ops_do(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_references_take_any_float_dtype_and_lists():
+    x = np.random.default_rng(0).standard_normal((3, 2, 8))
+    for dtype in ("float16", "float32", "float64"):
+        np.testing.assert_allclose(reference.rope(x.astype(dtype), [0, 1, 2]),
+                                   reference.rope(x.astype(dtype).astype(np.float64), np.arange(3)))
+    assert reference.rms_norm(x.tolist()).shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_rope_cache_builds_a_numpy_table_with_no_gpu(dtype):
+    table = cupyrope.rope_cache(100, 16, 500000.0, dtype=dtype, kind="numpy")
+    assert isinstance(table, np.ndarray) and table.shape == (100, 16) and table.dtype.name == dtype
+    np.testing.assert_array_equal(table.astype(np.float64),
+                                  reference.round_to(reference.rope_cache(100, 16, 500000.0), dtype))
+
+
+def test_rope_cache_arguments_are_checked():
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        cupyrope.rope_cache(100, 16, kind="jax")
+    with pytest.raises(ValueError, match="device: a NumPy table lives on the host"):
+        cupyrope.rope_cache(100, 16, kind="numpy", device=0)
+    with pytest.raises(TypeError, match="dtype: expected one of"):
+        cupyrope.rope_cache(100, 16, dtype="float64", kind="numpy")
+    with pytest.raises(ValueError, match="rotary_dim: expected an even int >= 2"):
+        cupyrope.rope_cache(100, 15, kind="numpy")
+    with pytest.raises(ValueError, match="device: expected a CUDA device index"):
+        cupyrope.rope_cache(100, 16, device="cpu")  # a CuPy table lives on a GPU
+
+
+@pytest.mark.skipif(n_gpus() > 0, reason="this machine has a GPU")
+def test_a_cupy_table_without_a_gpu_says_what_to_pass_instead():
+    pytest.importorskip("cupy")
+    with pytest.raises(cupyrope.NoGPUError, match="kind='cupy': no CUDA GPU/driver found.*kind='numpy'"):
+        cupyrope.rope_cache(100, 16)
