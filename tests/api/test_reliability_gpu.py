@@ -166,7 +166,7 @@ def test_inputs_on_another_gpu_run_there(rng):
     assert_matches(to_host(out), reference.rope(host, pos), "bfloat16")
     xt = torch.from_numpy(host).to("cuda:1", torch.bfloat16)
     w = torch.randn(128, device="cuda:1")
-    for _ in range(2):  # the same call on cuda:0 first: recalled plans (cupyrope/_recall.py) know the device
+    for _ in range(2):  # the same call on cuda:0 first: recalled plans (cupyrope/_runtime/plan_cache.py) know the device
         cupyrope.rms_norm(xt.to("cuda:0"), w.to("cuda:0"))
     y = cupyrope.rms_norm(xt, w)
     assert y.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
@@ -197,7 +197,7 @@ def test_inputs_on_another_gpu_run_there(rng):
 @pytest.mark.skipif(n_gpus() < 2, reason="needs 2 GPUs (run it on a 2-GPU machine)")
 @pytest.mark.multigpu
 def test_large_backward_on_another_gpu_gives_the_first_gpus_bits(rng):
-    # Large backward calls (sm_90+: rounds of clusters, v35) size their grid by the input's own GPU's occupancy
+    # Large backward calls (sm_90+: rounds of clusters) size their grid by the input's own GPU's occupancy
     # query: on cuda:1, with cuda:0 current, dx and dweight match float64 (the backward tests' tolerances) and are
     # cuda:0's bits.
     import cupy

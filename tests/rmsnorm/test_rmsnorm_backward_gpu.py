@@ -184,7 +184,7 @@ def test_backward_one_cluster(rng, monkeypatch, kind, dtype, hidden, rows, pad_o
         np.testing.assert_array_equal(to_host(dw), to_host(dw_two))
 
 
-# rms_norm_bwd_cluster over rounds of clusters (v35, sm_90+): large calls whose staged plan would take the long chain.
+# rms_norm_bwd_cluster over rounds of clusters (sm_90+): large calls whose staged plan would take the long chain.
 # Forced at small sizes (a LEAN limit of 2 rows a block; 2-4 rows a block, so the grid is several rounds of the
 # resident clusters), and as the planner takes it (bf16 [20000, 4096], 76 rows a block at one wave); 1 and 2 chunks a
 # thread, strided rows, a weight in x's dtype or fp32, given rstd, an offset, a row count that leaves the last cluster
@@ -216,12 +216,12 @@ def test_backward_cluster_rounds(rng, monkeypatch, kind, dtype, hidden, rows, pa
         np.testing.assert_array_equal(to_host(dw), to_host(dw_again))
 
 
-# rms_norm_bwd_split (v24, sm_90+): aligned rows too long for one block's shared memory (fp16/bf16 over 32K
+# rms_norm_bwd_split (sm_90+): aligned rows too long for one block's shared memory (fp16/bf16 over 32K
 # elements, fp32 over ~29K) split over a cluster of 2, 4 or 8 blocks, only the row sums crossing blocks: parts of
 # whole chunks and a shorter last one (40968, 65544), strided rows (pad). Odd rows (SHIFT) past the shifted reread
 # kernel (fp16/bf16 over ~28.6K elements, fp32 over ~18.9K), views into a wider buffer from column `start` with NaN
-# around them, every row at another offset: on 2 blocks (v25) block 0's part from the row's shift, the others from
-# 16-byte boundaries, a cluster's rows sharing one offset (its step a multiple of E); on 4 and 8 (v26) parts of
+# around them, every row at another offset: on 2 blocks block 0's part from the row's shift, the others from
+# 16-byte boundaries, a cluster's rows sharing one offset (its step a multiple of E); on 4 and 8 parts of
 # whole E-column chunks, each at the row's shift, the clusters walking the rows class by class (rows r = k mod E
 # share one offset; most clusters here cross a class). The last 4 cases cap the clusters at 3, so that a cluster
 # walks rows of 2-5 classes, adding its dweight sums to its partial row at each new class (50 rows of E = 8:
@@ -264,7 +264,7 @@ def test_backward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad_or
     assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
 
 
-# rms_norm_bwd_reread of odd rows (SHIFT, v23: fp16/bf16 from ~4090 elements, fp32 from ~4095; up to what a
+# rms_norm_bwd_reread of odd rows (SHIFT: fp16/bf16 from ~4090 elements, fp32 from ~4095; up to what a
 # stage and the weight's copy hold): every row starts at another offset from a 16-byte boundary, a block's
 # rows share one (its grid step a multiple of E), and the weight waits in shared memory from that offset. NaN
 # around the rows (views into a wider buffer) shows any column outside a row that gets into the sums; more
@@ -331,7 +331,7 @@ def test_backward_staged_shifted_rows(rng, monkeypatch, kind, dtype, hidden, row
 @pytest.mark.parametrize("hidden", [1027, 301, "wide"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_shifted_rows_revisited(rng, monkeypatch, dtype, hidden, threads_per_sm):
-    if hidden == "wide":  # fp32: two chunks a thread; fp16/bf16: rms_norm_bwd_reread (SHIFT, v23)
+    if hidden == "wide":  # fp32: two chunks a thread; fp16/bf16: rms_norm_bwd_reread (SHIFT)
         hidden = 2051 if dtype == "float32" else 4099
 
     monkeypatch.setattr(backward, "THREADS_PER_SM", threads_per_sm)
@@ -365,7 +365,7 @@ def test_backward_without_weight(rng):
 
 
 # The backward of rows read twice from global memory (rms_norm_bwd's two-pass loop). Odd rows in shifted 16-byte
-# chunks (v21; since v23 only rows past what rms_norm_bwd_reread's stage and weight copy hold: fp16/bf16 over
+# chunks (only rows past what rms_norm_bwd_reread's stage and weight copy hold: fp16/bf16 over
 # 28665 elements with an fp32 weight, over 32761 otherwise, fp32 over 18941 on an H100); aligned rows past a
 # stage where no cluster splits them (GPUs before sm_90, rows past 8 parts; SPLIT_SIZES=() here). dweight sums
 # in shared memory (shifted: from the block's shift), or by column in the block's partial row past 160 KiB (bf16

@@ -130,7 +130,7 @@ def test_shifted_rows_weight_alignment(rng, monkeypatch, kind, dtype, hidden, we
         assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
 
 
-# rms_norm_fwd_split (v24b, sm_90+): aligned rows past one block's registers from 128 KiB (fp32 over 32K elements,
+# rms_norm_fwd_split (sm_90+): aligned rows past one block's registers from 128 KiB (fp32 over 32K elements,
 # the fp32 fused add's from 32K, fp16/bf16 from 64K) split over a cluster of 2, 4 or 8 blocks, the clusters
 # walking the rows (more rows than clusters: 300): parts of whole chunks and a shorter last one (65544, 32776),
 # NaN around the rows (nothing outside written, nothing outside summed), a weight in x's dtype, fp32 or none,
@@ -142,7 +142,7 @@ def test_shifted_rows_weight_alignment(rng, monkeypatch, kind, dtype, hidden, we
     ("float32", 65544, 17, 4, 8), ("float32", 32776, 300, 2, 4), ("float32", 32768, 45, 1, 2),
     ("float32", 24576, 9, 1, 1), ("bfloat16", 65536, 9, 4, 1), ("float16", 65544, 300, 4, 1),
     ("bfloat16", 262144, 5, 8, 1),
-    # odd rows (SHIFT, v25b; each row's parts from its own shift, the rows' shifts all different)
+    # odd rows (SHIFT, each row's parts from its own shift, the rows' shifts all different)
     ("float32", 40001, 300, 2, 4), ("float32", 32769, 45, 2, 4), ("float32", 65539, 17, 4, 8),
     ("bfloat16", 65539, 300, 4, 1), ("float16", 131075, 9, 8, 1), ("bfloat16", 40001, 9, 1, 1)])
 def test_forward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, split, add_split):
@@ -171,8 +171,8 @@ def test_forward_split_rows(rng, monkeypatch, kind, dtype, hidden, rows, split, 
         assert np.isnan(outside_rows(buf, 0, hidden)).all(), "wrote outside"
 
 
-# Forward rows of 2 and 4 chunks a thread: fp16/bf16 held as 32-bit words (shifted rows v14, aligned
-# rows v16), aligned rows with the weight loaded early (v16), fp32 too. NaN around the rows, a weight
+# Forward rows of 2 and 4 chunks a thread: fp16/bf16 held as 32-bit words (shifted and aligned
+# rows), aligned rows with the weight loaded early, fp32 too. NaN around the rows, a weight
 # in x's dtype or fp32 or none, an offset, rstd; every row checked.
 REGISTER_CHUNKS = [(dt, h, 3, slots) for dt in ("bfloat16", "float16")
                    for h, slots in ((2053, 2), (6151, 2), (8195, 4), (12289, 4))]  # shifted
@@ -219,9 +219,9 @@ def test_fused_add(rng, kind, dtype, hidden):
     assert_matches(to_host(x), ref_y, dtype, scale=2.0)
 
 
-# The fused add with rows of 2+ chunks a thread, aligned and shifted (held row pointers there, v15): x and
+# The fused add with rows of 2+ chunks a thread, aligned and shifted (held row pointers there): x and
 # residual are views with NaN around the rows; every row checked, nothing outside written. (Shifted fp16/bf16
-# rows past 2 chunks a thread are read twice since v28b: test_fused_add_row_cache.)
+# rows past 2 chunks a thread are read twice: test_fused_add_row_cache.)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("hidden,start", [(16384, 0), (4099, 3), (6151, 5), (12289, 5)])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -255,7 +255,7 @@ def two_pass_cache_bytes(dtype, hidden, impl):
 
 # The fused add of rows read twice (the two-pass loop, slots 0), its rounded sums kept for the output
 # pass in the row cache (shared memory, up to 136 KiB here: past the planner's cap) or read back from
-# residual: aligned rows, odd ones in shifted 16-byte chunks (v21; every row at another shift) and element
+# residual: aligned rows, odd ones in shifted 16-byte chunks (every row at another shift) and element
 # by element (impl="scalar"), strided, NaN around the rows.
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hidden,start,impl", [("float32", 20000, 0, "auto"), ("bfloat16", 32768, 0, "auto"),
@@ -284,7 +284,7 @@ def test_fused_add_row_cache(rng, monkeypatch, kind, dtype, hidden, start, impl,
         assert np.isnan(outside_rows(buf, start, hidden)).all(), "wrote outside"
 
 
-# Rows on more than 512 threads (forward.FWD_MAX_WIDTH, v19, v20): fp32 aligned rows of 4 and 8 chunks a
+# Rows on more than 512 threads (forward.FWD_MAX_WIDTH): fp32 aligned rows of 4 and 8 chunks a
 # thread, shifted rows of the fused add, shifted rows of the plain forward that 512 threads cannot hold (and
 # one they can: it keeps 512); fp16/bf16 rows of the plain forward that 512 threads cannot hold, aligned and
 # shifted. The forward out of place (out= a view with NaN around it) with rstd, the fused add in place on
@@ -326,7 +326,7 @@ def test_forward_wide_rows(rng, monkeypatch, kind, dtype, hidden, start, add, th
 
 
 # The plain forward of rows read twice (fp16/bf16 over 32768 elements, fp32 over 32768): aligned rows, odd
-# ones in shifted 16-byte chunks (v21) and element by element (impl="scalar"); strided, in place and out of
+# ones in shifted 16-byte chunks and element by element (impl="scalar"); strided, in place and out of
 # place (out= a view with NaN around it), rstd returned.
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype,hidden,start,impl", [("bfloat16", 40000, 0, "auto"), ("float16", 36001, 5, "auto"),

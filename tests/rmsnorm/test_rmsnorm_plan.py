@@ -74,7 +74,7 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
     ("bfloat16", 40001, False), ("float16", 32763, False), ("float32", 33001, False),
     ("bfloat16", 20001, True), ("float32", 33001, True), ("bfloat16", 65535, True)])
 def test_rms_norm_long_odd_rows_are_read_twice_in_shifted_chunks(dtype, hidden, add):
-    # Odd rows that registers cannot hold (v21): the two-pass loop in 16-byte chunks, forward, fused add
+    # Odd rows that registers cannot hold: the two-pass loop in 16-byte chunks, forward, fused add
     # and backward, 512 threads a row; element by element where x's and out's offsets differ. The backward
     # keeps its dweight sums in shared memory up to SHARED_ACC_LIMIT, else in the partial row.
     x, y = arr((64, hidden), dtype), arr((64, hidden), dtype, ptr=BASE + 2**36)
@@ -86,7 +86,7 @@ def test_rms_norm_long_odd_rows_are_read_twice_in_shifted_chunks(dtype, hidden, 
     other = arr((64, hidden), dtype, ptr=BASE + 2**36 + ITEMSIZE[dtype])
     assert not plan_forward(x, other, residual, weight, strides, 64, hidden).vectorized
     b = plan_backward(x, x, y, weight, (hidden,) * 3, 4096, hidden, n_sm=131)
-    if (dtype, hidden) == ("bfloat16", 20001):  # stage and weight fit in shared memory (v23)
+    if (dtype, hidden) == ("bfloat16", 20001):  # stage and weight fit in shared memory
         assert b.reread and b.shifted, b
         return
     assert (b.block, b.slots, b.shifted, b.staged) == ((512, 1), 0, True, False) and b.name.endswith(", 0, true>"), b
@@ -175,7 +175,7 @@ def test_rms_norm_backward_plans():
     odd32 = arr((8192, 1027), "float32")
     o32 = plan_backward(odd32, odd32, odd32, None, (1027,) * 3, 8192, 1027, n_sm=132)
     assert o32.shifted and not o32.staged and o32.grid % 4 == 0
-    long_odd = arr((8192, 4099))  # past one chunk a thread: rows read twice from their stage (v23)
+    long_odd = arr((8192, 4099))  # past one chunk a thread: rows read twice from their stage
     lo = plan_backward(long_odd, long_odd, long_odd, None, (4099,) * 3, 8192, 4099, n_sm=132)
     assert lo.shifted and lo.reread and lo.slots == 4
     small = arr((8192, 64))
@@ -258,7 +258,7 @@ def test_rms_norm_backward_reread_plans():
 
 
 def test_rms_norm_backward_split_plans():
-    # Aligned rows past rms_norm_bwd_reread (v24): on a GPU with clusters, split over the fewest blocks (2, 4, 8)
+    # Aligned rows past rms_norm_bwd_reread: on a GPU with clusters, split over the fewest blocks (2, 4, 8)
     # whose parts of whole 16-byte chunks (the last may be shorter) the reread kernel holds in one stage; the
     # grid one cluster a row, at most the SMs' worth (one 1024-thread block an SM). Rows the reread
     # kernel holds, GPUs without clusters and rows past 8 parts keep their plans.
@@ -283,9 +283,9 @@ def test_rms_norm_backward_split_plans():
     assert plan(65536, clusters=False).slots == 0 and plan(65536, clusters=False).split == 1  # no clusters
     for p in (plan(524288), plan(65536, impl="scalar"), plan(30001, ptr=BASE + 2, clusters=False)):
         assert p.split == 1 and p.slots == 0 and p.name.startswith("cupyrope::rms_norm_bwd<"), p  # past 8, scalar, none
-    # Odd rows past the shifted reread kernel (v25, v26), with the weight's copy after the stage. On 2 blocks (v25):
+    # Odd rows past the shifted reread kernel, with the weight's copy after the stage. On 2 blocks:
     # the chunks a row of any shift spans, split; clusters in steps of E rows (a cluster's rows share one shift),
-    # unless each cluster takes one row. On 4 or 8 (v26: the clusters walk the rows class by class, any count): the
+    # unless each cluster takes one row. On 4 or 8 (the clusters walk the rows class by class, any count): the
     # row's E-column chunks split, every part at the row's shift, so spanning one chunk more, on at most 640 threads.
     p = plan(30001, ptr=BASE + 2)  # 3751 chunks: parts of 1876 on 480 threads x 4, stage 60 KiB + weight 58.6
     assert p.split == 2 and p.name == "cupyrope::rms_norm_bwd_split<__nv_bfloat16, float, 4, 2, true>", p
@@ -307,11 +307,11 @@ def test_rms_norm_backward_split_plans():
 
 
 def test_rms_norm_forward_split_plans():
-    # Aligned forward rows past one block's registers (v24b), from 128 KiB: on a GPU with clusters, split over the
+    # Aligned forward rows past one block's registers, from 128 KiB: on a GPU with clusters, split over the
     # fewest blocks (2, 4, 8; fp16/bf16 at least 4) whose parts (whole 16-byte chunks, the last may be shorter)
     # fit registers (fp32 8 slots, the fused add's 4; fp16/bf16 4). The fp16/bf16 fused add, rows under 128 KiB
-    # (the fp32 fused add's 96 KiB, bf16 49152), rows in registers, no clusters, past 8 parts: as before. Odd rows
-    # (v25b): the chunks a row of any shift spans, split the same way.
+    # (the fp32 fused add's 96 KiB, bf16 49152), rows in registers, no clusters, past 8 parts: not split. Odd rows:
+    # the chunks a row of any shift spans, split the same way.
     names = {name for _, name in all_variants()}
 
     def plan(hidden, dtype="float32", add=False, rows=64, ptr=BASE, clusters=True):
@@ -351,7 +351,7 @@ def test_rms_norm_forward_split_plans():
 
 
 def test_rms_norm_backward_reread_plans_for_odd_rows():
-    # Odd rows (SHIFT, v23) past the staged kernel's one chunk a thread (512 chunks): rms_norm_bwd_reread, the
+    # Odd rows (SHIFT) past the staged kernel's one chunk a thread (512 chunks): rms_norm_bwd_reread, the
     # stage sized on the chunks' span (from the 16-byte boundary before the row), then the weight copied from
     # the block's shift (the span, in the weight's dtype); one row ahead; the grid a multiple of E (one shift a
     # block). Where stage and weight do not fit, the two-pass loop.
@@ -379,7 +379,7 @@ def test_rms_norm_backward_reread_plans_for_odd_rows():
 def test_fused_add_row_cache_plan():
     # Rows read twice (slots 0) keep their sums in shared memory where the block's rows fit; rows held in
     # registers, and rows past the cap or past what the GPU gives a block, take none. Shifted rows (odd
-    # hidden sizes, v21) take their chunks' span: from the 16-byte boundary before the row, whole chunks.
+    # hidden sizes) take their chunks' span: from the 16-byte boundary before the row, whole chunks.
     def cache(hidden, dtype, shared_limit=227 * 1024 - 1024):
         x = arr((64, hidden), dtype)
         plan = plan_forward(x, x, x, arr((hidden,), "float32"), (hidden,) * 3, 64, hidden)
@@ -406,7 +406,7 @@ def test_fused_add_row_cache_plan():
     ("bfloat16", 20001, False, 640, 4, True), ("float16", 12291, True, 512, 0, True),
     ("bfloat16", 8191, True, 512, 0, True), ("bfloat16", 6151, True, 416, 2, True)])
 def test_rms_norm_forward_takes_wide_rows(dtype, hidden, add, threads, slots, shifted):
-    # Rows that 512 threads cannot hold in registers take up to 1024 threads (v19, v20; not the fp16/bf16
+    # Rows that 512 threads cannot hold in registers take up to 1024 threads (not the fp16/bf16
     # fused add), and fp32 rows that 512 threads hold in 8 chunks take them too (not shifted plain ones).
     x, y = arr((4096, hidden), dtype), arr((4096, hidden), dtype, ptr=BASE + 2**36)
     residual = arr((4096, hidden), dtype, ptr=BASE + 2**37) if add else None

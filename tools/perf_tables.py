@@ -1,6 +1,6 @@
 """The README's summary tables, from the JSON files of a benchmark run (no GPU needed).
 
-Usage: python scripts/readme_tables.py ROPE.json RMS.json
+Usage: python tools/perf_tables.py ROPE.json RMS.json
 (written by `python -m cupyrope bench --full --op rope|rmsnorm --json ...`). Prints markdown: the RoPE headline
 cases, the RMSNorm headline shapes, the [4, S, H] grids (bold: the fastest), and every case where a peer is
 faster than cupyrope's fastest provider in GPU time.

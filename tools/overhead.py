@@ -2,9 +2,9 @@
 
 Eager time per call: a Python loop of calls, synchronized at the end (bench.eager_time_us). Each
 row is measured three times, interleaved with the others, and the median is printed, with recall
-(cupyrope/_recall.py) off and on in alternate passes; host speed differs between machines, so
-compare rows of one run only. A training step through autograd: scripts/autograd_overhead.py.
-Usage: python scripts/overhead.py
+(cupyrope/_runtime/plan_cache.py) off and on in alternate passes; host speed differs between machines, so
+compare rows of one run only. A training step through autograd: tools/autograd_overhead.py.
+Usage: python tools/overhead.py
 """
 
 import statistics
@@ -17,8 +17,11 @@ import torch
 
 import cupyrope
 import cupyrope.torch as ct
-from cupyrope import _launch, bench
-from cupyrope._arrays import fingerprint
+from cupyrope import bench
+from cupyrope._runtime import launch as _launch
+from cupyrope._runtime import plan_cache
+from cupyrope._runtime.arrays import fingerprint
+from cupyrope.ops import rmsnorm, rope
 
 try:  # optional peer
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -80,9 +83,9 @@ def calls():
 def pieces():
     """Costs of the steps of a call (µs), to see where the time over a bare launch goes."""
     q, k, pos, _, _ = torch_inputs()
-    key = ("rope_qk", fingerprint(q, "q")[0], fingerprint(k, "k")[0], fingerprint(pos, "positions")[0])
+    key = (fingerprint(q, "q")[0], fingerprint(k, "k")[0], fingerprint(pos, "positions")[0])
     f32, dev = torch.float32, q.device
-    template = torch.empty((1, 1), dtype=f32, device=dev).expand(264, 4096)  # tried in session 36, not kept
+    template = torch.empty((1, 1), dtype=f32, device=dev).expand(264, 4096)
     steps = {
         "fingerprint(torch tensor)": lambda: fingerprint(q, "q"),
         "hash of a rope_qk key": lambda: hash(key),
@@ -98,13 +101,15 @@ def pieces():
         print(f"  {name}: {timeit.timeit(fn, number=n) / n * 1e6:.2f} µs")
 
 
-def set_recall(on: bool) -> None:
-    """Recall (cupyrope/_recall.py) on or off in this process: both are timed in one run, round by round."""
-    from cupyrope import _recall
+OP_PLANS = ((rope, "_rope_plans"), (rope, "_rope_qk_plans"), (rope, "_rope_cos_sin_plans"),
+            (rmsnorm, "_forward_plans"), (rmsnorm, "_fused_add_plans"), (rmsnorm, "_backward_plans"))
 
-    _recall._guard_class = None if on else False
-    for module in (sys.modules["cupyrope.rope"], sys.modules["cupyrope.rmsnorm"]):
-        module._plans.recent.clear()
+
+def set_recall(on: bool) -> None:
+    """Recall (plan_cache.py) on or off in this process: both are timed in one run, round by round."""
+    plan_cache._guard_class = None if on else False
+    for module, name in OP_PLANS:
+        getattr(module, name).recent = plan_cache.RecentCalls()
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ autograd.Function that launches nothing, plus the time spent inside cupyrope's F
 backward bodies) to separate our own work from autograd's. Each row: median of interleaved rounds of
 bench.eager_time_us. --compile adds both norms under torch.compile (default mode: AOTAutograd's compiled
 forward and backward, our kernels called as registered custom ops).
-Usage: python scripts/autograd_overhead.py [--compile] [ROWS HIDDEN]
+Usage: python tools/autograd_overhead.py [--compile] [ROWS HIDDEN]
 """
 
 import statistics

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Wheels the GPU machine cannot download (it has no network), into .whl/ (git-ignored), for `carry`:
-# Liger-Kernel (a benchmark peer) and transformers with its dependencies (tests/test_dropin.py's
+# Liger-Kernel (a benchmark peer) and transformers with its dependencies (tests/torch/test_patch.py's
 # real-model tests). The device image runs Python 3.12 and has numpy and torch already.
-# scripts/gpu_session.sh installs everything in .whl/ with --no-deps into /tmp/site.
+# tools/gpu_suite.sh installs everything in .whl/ with --no-deps into /tmp/site.
 set -eu
 mkdir -p .whl
 pip download -q --no-deps --only-binary=:all: liger-kernel==0.8.5 -d .whl

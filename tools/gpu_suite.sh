@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Everything the GPU must confirm, in one device call (logs under $OUT): the GPU test suite (its parts at once:
+# RoPE, RMSNorm forward, RMSNorm backward, the rest), the reliability suite, `python -m cupyrope check` and
+# compute-sanitizer over a subset; then, if asked, the benchmarks.
+# Usage on the device machine, from the checkout, with the wheels of tools/fetch_wheels.sh carried in .whl/:
+#   bash tools/gpu_suite.sh                                   (the suite)
+#   STEPS="suite bench" bash tools/gpu_suite.sh               (and `bench --full`, JSON and plot under $OUT)
+#   SANITIZE="pytest -k expression" picks the sanitizer's subset.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=.:/tmp/site
+else
+  export PYTHONPATH=.
+fi
+export PYTHONUNBUFFERED=1
+STEPS=${STEPS:-suite}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+for step in $STEPS; do
+  echo "== $step"
+  case $step in
+    suite)
+      gpu_tests() { timeout 560 python3 -m pytest -q -m "gpu and not huge" -p no:cacheprovider "$@"; }
+      gpu_tests tests/ --ignore=tests/rope --ignore=tests/rmsnorm --ignore=tests/api/test_reliability_gpu.py \
+        > "$OUT/suite_other.log" 2>&1 &
+      gpu_tests tests/rope > "$OUT/suite_rope.log" 2>&1 &
+      gpu_tests tests/rmsnorm/test_rmsnorm_forward_gpu.py > "$OUT/suite_rms_fwd.log" 2>&1 &
+      gpu_tests tests/rmsnorm/test_rmsnorm_backward_gpu.py > "$OUT/suite_rms_bwd.log" 2>&1 &
+      timeout 560 python3 -m pytest -q tests/api/test_reliability_gpu.py -p no:cacheprovider > "$OUT/reliability.log" 2>&1 &
+      timeout 300 python3 -m cupyrope check > "$OUT/check.log" 2>&1 &
+      timeout 560 bash tools/sanitize.sh "${SANITIZE:-decode or one_cluster or two_pass}" > "$OUT/sanitize.log" 2>&1 &
+      wait
+      for log in "$OUT"/suite_*.log "$OUT/reliability.log"; do echo "$(basename "$log"): $(tail -1 "$log")"; done
+      grep -E "FAIL|passed" "$OUT/check.log" | tail -3
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|==" "$OUT/sanitize.log" ;;
+    bench) timeout 560 python3 -m cupyrope bench --full --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+             > "$OUT/bench.log" 2>&1; tail -5 "$OUT/bench.log" ;;
+    pytest-bench) timeout 400 python3 -m pytest -q tests/benchmarks --benchmark-only -p no:cacheprovider \
+             --benchmark-json="$OUT/benchmarks.json" 2>&1 | tail -15 ;;
+  esac
+done
