@@ -1,9 +1,9 @@
-"""The README's summary tables, from the JSON files of a benchmark run (no GPU needed).
+"""The tables of docs/performance.md, from the JSON files of benchmark runs (no GPU needed).
 
-Usage: python tools/perf_tables.py ROPE.json RMS.json
-(written by `python -m cupyrope bench --full --op rope|rmsnorm --json ...`). Prints markdown: the RoPE headline
-cases, the RMSNorm headline shapes, the [4, S, H] grids (bold: the fastest), and every case where a peer is
-faster than cupyrope's fastest provider in GPU time.
+Usage: python tools/perf_tables.py RUN.json [RUN.json ...]
+(written by `python -m cupyrope bench [--full] [--op rope|rmsnorm] --json ...`; a file may hold either op or both).
+Prints markdown: the RoPE cases, the RMSNorm headline shapes, the [4, S, H] grids where the run has them (bold: the
+fastest), and every case where a peer is faster than cupyrope's fastest provider in GPU time.
 """
 
 import collections
@@ -39,7 +39,9 @@ def rope_table(data, cases):
     print("| case, dtype | provider | GPU µs | eager µs | % of copy BW |")
     print("|---|---|---|---|---|")
     for label in ROPE_CASES:
-        providers = cases[("rope", label)]
+        providers = cases.get(("rope", label))
+        if providers is None:
+            continue
         first = True
         for name, r in sorted(providers.items(), key=lambda item: item[1]["gpu_us"]):
             if name.startswith("torch eager"):
@@ -55,7 +57,9 @@ def rms_table(data, cases):
     print("|---|---|---|---|---|---|")
     for op, direction in (("rms_fwd", "fwd"), ("rms_bwd", "bwd")):
         for label in RMS_SHAPES:
-            providers = cases[(op, label)]
+            providers = cases.get((op, label))
+            if providers is None:
+                continue
             cells = [f"{us(providers[p]['gpu_us'])} / {us(providers[p]['eager_us'])}" if p in providers else "-"
                      for p in RMS_PROVIDERS]
             dtype = providers["cupyrope"]["dtype"]
@@ -64,6 +68,8 @@ def rms_table(data, cases):
 
 
 def grid(cases, op):
+    if (op, f"[4,{GRID_S[0]},{GRID_H[0]}]") not in cases:
+        return
     print(f"{'fwd' if op == 'rms_fwd' else 'bwd'}, [4, S, H] bf16, GPU µs per call: cupyrope / cupyrope without PDL / "
           "Liger / F.rms_norm (bold: fastest)\n")
     print("| H | " + " | ".join(f"S={s}" for s in GRID_S) + " |")
@@ -94,22 +100,23 @@ def peers_ahead(cases, plain=False):
             print(f"- {op} {label}: {theirs[1]} {theirs[0]:.3f} µs against {ours[1]} {ours[0]:.3f}")
 
 
-def main(argv):
-    rope_data, rope_cases = load(argv[0])
-    rms_data, rms_cases = load(argv[1])
-    print(rope_data["environment"], "\n")
-    rope_table(rope_data, rope_cases)
-    print("\n" + rms_data["environment"], "\n")
-    rms_table(rms_data, rms_cases)
-    print()
-    grid(rms_cases, "rms_fwd")
-    grid(rms_cases, "rms_bwd")
-    print("Peers ahead in GPU time:")
-    peers_ahead(rope_cases)
-    peers_ahead(rms_cases)
-    print("\nPeers ahead of cupyrope launched plainly (no PDL):")
-    peers_ahead(rope_cases, plain=True)
-    peers_ahead(rms_cases, plain=True)
+def main(paths):
+    for path in paths:
+        data, cases = load(path)
+        print(f"{path}: {data['environment']}\n")
+        if any(op == "rope" for op, _ in cases):
+            rope_table(data, cases)
+            print()
+        if any(op.startswith("rms") for op, _ in cases):
+            rms_table(data, cases)
+            print()
+            grid(cases, "rms_fwd")
+            grid(cases, "rms_bwd")
+        print("Peers ahead in GPU time:")
+        peers_ahead(cases)
+        print("\nPeers ahead of cupyrope launched plainly (no PDL):")
+        peers_ahead(cases, plain=True)
+        print()
 
 
 if __name__ == "__main__":
