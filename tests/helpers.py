@@ -209,3 +209,19 @@ def assert_close(got, expected, dtype):
     """assert_matches on torch tensors: fp32 1e-5 relative, fp16/bf16 one rounding of the output."""
     assert got.shape == expected.shape, (got.shape, expected.shape)
     assert_matches(to_host(got), to_host(expected), dtype, scale=float(expected.abs().max()))
+
+
+# A device address aligned past any vector width, for planning without a GPU.
+PLAN_BASE = 0x7F0000000000
+
+
+def planned_array(shape, dtype="bfloat16", strides=None, ptr=PLAN_BASE):
+    """An Array description (no memory behind it) with C-order strides unless given: what the planners read."""
+    from cupyrope._runtime.arrays import Array
+
+    if strides is None:
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.insert(0, step)
+            step *= n
+    return Array(None, "cupy", ptr, dtype, tuple(shape), tuple(strides), 0)

@@ -156,6 +156,18 @@ def out_layouts(x: Array, out: Array):
     return layout_key(x), layout_key(out), x.strides == out.strides
 
 
+def output_of(plan, mode: str, x, out, x_ptr: int, out_ptr: int):
+    """The array a one-output call writes and its pointer: a new one (mode NEW), x itself (IN_PLACE), or the
+    caller's out, checked against x on every call that launches (OUT)."""
+    if mode == NEW:
+        return plan.new_output(x)
+    if mode == IN_PLACE:
+        return x, x_ptr
+    if plan.grid:
+        check_out_per_call(plan, x_ptr, out_ptr)
+    return out, out_ptr
+
+
 def check_out_per_call(plan, x_ptr: int, out_ptr: int) -> None:
     """A caller's ``out`` at x's own address with x's own strides is x (in place); otherwise it must not overlap x
     (checked per call, with the layouts the plan computed once: pointers change between calls of one plan)."""

@@ -41,12 +41,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
     mode = NEW if out is None else IN_PLACE if out is x else OUT
     plan, (x_ptr, w_ptr, o_ptr) = _forward_plans.find(
         (x, weight, out if mode == OUT else None), (mode, weight is None, eps, offset, return_rstd, impl))
-    if mode == NEW:
-        out, o_ptr = plan.new_output(x)
-    elif mode == IN_PLACE:
-        o_ptr = x_ptr
-    elif plan.grid:
-        checks.check_out_per_call(plan, x_ptr, o_ptr)
+    out, o_ptr = checks.output_of(plan, mode, x, out, x_ptr, o_ptr)
     rstd, rstd_ptr = plan.new_rstd(x) if return_rstd else (None, 0)
     if plan.grid:
         plan.launch(x_ptr, o_ptr, 0, w_ptr, rstd_ptr)

@@ -21,9 +21,9 @@ import math
 
 from .._runtime.arrays import CTYPE, FLOAT_DTYPES, ITEMSIZE
 from .._runtime.device import resident_clusters, runs_clusters
-from .rmsnorm_rows import (REGISTER_SLOTS, SHARED_OPTIN_LIMIT, SPLIT_SIZES, NormPlan, blocks_per_wave,
-                           cap_split_grid, chunks_span, fit_clusters, kernel_for, next_pow2, plan_rows, row_chunks,
-                           row_threads, split_parts, whole_steps)
+from .rmsnorm_rows import (SHARED_OPTIN_LIMIT, SPLIT_SIZES, NormPlan, blocks_per_wave, cap_split_grid, chunks_span,
+                           fit_clusters, flag, kernel_for, next_pow2, plan_rows, row_chunks, row_threads,
+                           row_variant_params, split_parts, whole_steps)
 
 SOURCE = "rmsnorm_bwd.cu"
 # Elements a thread in rms_norm_bwd: fewer, fuller threads for rows of LONG_ROW_BYTES or more.
@@ -125,7 +125,7 @@ def _staged_row(itemsize: int, hidden: int, shifted: bool):
 
 def _staged_variant(dtype, weight_dtype, slots: int, shifted: bool) -> str:
     """The template arguments the staged kernels share, with `{stages}` for _staged_plan to fill."""
-    return f"{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, {'true' if shifted else 'false'}"
+    return f"{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, {flag(shifted)}"
 
 
 def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False, lean=False):
@@ -139,7 +139,7 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
         return _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
     lean = lean and width <= STAGED_LEAN_MAX_THREADS[slots]
     return _staged_plan(f"cupyrope::rms_norm_bwd_staged<{_staged_variant(dtype, weight_dtype, slots, shifted)}, "
-                        f"{'true' if lean else 'false'}>", rows, width, slots, shared_limit, shifted)
+                        f"{flag(lean)}>", rows, width, slots, shared_limit, shifted)
 
 
 def _plan_clusters(dtype, weight_dtype, rows, hidden, shared_limit, shifted, blocks):
@@ -180,7 +180,7 @@ def _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted=False,
         return None
     weight_bytes = chunks * (16 // itemsize) * ITEMSIZE[weight_dtype] if shifted else 0
     plan = _staged_plan(f"cupyrope::rms_norm_bwd_reread<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, "
-                        f"{'true' if shifted else 'false'}>", rows, width, slots, shared_limit - weight_bytes, shifted,
+                        f"{flag(shifted)}>", rows, width, slots, shared_limit - weight_bytes, shifted,
                         REREAD_STAGES)
     if plan:
         plan.reread = True
@@ -204,7 +204,7 @@ def _plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit, shifte
                             CLASS_WALK_MAX_THREADS if walk else REREAD_MAX_THREADS)
         if part:
             name = (f"cupyrope::rms_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {part.slots}, {split}, "
-                    f"{'true' if shifted else 'false'}>")
+                    f"{flag(shifted)}>")
             plan = NormPlan(SOURCE, name, rows * split, part.block, True, part.slots)
             plan.staged = plan.reread = True
             plan.shifted = shifted
@@ -366,33 +366,26 @@ def dweight_kernel_name(weight_dtype: str) -> str:
 
 def variants():
     """Every backward kernel the planner can ask for."""
+    for dtype, weight, vec, slots in row_variant_params(BWD_MAX_SLOTS):
+        for shift in (False, True) if vec else (False,):
+            yield SOURCE, f"cupyrope::rms_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, {flag(shift)}>"
     for dtype in FLOAT_DTYPES:
         itemsize = ITEMSIZE[dtype]
         for weight in sorted({"float32", dtype}):
-            for vec in (False, True):
-                for slots in (0, *REGISTER_SLOTS):
-                    if slots <= BWD_MAX_SLOTS[vec, itemsize]:
-                        for shift in (False, True) if vec else (False,):
-                            yield SOURCE, (f"cupyrope::rms_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {_b(vec)}, "
-                                           f"{slots}, {_b(shift)}>")
             for slots in STAGED_SLOTS[itemsize]:
                 for stages in STAGED_STAGES:
                     shifts = (False, True) if slots == 1 else (False,)  # SHIFT: one chunk a thread
                     leans = (False, True) if STAGED_LEAN_MAX_ROWS[slots] else (False,)
                     for shift, lean in itertools.product(shifts, leans):
                         yield SOURCE, (f"cupyrope::rms_norm_bwd_staged<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
-                                       f"{stages}, {_b(shift)}, {_b(lean)}>")
+                                       f"{stages}, {flag(shift)}, {flag(lean)}>")
                     if STAGED_LEAN_MAX_ROWS[slots]:
                         for shift, blocks in itertools.product(shifts, CLUSTER_BWD_BLOCKS):
                             yield SOURCE, (f"cupyrope::rms_norm_bwd_cluster<{CTYPE[dtype]}, {CTYPE[weight]}, "
-                                           f"{slots}, {stages}, {_b(shift)}, {blocks}>")
+                                           f"{slots}, {stages}, {flag(shift)}, {blocks}>")
             reread = f"{CTYPE[dtype]}, {CTYPE[weight]}, {REREAD_SLOTS[itemsize]}"
             for shift in (False, True):
-                yield SOURCE, f"cupyrope::rms_norm_bwd_reread<{reread}, {REREAD_STAGES}, {_b(shift)}>"
+                yield SOURCE, f"cupyrope::rms_norm_bwd_reread<{reread}, {REREAD_STAGES}, {flag(shift)}>"
             for split, shift in itertools.product(SPLIT_SIZES, (False, True)):
-                yield SOURCE, f"cupyrope::rms_norm_bwd_split<{reread}, {split}, {_b(shift)}>"
+                yield SOURCE, f"cupyrope::rms_norm_bwd_split<{reread}, {split}, {flag(shift)}>"
         yield SOURCE, dweight_kernel_name(dtype)
-
-
-def _b(flag: bool) -> str:
-    return "true" if flag else "false"

@@ -7,11 +7,11 @@ shared memory for the second pass: the row cache); rows of 128 KiB and more spli
 sm_90+ (rms_norm_fwd_split), each block holding a part of the row in registers.
 """
 
-from .._runtime.arrays import CTYPE, FLOAT_DTYPES, ITEMSIZE
+from .._runtime.arrays import CTYPE, ITEMSIZE
 from .._runtime.compile import get_kernel
 from .._runtime.device import runs_clusters
-from .rmsnorm_rows import (MAX_WIDTH, REGISTER_SLOTS, SPLIT_SIZES, NormPlan, blocks_per_wave, chunks_span,
-                           fit_clusters, plan_rows, split_parts)
+from .rmsnorm_rows import (MAX_WIDTH, SPLIT_SIZES, NormPlan, blocks_per_wave, chunks_span, fit_clusters, flag,
+                           plan_rows, row_variant_params, split_parts)
 
 SOURCE = "rmsnorm_fwd.cu"
 # Elements a thread: 16 (one 16-byte chunk of fp32, two of fp16/bf16... up to the register slots) measured best.
@@ -78,7 +78,7 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     """elems: elements a thread (default: the rule above). clusters: the GPU runs thread block clusters (sm_90+),
     so rows past the registers may be split over one (plan_forward_split)."""
     arrays = [x, y, residual, weight]
-    add = "true" if residual is not None else "false"
+    add = flag(residual is not None)
     weight_dtype = weight.dtype if weight is not None else "float32"
     itemsize = ITEMSIZE[x.dtype]
     small = hidden * itemsize <= FWD_SMALL_ROW_BYTES and rows * hidden <= FWD_SMALL_ELEMENTS
@@ -111,7 +111,7 @@ def plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_bl
     itemsize = ITEMSIZE[x.dtype]
     elems = 16 // itemsize
     weight_dtype = weight.dtype if weight is not None else "float32"
-    flags = f"{'true' if residual is not None else 'false'}, {{}}, {'true' if shifted else 'false'}"
+    flags = f"{flag(residual is not None)}, {{}}, {flag(shifted)}"
     for split, chunks in split_parts(hidden, itemsize, min_blocks, shifted):
         part = plan_forward(x, y, residual, weight, row_strides, rows, chunks * elems - (elems - 1 if shifted else 0))
         compiled = part.slots == split_slots(residual is not None, itemsize) and part.block[1] == 1  # variants()
@@ -161,25 +161,16 @@ def row_cache_bytes(plan, hidden: int, dtype, shared_limit: int) -> int:
 
 def variants():
     """Every forward kernel the planner can ask for."""
-    for dtype in FLOAT_DTYPES:
+    for dtype, weight, vec, slots in row_variant_params(FWD_MAX_SLOTS):
         itemsize = ITEMSIZE[dtype]
-        for weight in sorted({"float32", dtype}):
-            for vec in (False, True):
-                for slots in (0, *REGISTER_SLOTS):
-                    if slots > FWD_MAX_SLOTS[vec, itemsize]:
-                        continue
-                    for add in (False, True):
-                        for shift in (False, True) if vec else (False,):
-                            if slots > fwd_max_slots(add, shift)[vec, itemsize]:
-                                continue  # never planned: read twice instead
-                            yield SOURCE, (f"cupyrope::rms_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {_b(vec)}, "
-                                           f"{slots}, {_b(add)}, {_b(shift)}>")
-                            min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add, itemsize, shift))
-                            if vec and min_blocks and slots == split_slots(add, itemsize):  # parts: long rows
-                                for split in (s for s in SPLIT_SIZES if s >= min_blocks):
-                                    yield SOURCE, (f"cupyrope::rms_norm_fwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, "
-                                                   f"{slots}, {_b(add)}, {split}, {_b(shift)}>")
-
-
-def _b(flag: bool) -> str:
-    return "true" if flag else "false"
+        for add in (False, True):
+            for shift in (False, True) if vec else (False,):
+                if slots > fwd_max_slots(add, shift)[vec, itemsize]:
+                    continue  # never planned: read twice instead
+                yield SOURCE, (f"cupyrope::rms_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
+                               f"{flag(add)}, {flag(shift)}>")
+                min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add, itemsize, shift))
+                if vec and min_blocks and slots == split_slots(add, itemsize):  # parts: long rows
+                    for split in (s for s in SPLIT_SIZES if s >= min_blocks):
+                        yield SOURCE, (f"cupyrope::rms_norm_fwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
+                                       f"{flag(add)}, {split}, {flag(shift)}>")

@@ -7,7 +7,7 @@ A block holds block[1] rows of block[0] threads each. A thread owns chunks lane,
 its output; slots 0: the row is read twice (a loop over it).
 """
 
-from .._runtime.arrays import CTYPE, ITEMSIZE
+from .._runtime.arrays import CTYPE, FLOAT_DTYPES, ITEMSIZE
 from .._runtime.compile import allow_shared_memory, get_kernel
 from .._runtime.device import resident_blocks, resident_clusters, shared_optin, sm_count
 
@@ -50,6 +50,22 @@ class NormPlan:
 
     def __repr__(self):
         return f"NormPlan({self.name}, grid={self.grid}, block={self.block})"
+
+
+def flag(value: bool) -> str:
+    """A bool as a C++ template argument."""
+    return "true" if value else "false"
+
+
+def row_variant_params(max_slots):
+    """(dtype, weight dtype, vectorized, slots) of every variant of a row kernel (rms_norm_fwd, rms_norm_bwd): the
+    weight fp32 or x's dtype, slots 0 (read twice) and the register slots up to max_slots[vectorized, element size]."""
+    for dtype in FLOAT_DTYPES:
+        for weight in sorted({"float32", dtype}):
+            for vec in (False, True):
+                for slots in (0, *REGISTER_SLOTS):
+                    if slots <= max_slots[vec, ITEMSIZE[dtype]]:
+                        yield dtype, weight, vec, slots
 
 
 def next_pow2(n: int) -> int:
@@ -150,8 +166,8 @@ def plan_rows(source, kernel, dtype, weight_dtype, arrays, row_strides, rows, hi
         width, slots = shape(vectorized, hidden)
     rows_per_block = max(1, block_threads // width)
     blocks = -(-rows // rows_per_block)
-    flags = [*extra, "true" if shifted else "false"] if can_shift else extra
-    args = ", ".join([CTYPE[dtype], CTYPE[weight_dtype], "true" if vectorized else "false", str(slots), *flags])
+    flags = [*extra, flag(shifted)] if can_shift else extra
+    args = ", ".join([CTYPE[dtype], CTYPE[weight_dtype], flag(vectorized), str(slots), *flags])
     plan = NormPlan(source, f"cupyrope::{kernel}<{args}>", blocks, (width, rows_per_block), vectorized, slots)
     plan.shifted = shifted
     return plan

@@ -31,12 +31,7 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
     plan, (x_ptr, p_ptr, c_ptr, o_ptr) = _rope_plans.find(
         (x, positions, cos_sin_cache, out if mode == OUT else None),
         (mode, cos_sin_cache is None, theta, style, rotary_dim, inverse, impl))
-    if mode == NEW:
-        out, o_ptr = plan.new_output(x)
-    elif mode == IN_PLACE:
-        o_ptr = x_ptr
-    elif plan.grid:
-        checks.check_out_per_call(plan, x_ptr, o_ptr)
+    out, o_ptr = checks.output_of(plan, mode, x, out, x_ptr, o_ptr)
     if plan.grid:
         plan.launch(x_ptr, o_ptr, x_ptr, o_ptr, p_ptr, c_ptr)
     return out

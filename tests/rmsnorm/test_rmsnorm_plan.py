@@ -2,25 +2,15 @@
 checked here without a GPU."""
 
 import pytest
+from helpers import PLAN_BASE as BASE
+from helpers import planned_array as arr
 
-from cupyrope._runtime.arrays import ITEMSIZE, Array
-from cupyrope.ops import all_variants
-
-BASE = 0x7F0000000000
-
-
-def arr(shape, dtype="bfloat16", strides=None, ptr=BASE):
-    if strides is None:
-        strides, step = [], 1
-        for n in reversed(shape):
-            strides.insert(0, step)
-            step *= n
-    return Array(None, "cupy", ptr, dtype, tuple(shape), tuple(strides), 0)
+from cupyrope._runtime.arrays import ITEMSIZE
+from cupyrope.ops import all_variants, rmsnorm_rows
 from cupyrope.ops import rmsnorm_plan_backward as backward
 from cupyrope.ops import rmsnorm_plan_forward as forward
 from cupyrope.ops.rmsnorm_plan_backward import cap_grid, plan_backward
 from cupyrope.ops.rmsnorm_plan_forward import plan_forward
-from cupyrope.ops import rmsnorm_rows
 from cupyrope.ops.rmsnorm_rows import row_shape
 
 

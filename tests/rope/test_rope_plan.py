@@ -3,20 +3,10 @@ alignment: checked here without a GPU."""
 
 import numpy as np
 import pytest
+from helpers import PLAN_BASE as BASE
+from helpers import planned_array as arr
 
-from cupyrope._runtime.arrays import Array
 from cupyrope.ops.rope_plan import TOKEN_ROWS, _TAIL, fast_divisor, plan_rope
-
-BASE = 0x7F0000000000
-
-
-def arr(shape, dtype="bfloat16", strides=None, ptr=BASE):
-    if strides is None:
-        strides, step = [], 1
-        for n in reversed(shape):
-            strides.insert(0, step)
-            step *= n
-    return Array(None, "cupy", ptr, dtype, tuple(shape), tuple(strides), 0)
 
 
 def plan(groups, pos, cache=None, **kw):
