@@ -217,11 +217,6 @@ PLAN_BASE = 0x7F0000000000
 
 def planned_array(shape, dtype="bfloat16", strides=None, ptr=PLAN_BASE):
     """An Array description (no memory behind it) with C-order strides unless given: what the planners read."""
-    from cupyrope._runtime.arrays import Array
+    from cupyrope._runtime.arrays import Array, contiguous_strides
 
-    if strides is None:
-        strides, step = [], 1
-        for n in reversed(shape):
-            strides.insert(0, step)
-            step *= n
-    return Array(None, "cupy", ptr, dtype, tuple(shape), tuple(strides), 0)
+    return Array(None, "cupy", ptr, dtype, tuple(shape), strides or contiguous_strides(shape), 0)

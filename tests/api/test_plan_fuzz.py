@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from cupyrope._runtime.arrays import FLOAT_DTYPES, ITEMSIZE, Array  # noqa: E402
-from cupyrope._runtime.checks import IN_PLACE, NEW, OUT  # noqa: E402
+from cupyrope._runtime.checks import IN_PLACE, NEW, OUT, output_mode  # noqa: E402
 from cupyrope.ops import all_variants, rmsnorm, rope  # noqa: E402
 from cupyrope.ops import rmsnorm_plan_backward as backward  # noqa: E402
 from cupyrope.ops.rmsnorm_rows import STATIC_SHARED_BYTES  # noqa: E402
@@ -112,7 +112,7 @@ def rope_calls(draw, qk=False):
 def test_rope_plans_are_runnable_or_refused_clearly(call):
     x, positions, cache, out, options = call
     try:
-        mode = NEW if out is None else IN_PLACE if out is x else OUT
+        mode = output_mode(out, x)
         plan = rope._plan_rope_call(x, positions, cache, out if mode == OUT else None, mode, cache is None, **options)
     except (TypeError, ValueError) as error:
         assert_clear_error(error)
