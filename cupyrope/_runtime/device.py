@@ -50,14 +50,22 @@ class GpuModel:
 def gpu_model(device: int) -> GpuModel:
     properties = _properties(device)
     runtime = import_cupy().cuda.runtime
+
+    def attribute(name: str) -> int:
+        """A device attribute, 0 where this driver does not report it (the model is then matched without it)."""
+        try:
+            return int(runtime.deviceGetAttribute(getattr(runtime, name), device))
+        except (AttributeError, runtime.CUDARuntimeError):
+            return 0
+
     name = properties["name"]
     # CUDA 13's cudaDeviceProp has no memory clock field; the device attributes have both numbers.
     return GpuModel(
         name=name.decode() if isinstance(name, bytes) else str(name),
         compute_capability=f"{properties['major']}.{properties['minor']}",
         sm_count=properties["multiProcessorCount"],
-        memory_clock_khz=runtime.deviceGetAttribute(runtime.cudaDevAttrMemoryClockRate, device),
-        memory_bus_bits=runtime.deviceGetAttribute(runtime.cudaDevAttrGlobalMemoryBusWidth, device),
+        memory_clock_khz=attribute("cudaDevAttrMemoryClockRate"),
+        memory_bus_bits=attribute("cudaDevAttrGlobalMemoryBusWidth"),
     )
 
 
