@@ -21,6 +21,7 @@ def _info(_args) -> int:
     try:
         from ._runtime.compile import (NoGPUError, arch_unsupported, cache_dir, cuda_include_dir, device_count,
                                        import_cupy, nvrtc_version)
+        from .ops.profiles import describe_profile
 
         cupy = import_cupy()
         headers = cuda_include_dir()
@@ -42,6 +43,7 @@ def _info(_args) -> int:
             unsupported = arch_unsupported(arch)
             if unsupported:
                 print(f"  {unsupported}")
+            print(f"  launch profile: {describe_profile(d)}")
     except ImportError as error:
         print(f"CuPy is not installed ({error}); pip install 'cupyrope[cuda12]' or 'cupyrope[cuda13]'")
     try:

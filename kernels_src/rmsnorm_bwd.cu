@@ -453,7 +453,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 // rms_norm_bwd_staged's LEAN walk on clusters of CLUSTER blocks (sm_90+), each block keeping its dweight sums in
 // its own shared memory, after the stages. After a cluster barrier, the cluster's threads each add columns across
 // the blocks' sums in rank order (distributed shared memory), so a cluster leaves one row of sums, not CLUSTER:
-// - one cluster (calls of few rows, the planner's CLUSTER_BWD_MAX_ROWS): that row is dweight (W*, hidden values,
+// - one cluster (calls of few rows, a launch profile's one_cluster_max_rows): that row is dweight (W*, hidden values,
 //   in p.partial), in one launch instead of rms_norm_bwd_staged and rms_norm_dw; the same additions, in the same
 //   order, as rms_norm_dw over the staged kernel's CLUSTER partial rows (bitwise equal);
 // - several (large calls, CLUSTER_ROUNDS_ROWS): cluster c's row is partial row c for rms_norm_dw. The grid is

@@ -28,7 +28,7 @@ constexpr int GPTJ = 1;
 constexpr int UNROLL = 1;
 constexpr int MIN_BLOCKS = 6;  // blocks of the block kernel per SM the register budget must allow
 constexpr int BLOCK_THREADS = 256;
-constexpr int DIRECT_MAX_THREADS = 256;  // the most threads a block rope_plan.py's DIRECT_THREADS may ask for
+constexpr int DIRECT_MAX_THREADS = 256;  // the most threads a block a launch profile's direct_threads may ask for
 constexpr int MAX_BLOCK_TOKENS = 64;  // rope_plan.py keeps tokens_per_block * rot_dim * 4 bytes <= 32 KiB
 constexpr int MAX_ROTARY_DIM = 1024;  // rope_checks.py checks it
 
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) rope_kernel(const R
 // runs its position load, the cos/sin and the x loads one after the other (three memory round trips,
 // which a call of a few tokens pays in full); here a thread issues its x and position loads together
 // and reads (or computes) the cos/sin of its own item. Heads no longer share computed cos/sin, so with
-// in-kernel cos/sin this pays only while the call is small (rope_plan.py: DIRECT_MAX_TOKENS).
+// in-kernel cos/sin this pays only while the call is small (a launch profile's direct_max_tokens).
 // Items: (token, head, lane) with lanes = rot_lanes rotating, then copy_lanes copying. One thread an
 // item, except for in-kernel cos/sin of 16-byte items: there G = F threads share one, each computing
 // one frequency's cos/sin (an exp and a sincos: 8 in one thread measured 1.7x slower at decode), and

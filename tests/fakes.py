@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from cupyrope._runtime.device import GpuModel
+
 
 def _np_dtype(name):
     if name == "bfloat16":
@@ -61,12 +63,16 @@ def stand_in_for_the_gpu(patch=setattr):
     patch(launch, "_cupy_stream", lambda device: 0)
 
 
+# The GPU model stand_in_for_the_device answers for (an H100 SXM as the driver describes it).
+H100 = GpuModel("NVIDIA H100 80GB HBM3", "9.0", 132, 2619000, 5120)
+
+
 def stand_in_for_the_device(patch=setattr, shared_optin=227 * 1024, blocks_per_wave=132 * 4, resident_clusters=None):
     """Answer the device queries the planners make as an H100 would (132 SMs, clusters), with ``shared_optin``
     bytes of shared memory a block, ``blocks_per_wave`` resident blocks and ``resident_clusters(split)`` clusters
     (default 16, clusters of 8 an H100 holds at once); no kernel is loaded and launches are plain."""
     from cupyrope._runtime import launch
-    from cupyrope.ops import rmsnorm, rmsnorm_plan_backward, rmsnorm_plan_forward, rmsnorm_rows, rope
+    from cupyrope.ops import profiles, rmsnorm, rmsnorm_plan_backward, rmsnorm_plan_forward, rmsnorm_rows, rope
 
     no_kernel = SimpleNamespace(ptr=0, device=0, attribute=lambda attribute: 0)
     for module in (rope, rmsnorm, rmsnorm_rows, rmsnorm_plan_forward):
@@ -83,3 +89,4 @@ def stand_in_for_the_device(patch=setattr, shared_optin=227 * 1024, blocks_per_w
         patch(module, "resident_clusters", lambda kernel, split, *args: clusters(split))
     patch(launch, "_bind", lambda: None)
     patch(launch, "_programmatic", lambda device: False)  # plain launches
+    patch(profiles, "_profile_of", lambda device: profiles.select_profile(H100))  # looked up again each time

@@ -193,6 +193,24 @@ def fresh_plans(monkeypatch) -> dict:
     return fresh
 
 
+def use_choices(monkeypatch, **sections) -> dict:
+    """Plan with the device's launch profile but for some choices, e.g. rope={"direct_max_tokens": 0}, from empty
+    plan caches (returns fresh_plans'). monkeypatch: the test's fixture or one of its contexts."""
+    import dataclasses
+
+    from cupyrope.ops import profiles
+
+    profile_for = profiles.profile_for
+
+    def changed(device):
+        profile = profile_for(device)
+        return dataclasses.replace(profile, **{
+            name: dataclasses.replace(getattr(profile, name), **values) for name, values in sections.items()})
+
+    monkeypatch.setattr(profiles, "profile_for", changed)
+    return fresh_plans(monkeypatch)
+
+
 def planned_kernels(plans) -> list:
     """The kernel names of the plans an OpPlans made (calls with nothing to compute have none)."""
     return [plan.name for plan in plans.plans.values() if hasattr(plan, "name")]

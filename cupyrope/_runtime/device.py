@@ -2,6 +2,7 @@
 binding for: cuLaunchKernelEx and cuOccupancyMaxActiveClusters, through ctypes."""
 
 import ctypes
+import dataclasses
 import functools
 import struct
 import sys
@@ -27,6 +28,45 @@ def runs_clusters(device: int) -> bool:
     """Whether the device runs thread block clusters and programmatic dependent launch (compute capability 9.0
     and newer)."""
     return _properties(device)["major"] >= 9
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuModel:
+    """What tells GPU models apart for launch profiles: name, compute capability ("9.0"), SMs and memory."""
+
+    name: str
+    compute_capability: str
+    sm_count: int
+    memory_clock_khz: int
+    memory_bus_bits: int
+
+    @property
+    def bandwidth_per_sm(self) -> float:
+        """Peak memory bytes/s per SM (two transfers a clock)."""
+        return 2 * self.memory_clock_khz * 1e3 * self.memory_bus_bits / 8 / max(1, self.sm_count)
+
+
+@functools.cache
+def gpu_model(device: int) -> GpuModel:
+    properties = _properties(device)
+    runtime = import_cupy().cuda.runtime
+
+    def attribute(name: str) -> int:
+        """A device attribute, 0 where this driver does not report it (the model is then matched without it)."""
+        try:
+            return int(runtime.deviceGetAttribute(getattr(runtime, name), device))
+        except (AttributeError, runtime.CUDARuntimeError):
+            return 0
+
+    name = properties["name"]
+    # CUDA 13's cudaDeviceProp has no memory clock field; the device attributes have both numbers.
+    return GpuModel(
+        name=name.decode() if isinstance(name, bytes) else str(name),
+        compute_capability=f"{properties['major']}.{properties['minor']}",
+        sm_count=properties["multiProcessorCount"],
+        memory_clock_khz=attribute("cudaDevAttrMemoryClockRate"),
+        memory_bus_bits=attribute("cudaDevAttrGlobalMemoryBusWidth"),
+    )
 
 
 def resident_blocks(kernel, threads: int, shared_mem: int, device: int) -> int:

@@ -14,7 +14,7 @@ from .._runtime.compile import get_kernel
 from .._runtime.device import sm_count
 from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
-from . import rmsnorm_checks
+from . import profiles, rmsnorm_checks
 from .rmsnorm_checks import row_strides, rows
 from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name, plan_backward_for_device
 from .rmsnorm_plan_forward import plan_forward_for_device, row_cache_bytes
@@ -94,7 +94,8 @@ def _plan_forward_call(xa, wa, oa, mode, _no_weight, eps, offset, return_rstd, i
         ya = xa if mode == IN_PLACE else oa if mode == OUT else contiguous_like(xa, xa.shape, xa.dtype)
         n_rows, hidden = rows(xa.shape), xa.shape[-1]
         strides = row_strides([xa, ya], ["x", "out"])
-        plan = plan_forward_for_device(xa, ya, None, wa, strides, n_rows, hidden, impl, xa.device)
+        plan = plan_forward_for_device(xa, ya, None, wa, strides, n_rows, hidden, impl, xa.device,
+                                      profiles.profile_for(xa.device).rms_norm_forward)
         if mode == OUT:
             plan.out_layouts = checks.out_layouts(xa, oa)
         tail = FWD_TAIL.pack(n_rows, hidden, strides[0], strides[1], 0, *_scalars(eps, offset, hidden))
@@ -113,9 +114,10 @@ def _plan_fused_add_call(xa, ra, wa, _no_weight, eps, offset, impl):
         return EmptyPlan()
     n_rows, hidden = rows(xa.shape), xa.shape[-1]
     strides = row_strides([xa, ra], ["x", "residual"])
+    choices = profiles.profile_for(xa.device).rms_norm_forward
     plan = plan_forward_for_device(xa, xa, ra, wa, (strides[0], strides[0], strides[1]), n_rows, hidden, impl,
-                                   xa.device)
-    plan.shared_mem = row_cache_bytes(plan, hidden, xa.dtype, shared_limit(xa.device))
+                                   xa.device, choices)
+    plan.shared_mem = row_cache_bytes(plan, hidden, xa.dtype, shared_limit(xa.device), choices)
     tail = FWD_TAIL.pack(n_rows, hidden, strides[0], strides[0], strides[1], *_scalars(eps, offset, hidden))
     plan.extents = (checks.layout_key(xa), checks.layout_key(ra))
     plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, 5, tail, xa.device, xa.kind,
@@ -130,7 +132,8 @@ def _plan_backward_call(da, xa, wa, ra, _no_weight, _no_rstd, eps, offset, impl)
         dxa = contiguous_like(xa, xa.shape, xa.dtype)
         strides = row_strides([da, xa, dxa], ["dy", "x", "dx"])
         plan, kernel = plan_backward_for_device(da, xa, dxa, wa, strides, n_rows, hidden, sm_count(xa.device), impl,
-                                                shared_limit(xa.device), xa.device)
+                                                shared_limit(xa.device), xa.device,
+                                                profiles.profile_for(xa.device).rms_norm_backward)
         tail = BWD_TAIL.pack(n_rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc),
                              *_scalars(eps, offset, hidden))
         plan.launch = Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)

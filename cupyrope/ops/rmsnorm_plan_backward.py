@@ -16,20 +16,21 @@ the same in every run, with no atomics. Which kernel, by row:
 - rms_norm_bwd's read-twice loop: what is left (no clusters, or more than 8 parts).
 """
 
+import dataclasses
 import itertools
 import math
 
 from .._runtime.arrays import CTYPE, FLOAT_DTYPES, ITEMSIZE
+from .._runtime.choices import choice
 from .._runtime.device import resident_clusters, runs_clusters
 from .rmsnorm_rows import (SHARED_OPTIN_LIMIT, SPLIT_SIZES, NormPlan, blocks_per_wave, cap_split_grid, chunks_span,
                            fit_clusters, flag, kernel_for, next_pow2, plan_rows, row_chunks, row_threads,
                            row_variant_params, split_parts, whole_steps)
 
 SOURCE = "rmsnorm_bwd.cu"
-# Elements a thread in rms_norm_bwd: fewer, fuller threads for rows of LONG_ROW_BYTES or more.
+# Elements a thread in rms_norm_bwd: fewer, fuller threads for rows of BackwardChoices.long_row_bytes or more.
 BWD_ELEMS_PER_THREAD = 8
 BWD_ELEMS_PER_THREAD_LONG_ROWS = 16
-LONG_ROW_BYTES = 8192
 # rms_norm_bwd's register slots by (vectorized, element size): it keeps dy, x and the dweight sums.
 BWD_MAX_SLOTS = {(True, 4): 2, (True, 2): 2, (False, 4): 8, (False, 2): 8}
 SHARED_ACC_LIMIT = 160 * 1024  # bytes of per-block dweight sums kept in shared memory
@@ -59,15 +60,11 @@ STAGED_MIN_FILL_PCT = {2: 60, 4: 0}
 # at every length measured; 8 chunks no faster.
 STAGED_LEAN_MAX_ROWS = {1: 48, 2: 48, 4: math.inf, 8: 0}
 STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMaxThreads<NPT, true>
-# Calls with a weight of at most CLUSTER_BWD_MAX_ROWS rows whose staged plan can take LEAN: one launch of
-# rms_norm_bwd_cluster (one cluster of blocks, sm_90+: the first size of CLUSTER_BWD_BLOCKS with a block a row,
-# else the last) instead of the staged kernel and rms_norm_dw. Up to 8 rows on 8 blocks it is 0.2-0.8 us faster
-# on the GPU and ~10 us faster eager (one launch and one allocation fewer); 9-32 rows on 16 blocks (a non-portable
-# size, which the kernel opts in to: device.resident_clusters) 10-15 us faster eager, and on the GPU within 0.1 us
-# of the two launches but at bf16 [32, 1024] (4.5 against 4.0 us) and fp32 [16, 8192] (7.2 against 6.6). From 64
-# rows the one cluster's SMs take longer than the two launches' whole grid (bf16 [64, 4096] 8.3 against 6.6 us).
+# Calls with a weight of at most BackwardChoices.one_cluster_max_rows rows whose staged plan can take LEAN: one
+# launch of rms_norm_bwd_cluster (one cluster of blocks, sm_90+: the first size of CLUSTER_BWD_BLOCKS with a block a
+# row, else the last; 16 is a non-portable size, which the kernel opts in to: device.resident_clusters) instead of
+# the staged kernel and rms_norm_dw.
 CLUSTER_BWD_BLOCKS = (8, 16)
-CLUSTER_BWD_MAX_ROWS = 32
 # Large calls: aligned rows that the staged kernel would walk with its long chain (each resident block more than
 # STAGED_LEAN_MAX_ROWS rows, 1-2 chunks a thread) run on rms_norm_bwd_cluster instead, in clusters of
 # CLUSTER_ROUNDS_BLOCKS blocks, over as many rounds of the clusters the GPU holds at once as give each block about
@@ -99,6 +96,24 @@ REREAD_STAGES = 1
 CLASS_WALK_MIN_SPLIT = 4
 CLASS_WALK_MAX_THREADS = 640
 
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardChoices:
+    """The RMSNorm backward's measured launch choices: a launch profile's "rms_norm_backward" section.
+
+    long_row_bytes: rms_norm_bwd takes BWD_ELEMS_PER_THREAD_LONG_ROWS elements a thread on rows of at least this
+      many bytes (fewer, fuller threads), BWD_ELEMS_PER_THREAD below.
+    one_cluster_max_rows: calls of at most this many rows (with a weight, on sm_90+) take one launch of one
+      cluster, which also writes dweight. On an H100, up to 8 rows on 8 blocks it is 0.2-0.8 us faster on the GPU
+      and ~10 us faster eager (one launch and one allocation fewer); 9-32 rows on 16 blocks 10-15 us faster eager,
+      and on the GPU within 0.1 us of the two launches but at bf16 [32, 1024] (4.5 against 4.0 us) and fp32
+      [16, 8192] (7.2 against 6.6). From 64 rows the one cluster's SMs take longer than the two launches' whole
+      grid (bf16 [64, 4096] 8.3 against 6.6 us). The kernel is tested up to 64 rows (4 a block).
+    """
+
+    long_row_bytes: int = choice(0, 1 << 20)
+    one_cluster_max_rows: int = choice(0, 4 * CLUSTER_BWD_BLOCKS[-1])
 
 def _staged_row(itemsize: int, hidden: int, shifted: bool):
     """How rms_norm_bwd_staged takes a row of `hidden` elements by the rule above: (chunks, slots, threads), slots 0
@@ -230,13 +245,14 @@ def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=Non
 
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto",
-                  shared_limit=SHARED_OPTIN_LIMIT, lean=False, clusters=False, rounds=False) -> NormPlan:
-    """lean: a staged plan takes the LEAN variant (the caller decides, see lean_staged). clusters: the GPU
+                  shared_limit=SHARED_OPTIN_LIMIT, lean=False, clusters=False, rounds=False, *,
+                  choices: BackwardChoices) -> NormPlan:
+    """choices: the launch profile's. lean: a staged plan takes the LEAN variant (the caller decides, see lean_staged). clusters: the GPU
     runs thread block clusters (sm_90+), so rows past rms_norm_bwd_reread may be split over one. rounds: aligned
     staged rows take rms_norm_bwd_cluster over rounds of clusters where it can (the caller decides, see
     takes_cluster_rounds; resident_grid sets the grid)."""
     weight_dtype = weight.dtype if weight is not None else "float32"
-    long_rows = hidden * ITEMSIZE[x.dtype] >= LONG_ROW_BYTES
+    long_rows = hidden * ITEMSIZE[x.dtype] >= choices.long_row_bytes
     elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD
     plan = plan_rows(SOURCE, "rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
                      BWD_MAX_SLOTS, elems, BWD_BLOCK_THREADS, [], impl, can_shift=True)
@@ -244,7 +260,7 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     # measured a little faster than staging; everywhere else aligned rows are staged.
     prefetches = plan.vectorized and plan.slots and ITEMSIZE[x.dtype] == 4 and plan.slots * 4 <= 8
     if plan.vectorized and not prefetches:
-        if clusters and weight is not None and rows <= CLUSTER_BWD_MAX_ROWS:  # one launch, where it applies
+        if clusters and weight is not None and rows <= choices.one_cluster_max_rows:  # one launch, where it applies
             one = _plan_one_cluster(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted)
             if one:
                 return one
@@ -339,21 +355,22 @@ def resident_grid(plan, rows: int, device: int, dtype):
     return kernel
 
 
-def plan_backward_for_device(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, device):
+def plan_backward_for_device(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, device,
+                             choices):
     """(plan, its kernel) of a checked backward call on the device: plan_backward's, with its grid fitted to what
     the device holds at once, then re-planned where that grid decides (lean_staged, takes_cluster_rounds) or where
     no cluster fits."""
     planning = (dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit)
-    plan = plan_backward(*planning, clusters=runs_clusters(device))
+    plan = plan_backward(*planning, clusters=runs_clusters(device), choices=choices)
     kernel = resident_grid(plan, rows, device, x.dtype)
     if kernel is None:  # no cluster fits: rows read twice, or two launches
-        plan = plan_backward(*planning)
+        plan = plan_backward(*planning, choices=choices)
         kernel = resident_grid(plan, rows, device, x.dtype)
     if lean_staged(plan, rows):  # decided on the default variant's resident grid
-        plan = plan_backward(*planning, lean=True)
+        plan = plan_backward(*planning, lean=True, choices=choices)
         kernel = resident_grid(plan, rows, device, x.dtype)
     elif takes_cluster_rounds(plan, weight is not None, device):
-        many = plan_backward(*planning, clusters=True, rounds=True)
+        many = plan_backward(*planning, clusters=True, rounds=True, choices=choices)
         many_kernel = resident_grid(many, rows, device, x.dtype) if many.cluster_rounds else None
         if many_kernel:  # else no cluster fits: the staged plan
             plan, kernel = many, many_kernel

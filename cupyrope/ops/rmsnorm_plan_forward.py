@@ -7,22 +7,22 @@ shared memory for the second pass: the row cache); rows of 128 KiB and more spli
 sm_90+ (rms_norm_fwd_split), each block holding a part of the row in registers.
 """
 
+import dataclasses
+
 from .._runtime.arrays import CTYPE, ITEMSIZE
+from .._runtime.choices import choice
 from .._runtime.compile import get_kernel
 from .._runtime.device import runs_clusters
-from .rmsnorm_rows import (MAX_WIDTH, SPLIT_SIZES, NormPlan, blocks_per_wave, chunks_span, fit_clusters, flag,
-                           plan_rows, row_variant_params, split_parts)
+from .rmsnorm_rows import (MAX_WIDTH, SHARED_OPTIN_LIMIT, SPLIT_SIZES, NormPlan, blocks_per_wave, chunks_span,
+                           fit_clusters, flag, plan_rows, row_variant_params, split_parts)
 
 SOURCE = "rmsnorm_fwd.cu"
 # Elements a thread: 16 (one 16-byte chunk of fp32, two of fp16/bf16... up to the register slots) measured best.
 FWD_ELEMS_PER_THREAD = 16
-# Small inputs (rows of up to FWD_SMALL_ROW_BYTES, FWD_SMALL_ELEMENTS in all): FWD_SMALL_ELEMS_PER_THREAD,
-# i.e. one 16-byte chunk a thread where rows are vectorized, whose weight the kernel then loads with x
-# rather than after the reduction (one memory round trip less on the critical path of a grid that is
-# mostly latency); 4 elements a thread where rows go element by element (8 measured slower in fp32, 2
-# and 16 in bf16).
-FWD_SMALL_ROW_BYTES = 4096
-FWD_SMALL_ELEMENTS = 1 << 22
+# Small inputs (ForwardChoices.small_row_bytes, small_elements): FWD_SMALL_ELEMS_PER_THREAD, i.e. one 16-byte
+# chunk a thread where rows are vectorized, whose weight the kernel then loads with x rather than after the
+# reduction (one memory round trip less on the critical path of a grid that is mostly latency); 4 elements a thread
+# where rows go element by element (8 measured slower in fp32, 2 and 16 in bf16).
 FWD_SMALL_ELEMS_PER_THREAD = 4
 # Register slots (one 16-byte access when vectorized, one element otherwise) by (vectorized, element
 # size): the most that 64 registers hold without spilling (ptxas -v). Scalar slots cover odd hidden sizes up
@@ -47,24 +47,37 @@ FWD_MAX_WIDTH = {(False, 4): 1024, (True, 4): 1024, (False, 2): 1024, (True, 2):
 # forward (800 x 4 3% slower than 416 x 8 at hidden 12291), nor fp16/bf16 (1024 x 2 13-20% slower than 512 x 4
 # at hidden 16384).
 FWD_WIDE_FIRST = {(False, 4): ("aligned",), (True, 4): ("aligned", "shifted")}
-# The fused add's rows read twice keep their rounded sums in shared memory for the output pass (the row cache)
-# where the block's rows take at most this many bytes, instead of reading the new residual again: bf16
-# [4096, 32768] 85% -> 96% of copy bandwidth. Rows of 80-128 KiB (2 or 1 blocks an SM) measured up to 10% slower
-# with it.
-ROW_CACHE_MAX_BYTES = 64 * 1024
 # Threads per block (rows of fewer threads share a block): 128 was best at every shape measured.
 FWD_BLOCK_THREADS = 128
-# Rows of at least FWD_SPLIT_MIN_ROW_BYTES split over a cluster: below, the second read of a row read twice mostly
-# hits the L2 (its ~528 rows in flight about fit; read twice against split: fp32 fused add [4096, 20480] 96%
-# against 93% of copy bandwidth, bf16 [4096, 40960] 84% against 59-75%; at 128 KiB bf16 [2048, 65536] 66% against
-# 75%, the fp32 fused add [2048, 32768] 85% against 95%). The fewest blocks a cluster by (fused add, element size,
-# shifted); none: not split. fp16/bf16 parts on 512 threads (4 blocks or more) measured faster than on 1024 (bf16
-# [2048, 65536]: 75% against 69%); the bf16 fused add's part spills. Odd rows split the same way: fp32
-# [2048, 33001] 232 against 284 us read twice, bf16 [1024, 65539] 157 against 164; the fp32 fused add in parts of
-# 4 slots as aligned rows (8 spill), [1024, 65537] 448 against 513.
+# Rows of at least ForwardChoices.split_min_row_bytes split over a cluster, in at least this many blocks by (fused
+# add, element size, shifted); none: not split. fp16/bf16 parts on 512 threads (4 blocks or more) measured faster
+# than on 1024 (bf16 [2048, 65536]: 75% against 69% of copy bandwidth); the bf16 fused add's part spills. Odd rows
+# split the same way: fp32 [2048, 33001] 232 against 284 us read twice, bf16 [1024, 65539] 157 against 164; the fp32
+# fused add in parts of 4 slots as aligned rows (8 spill), [1024, 65537] 448 against 513.
 FWD_SPLIT_MIN_BLOCKS = {(False, 4, False): 2, (True, 4, False): 2, (False, 2, False): 4, (False, 4, True): 2,
                         (False, 2, True): 4, (True, 4, True): 2}
-FWD_SPLIT_MIN_ROW_BYTES = 128 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardChoices:
+    """The RMSNorm forward's measured launch choices: a launch profile's "rms_norm_forward" section.
+
+    small_row_bytes, small_elements: calls of rows of at most small_row_bytes and at most small_elements in all
+      take FWD_SMALL_ELEMS_PER_THREAD elements a thread (latency-bound grids).
+    row_cache_max_bytes: the fused add's rows read twice keep their rounded sums in shared memory for the output
+      pass (the row cache) where the block's rows take at most this many bytes, instead of reading the new residual
+      again (bf16 [4096, 32768] 85% -> 96% of copy bandwidth on an H100; rows of 80-128 KiB, 2 or 1 blocks an SM,
+      up to 10% slower with it).
+    split_min_row_bytes: rows of at least this many bytes split over a cluster (sm_90+). Below, the second read of
+      a row read twice mostly hits the L2 (on an H100 its ~528 rows in flight about fit: fp32 fused add
+      [4096, 20480] 96% against 93%, bf16 [4096, 40960] 84% against 59-75%; at 128 KiB bf16 [2048, 65536] 66%
+      against 75%, the fp32 fused add [2048, 32768] 85% against 95%).
+    """
+
+    small_row_bytes: int = choice(0, 16384)
+    small_elements: int = choice(0, 1 << 26)
+    row_cache_max_bytes: int = choice(0, SHARED_OPTIN_LIMIT)
+    split_min_row_bytes: int = choice(16384, 1 << 30)
 
 
 def fwd_max_slots(add: bool, shifted: bool) -> dict:
@@ -74,14 +87,15 @@ def fwd_max_slots(add: bool, shifted: bool) -> dict:
     return FWD_ADD_SHIFTED_MAX_SLOTS if shifted else FWD_ADD_MAX_SLOTS
 
 
-def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto", elems=None, clusters=False) -> NormPlan:
+def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto", elems=None, clusters=False, *,
+                 choices: ForwardChoices) -> NormPlan:
     """elems: elements a thread (default: the rule above). clusters: the GPU runs thread block clusters (sm_90+),
-    so rows past the registers may be split over one (plan_forward_split)."""
+    so rows past the registers may be split over one (plan_forward_split). choices: the launch profile's."""
     arrays = [x, y, residual, weight]
     add = flag(residual is not None)
     weight_dtype = weight.dtype if weight is not None else "float32"
     itemsize = ITEMSIZE[x.dtype]
-    small = hidden * itemsize <= FWD_SMALL_ROW_BYTES and rows * hidden <= FWD_SMALL_ELEMENTS
+    small = hidden * itemsize <= choices.small_row_bytes and rows * hidden <= choices.small_elements
     elems = elems or (FWD_SMALL_ELEMS_PER_THREAD if small else FWD_ELEMS_PER_THREAD)
     key = residual is not None, itemsize
 
@@ -94,16 +108,17 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     add_slots = fwd_max_slots(residual is not None, plan.shifted)
     if plan.vectorized and plan.slots > add_slots[True, itemsize]:
         plan = plan_with(add_slots)
-    long_row = hidden * itemsize >= FWD_SPLIT_MIN_ROW_BYTES
+    long_row = hidden * itemsize >= choices.split_min_row_bytes
     min_blocks = FWD_SPLIT_MIN_BLOCKS.get((*key, plan.shifted)) if long_row else None
     if clusters and min_blocks and plan.vectorized and not plan.slots:  # else read twice
-        split = plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, plan.shifted)
+        split = plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, plan.shifted,
+                                   choices=choices)
         plan = split or plan
     plan.small = small
     return plan
 
 
-def plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, shifted=False):
+def plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, shifted=False, *, choices):
     """The plan of rms_norm_fwd_split: plan_forward's for the longest part of a row split over the fewest blocks
     (at least min_blocks) whose registers hold the parts (split_parts; shifted: the part's chunks hold a shifted
     row E - 1 elements shorter than they span); its grid one cluster a row (plan_forward_for_device caps it). None
@@ -113,7 +128,8 @@ def plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_bl
     weight_dtype = weight.dtype if weight is not None else "float32"
     flags = f"{flag(residual is not None)}, {{}}, {flag(shifted)}"
     for split, chunks in split_parts(hidden, itemsize, min_blocks, shifted):
-        part = plan_forward(x, y, residual, weight, row_strides, rows, chunks * elems - (elems - 1 if shifted else 0))
+        part = plan_forward(x, y, residual, weight, row_strides, rows, chunks * elems - (elems - 1 if shifted else 0),
+                            choices=choices)
         compiled = part.slots == split_slots(residual is not None, itemsize) and part.block[1] == 1  # variants()
         if compiled and part.shifted == shifted:
             plan = NormPlan(SOURCE, f"cupyrope::rms_norm_fwd_split<{CTYPE[x.dtype]}, {CTYPE[weight_dtype]}, "
@@ -134,29 +150,30 @@ def waves(plan, device) -> int:
     return -(-plan.grid // blocks_per_wave(get_kernel(SOURCE, plan.name, device), plan, device))
 
 
-def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, impl, device) -> NormPlan:
+def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, impl, device, choices) -> NormPlan:
     """plan_forward's plan, or the one with twice the elements a thread where that one takes a single
     wave of blocks instead of two (the second, partial wave costs a whole row's latency: bf16 [512, 8192]
     on an H100, 512 blocks of 512 threads at 3 an SM; 256 threads with 4 chunks fit 4 an SM)."""
-    plan = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl, clusters=runs_clusters(device))
+    planning = (x, y, residual, weight, row_strides, rows, hidden, impl)
+    plan = plan_forward(*planning, clusters=runs_clusters(device), choices=choices)
     if plan.split > 1:
         if fit_clusters(plan, get_kernel(SOURCE, plan.name, device), rows, device):
             return plan
-        plan = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl)  # no cluster fits: read twice
+        plan = plan_forward(*planning, choices=choices)  # no cluster fits: read twice
     if plan.small or not plan.slots or waves(plan, device) != 2:
         return plan
-    wider = plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl, elems=2 * FWD_ELEMS_PER_THREAD)
+    wider = plan_forward(*planning, elems=2 * FWD_ELEMS_PER_THREAD, choices=choices)
     return wider if wider.name != plan.name and wider.slots and waves(wider, device) == 1 else plan
 
 
-def row_cache_bytes(plan, hidden: int, dtype, shared_limit: int) -> int:
+def row_cache_bytes(plan, hidden: int, dtype, shared_limit: int, choices: ForwardChoices) -> int:
     """Dynamic shared memory of a fused-add plan: its block's rows, where they are read twice (slots 0)
-    and fit (ROW_CACHE_MAX_BYTES, and what the GPU gives a block); else 0 (read again). A row takes its
+    and fit (choices.row_cache_max_bytes, and what the GPU gives a block); else 0 (read again). A row takes its
     chunks' span (shifted rows: from the 16-byte boundary before the row), rounded up to whole chunks."""
     itemsize = ITEMSIZE[dtype]
     span = chunks_span(hidden, itemsize, plan.shifted) if plan.vectorized else hidden
     nbytes = plan.block[1] * span * itemsize
-    return nbytes if not plan.slots and nbytes <= min(ROW_CACHE_MAX_BYTES, shared_limit) else 0
+    return nbytes if not plan.slots and nbytes <= min(choices.row_cache_max_bytes, shared_limit) else 0
 
 
 def variants():

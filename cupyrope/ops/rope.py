@@ -11,7 +11,7 @@ from .._runtime.compile import get_kernel
 from .._runtime.device import sm_count
 from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
-from . import rope_checks
+from . import profiles, rope_checks
 from .rope_plan import SOURCE, plan_rope
 
 def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False,
@@ -118,7 +118,8 @@ def _plan_rope_call(xa, pa, ca, oa, mode, _no_cache, theta, style, rotary_dim, i
     else:
         out = xa if mode == IN_PLACE else oa if mode == OUT else contiguous_like(xa, xa.shape, xa.dtype)
         plan = plan_rope([(xa, out)], pa, ca, style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse,
-                         impl=impl, n_sm=sm_count(xa.device), in_place=mode == IN_PLACE)
+                         impl=impl, n_sm=sm_count(xa.device), choices=profiles.profile_for(xa.device).rope,
+                         in_place=mode == IN_PLACE)
         if mode == OUT:
             plan.out_layouts = checks.out_layouts(xa, oa)
         _prepare_launch(plan, xa)
@@ -155,7 +156,8 @@ def _plan_qk(qa, ka, qo, ko, mode, sources, source_names, check_reads, **options
     if not (qa.size or ka.size):
         plan = EmptyPlan()
     else:
-        plan = plan_rope([(qa, qo), (ka, ko)], n_sm=sm_count(qa.device), in_place=mode == IN_PLACE, **options)
+        plan = plan_rope([(qa, qo), (ka, ko)], n_sm=sm_count(qa.device),
+                         choices=profiles.profile_for(qa.device).rope, in_place=mode == IN_PLACE, **options)
         _set_disjoint(plan, qa, ka, qo, ko, mode, sources, source_names, check_reads)
         _prepare_launch(plan, qa)
     if mode == NEW:

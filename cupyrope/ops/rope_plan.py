@@ -12,25 +12,42 @@ The tensors reduce to a canonical view (canonical_layout): up to three token dim
 stride) times one head dimension, merged wherever every tensor's strides allow, with no copies.
 """
 
+import dataclasses
 import math
 import struct
 
 from .._runtime.arrays import CTYPE, FLOAT_DTYPES, INDEX_DTYPES, ITEMSIZE, merge_dims
+from .._runtime.choices import choice
 
 SOURCE = "rope.cu"
 STYLES = {"neox": 0, "gptj": 1}
 BLOCK_THREADS = 256  # kernels_src/rope.cu: BLOCK_THREADS
-ITEMS_PER_BLOCK = 640  # items a block: two tokens of Llama q (or q+k) per block measured best
-MAX_BLOCK_TOKENS = 64
+MAX_BLOCK_TOKENS = 64  # kernels_src/rope.cu: MAX_BLOCK_TOKENS (its per-block token tables)
 COS_SIN_FLOATS = 8192  # shared-memory cos/sin table per block: 32 KiB
 MAX_ROTARY_DIM = 1024
-BLOCKS_PER_SM = 2  # below this many blocks per SM, fewer tokens per block
-# rope_direct_kernel takes calls of at most this many tokens, and every vectorized call with a cos/sin cache whose
-# rows it can read as packs; the block kernel takes the rest (with in-kernel cos/sin the block kernel's shared
-# cos/sin win from ~64 tokens on).
-DIRECT_MAX_TOKENS = 64
-DIRECT_WITH_CACHE = True
-DIRECT_THREADS = 64  # threads per block of the direct kernel: small blocks spread a call over the SMs
+DIRECT_MAX_THREADS = 256  # kernels_src/rope.cu: DIRECT_MAX_THREADS (rope_direct_kernel's launch bound)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeChoices:
+    """RoPE's measured launch choices: a launch profile's "rope" section (ops/profiles.py).
+
+    items_per_block: (token, head, lane) items a block of the block kernel aims at: enough to keep its threads busy,
+      few enough to spread a call over the SMs (two tokens of Llama q, or q+k, on an H100).
+    blocks_per_sm: below this many blocks an SM, fewer tokens a block.
+    direct_max_tokens: rope_direct_kernel (one item a thread, no shared cos/sin) takes calls of at most this many
+      tokens; the block kernel's shared cos/sin pays from about 64 tokens on.
+    direct_with_cache: the direct kernel also takes every vectorized call with a cos/sin cache whose rows it reads
+      as packs (nothing to share: the cache is read, not computed).
+    direct_threads: threads a block of the direct kernel: small blocks spread a small call over the SMs.
+    """
+
+    items_per_block: int = choice(32, 8192)
+    blocks_per_sm: int = choice(1, 32)
+    direct_max_tokens: int = choice(0, 2**31)
+    direct_with_cache: bool
+    direct_threads: int = choice(32, DIRECT_MAX_THREADS)
+
 
 # Mirrors RopeParams in kernels_src/rope.cu: six pointers, then this tail.
 _TAIL = struct.Struct("<3q3q4q16q2q3q3qdq")
@@ -116,12 +133,13 @@ def _cache_in_packs(cache, freqs) -> bool:
     return cache.ptr % pack_bytes == 0 and cache.strides[0] * ITEMSIZE[cache.dtype] % pack_bytes == 0
 
 
-def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, impl, n_sm, in_place,
+def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, impl, n_sm, choices, in_place,
               freq_stride=0) -> RopePlan:
     """groups: [(input, output), ...] Arrays: q's pair, then k's (optional). All checked already. in_place: each
     output is its input (out of place, features past rotary_dim are copied). positions of dtype TOKEN_ROWS: the
     leading dimensions of per-token cos/sin tensors (their strides locate a token's row), cache then stands for
-    cos (its dtype) and freq_stride is the element stride between frequencies in cos and sin."""
+    cos (its dtype) and freq_stride is the element stride between frequencies in cos and sin. n_sm and choices
+    (RopeChoices): the GPU's SMs and its launch profile's "rope" section."""
     dtype = groups[0][0].dtype
     head_dim = groups[0][0].shape[-1]
     layout = canonical_layout(
@@ -140,7 +158,7 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         raise ValueError("impl: 'vector' is not possible here: " + "; ".join(blockers))
     n_tokens, n_q_heads, n_heads = layout.n_tokens, layout.heads[0], sum(layout.heads)
     can_vectorize = impl != "scalar" and not blockers
-    direct = n_tokens <= DIRECT_MAX_TOKENS or (DIRECT_WITH_CACHE and cache is not None and can_vectorize)
+    direct = n_tokens <= choices.direct_max_tokens or (choices.direct_with_cache and cache is not None and can_vectorize)
     direct = direct and n_tokens * n_heads * head_dim < 2**31  # item indices in fast_div's range
     # Direct calls with in-kernel cos/sin: one pair a thread measured 0.1-0.4 us faster than 16-byte items
     # (whose 8 cos/sin are computed by 8 threads and gathered by shuffles), so auto takes it.
@@ -156,12 +174,13 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
     if direct:  # items (token, head, lane), lanes rotating then copying; one thread each, or one per
         # frequency of a 16-byte item when the kernel computes the cos/sin
         per_item = freqs if vectorized and cache is None else 1
-        tokens, block = 0, DIRECT_THREADS
+        tokens, block = 0, choices.direct_threads
         grid = -(-n_tokens * n_heads * (rot_lanes + copy_lanes) * per_item // block)
     else:
         # Tokens per block: enough items to keep every thread busy, few enough to spread over the SMs.
-        tokens = max(1, ITEMS_PER_BLOCK // max(1, n_heads * (rot_lanes + copy_lanes)))
-        tokens = min(tokens, MAX_BLOCK_TOKENS, COS_SIN_FLOATS // rotary_dim, max(1, n_tokens // (n_sm * BLOCKS_PER_SM)))
+        tokens = max(1, choices.items_per_block // max(1, n_heads * (rot_lanes + copy_lanes)))
+        tokens = min(tokens, MAX_BLOCK_TOKENS, COS_SIN_FLOATS // rotary_dim,
+                     max(1, n_tokens // (n_sm * choices.blocks_per_sm)))
         grid, block = max(1, -(-n_tokens // tokens)), BLOCK_THREADS
 
     strides = []

@@ -1,7 +1,10 @@
 """The checks and planners on random layouts, with no GPU: every call either gets a plan the kernels can
 run (a compiled variant, launch limits, alignment for 16-byte accesses, shared memory within the GPU's)
-or a TypeError/ValueError that names the argument. What the plans compute is the GPU tests' job."""
+or a TypeError/ValueError that names the argument, under the reference launch profile or any other whose choices
+lie in their ranges. What the plans compute is the GPU tests' job."""
 
+import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -12,7 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from cupyrope._runtime.arrays import FLOAT_DTYPES, ITEMSIZE, Array  # noqa: E402
 from cupyrope._runtime.checks import IN_PLACE, NEW, OUT, output_mode  # noqa: E402
-from cupyrope.ops import all_variants, rmsnorm, rope  # noqa: E402
+from cupyrope.ops import all_variants, profiles, rmsnorm, rope  # noqa: E402
 from cupyrope.ops import rmsnorm_plan_backward as backward  # noqa: E402
 from cupyrope.ops.rmsnorm_rows import STATIC_SHARED_BYTES  # noqa: E402
 from cupyrope.ops.rope_plan import _TAIL  # noqa: E402
@@ -37,6 +40,34 @@ def no_gpu(monkeypatch):
 def mostly(usual, anything):
     """`usual` four times in five, else `anything` (one_of would take each half the time)."""
     return st.integers(0, 4).flatmap(lambda i: anything if i == 0 else usual)
+
+
+@st.composite
+def launch_profiles(draw):
+    """The reference profile, or one whose every choice is drawn from its range (its ends, mostly)."""
+    reference = profiles.reference_profile()
+    if draw(st.booleans()):
+        return reference
+    sections = {}
+    for name in profiles.SECTIONS:
+        choices = getattr(reference, name)
+        values = {}
+        for field in dataclasses.fields(choices):
+            if field.type in (bool, "bool"):
+                values[field.name] = draw(st.booleans())
+            else:
+                low, high = field.metadata["range"]
+                ends = st.sampled_from([low, high, getattr(choices, field.name)])
+                values[field.name] = draw(mostly(ends, st.integers(low, high)))
+        sections[name] = dataclasses.replace(choices, **values)
+    return dataclasses.replace(reference, **sections)
+
+
+@contextlib.contextmanager
+def planning_with(profile):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profiles, "_profile_of", lambda device: (profile, "drawn"))
+        yield
 
 
 @st.composite
@@ -108,37 +139,39 @@ def rope_calls(draw, qk=False):
 
 
 @SETTINGS
-@given(rope_calls())
-def test_rope_plans_are_runnable_or_refused_clearly(call):
+@given(rope_calls(), launch_profiles())
+def test_rope_plans_are_runnable_or_refused_clearly(call, profile):
     x, positions, cache, out, options = call
-    try:
-        mode = output_mode(out, x)
-        plan = rope._plan_rope_call(x, positions, cache, out if mode == OUT else None, mode, cache is None, **options)
-    except (TypeError, ValueError) as error:
-        assert_clear_error(error)
-        return
-    assert_runnable_rope(plan, [x, out or x], cache, options["style"])
+    with planning_with(profile):
+        try:
+            mode = output_mode(out, x)
+            plan = rope._plan_rope_call(x, positions, cache, out if mode == OUT else None, mode, cache is None, **options)
+        except (TypeError, ValueError) as error:
+            assert_clear_error(error)
+            return
+        assert_runnable_rope(plan, [x, out or x], cache, options["style"])
 
 
 @SETTINGS
-@given(rope_calls(qk=True), st.booleans())
-def test_rope_qk_plans_are_runnable_or_refused_clearly(call, new):
+@given(rope_calls(qk=True), st.booleans(), launch_profiles())
+def test_rope_qk_plans_are_runnable_or_refused_clearly(call, new, profile):
     """In place, or into new arrays (out="new": the planner describes them as contiguous)."""
     q, k, positions, cache, options = call
-    try:
-        plan = rope._plan_rope_qk_call(q, k, positions, cache, None, None, NEW if new else IN_PLACE, cache is None,
-                                       **options)
-    except (TypeError, ValueError) as error:
-        assert_clear_error(error)
-        return
-    assert_runnable_rope(plan, [q, k], cache, options["style"])
-    assert len(plan.new_output) == 2 if new else not hasattr(plan, "new_output")
-    assert plan.disjoint == ([] if new else [(0, 2)])  # in place: q against k, per call
+    with planning_with(profile):
+        try:
+            plan = rope._plan_rope_qk_call(q, k, positions, cache, None, None, NEW if new else IN_PLACE, cache is None,
+                                           **options)
+        except (TypeError, ValueError) as error:
+            assert_clear_error(error)
+            return
+        assert_runnable_rope(plan, [q, k], cache, options["style"])
+        assert len(plan.new_output) == 2 if new else not hasattr(plan, "new_output")
+        assert plan.disjoint == ([] if new else [(0, 2)])  # in place: q against k, per call
 
 
 @SETTINGS
-@given(rope_calls(qk=True), st.data())
-def test_rope_qk_cos_sin_plans_are_runnable_or_refused_clearly(call, data):
+@given(rope_calls(qk=True), st.data(), launch_profiles())
+def test_rope_qk_cos_sin_plans_are_runnable_or_refused_clearly(call, data, profile):
     """Per-token cos/sin tensors in place of positions: leading dimensions like positions', the
     frequencies one or two columns apart, sin laid out like cos (or not)."""
     q, k, positions, _, options = call
@@ -151,13 +184,14 @@ def test_rope_qk_cos_sin_plans_are_runnable_or_refused_clearly(call, data):
         sin = data.draw(arrays(cos.shape, table_dtype, BASE + 2**34))
     options = dict(rotary_dim=options["rotary_dim"], freq_step=freq_step, style=options["style"],
                    inverse=options["inverse"], impl=options["impl"])
-    try:
-        plan = rope._plan_rope_cos_sin_call(q, k, cos, sin, None, None, IN_PLACE, **options)
-    except (TypeError, ValueError) as error:
-        assert_clear_error(error)
-        return
-    assert "TokenRows" in plan.name
-    assert_runnable_rope(plan, [q, k])
+    with planning_with(profile):
+        try:
+            plan = rope._plan_rope_cos_sin_call(q, k, cos, sin, None, None, IN_PLACE, **options)
+        except (TypeError, ValueError) as error:
+            assert_clear_error(error)
+            return
+        assert "TokenRows" in plan.name
+        assert_runnable_rope(plan, [q, k])
 
 
 def test_rope_qk_cos_sin_never_writes_over_cos_or_sin():
@@ -215,20 +249,21 @@ def norm_calls(draw):
 
 
 @SETTINGS
-@given(norm_calls(), st.sampled_from(["forward", "fused add", "backward"]))
-def test_rms_norm_plans_are_runnable_or_refused_clearly(call, op):
+@given(norm_calls(), st.sampled_from(["forward", "fused add", "backward"]), launch_profiles())
+def test_rms_norm_plans_are_runnable_or_refused_clearly(call, op, profile):
     x, weight, other, eps, offset, impl = call
-    try:
-        if op == "forward":
-            plan = rmsnorm._plan_forward_call(x, weight, other, OUT, weight is None, eps, offset, True, impl)
-        elif op == "fused add":
-            plan = rmsnorm._plan_fused_add_call(x, other, weight, weight is None, eps, offset, impl)
-        else:
-            plan = rmsnorm._plan_backward_call(other, x, weight, None, weight is None, True, eps, offset, impl)
-    except (TypeError, ValueError) as error:
-        assert_clear_error(error)
-        return
-    assert_runnable_norm(plan, [x, other, weight])
+    with planning_with(profile):
+        try:
+            if op == "forward":
+                plan = rmsnorm._plan_forward_call(x, weight, other, OUT, weight is None, eps, offset, True, impl)
+            elif op == "fused add":
+                plan = rmsnorm._plan_fused_add_call(x, other, weight, weight is None, eps, offset, impl)
+            else:
+                plan = rmsnorm._plan_backward_call(other, x, weight, None, weight is None, True, eps, offset, impl)
+        except (TypeError, ValueError) as error:
+            assert_clear_error(error)
+            return
+        assert_runnable_norm(plan, [x, other, weight])
 
 
 def test_rope_qk_out_of_place_reads_overlapping_inputs_but_never_writes_overlapping_outputs():

@@ -14,7 +14,7 @@ from cupyrope.ops import rmsnorm_plan_backward as backward
 from cupyrope.ops import rmsnorm_rows as rows_module
 from cupyrope.reference import ulp
 from helpers import (DTYPES, KINDS, assert_backward_with_offset, assert_matches, random_host, requires_gpu,
-                     to_device, to_host, unaligned_view)
+                     to_device, to_host, unaligned_view, use_choices)
 from norm_helpers import fill_next_allocation_with_nan, fresh_plans, planned, runs_clusters, sample_rows, strided_rows
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -72,8 +72,7 @@ def force_lean(monkeypatch, lean):
     takes small calls: test_backward_one_cluster)."""
     limits = {slots: math.inf if lean and limit else 0 for slots, limit in backward.STAGED_LEAN_MAX_ROWS.items()}
     monkeypatch.setattr(backward, "STAGED_LEAN_MAX_ROWS", limits)
-    monkeypatch.setattr(backward, "CLUSTER_BWD_MAX_ROWS", 0)
-    fresh_plans(monkeypatch)
+    use_choices(monkeypatch, rms_norm_backward={"one_cluster_max_rows": 0})
 
 
 def assert_lean(plan, lean):
@@ -155,7 +154,8 @@ def test_backward_reread_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad):
     ("float16", 2053, 64, 0, "float16"), ("float16", 3072, 8, 0, "float16"), ("bfloat16", 5120, 33, 16, "bfloat16"),
     ("bfloat16", 4096, 16, 0, "float32"), ("float16", 2053, 11, 8, "float32"), ("float32", 8192, 16, 0, "float32")])
 def test_backward_one_cluster(rng, monkeypatch, kind, dtype, hidden, rows, pad_or_start, weight_dtype):
-    monkeypatch.setattr(backward, "CLUSTER_BWD_MAX_ROWS", 64)  # the kernel over more rows than the planner gives it
+    # the kernel over more rows than the planner gives it
+    use_choices(monkeypatch, rms_norm_backward={"one_cluster_max_rows": 64})
     x_host, dy_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
     w_host = random_host((hidden,), weight_dtype, rng)
     if hidden % 2:  # odd rows: columns pad_or_start ... of rows of hidden + 16
@@ -174,9 +174,8 @@ def test_backward_one_cluster(rng, monkeypatch, kind, dtype, hidden, rows, pad_o
         if given is None:  # (its bitwise check repeats the call without rstd)
             assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
         with monkeypatch.context() as two_launches:
-            two_launches.setattr(backward, "CLUSTER_BWD_MAX_ROWS", 0)
             two_launches.setattr(backward, "blocks_per_wave", lambda *args: blocks)
-            fresh_plans(two_launches)
+            use_choices(two_launches, rms_norm_backward={"one_cluster_max_rows": 0})
             dx_two, dw_two = cupyrope.rms_norm_backward(dy, x, w, rstd=given, offset=0.25)
             plan = planned("bwd")
             assert plan.staged and plan.name.endswith(", true>") and plan.grid == min(rows, blocks), plan

@@ -7,10 +7,9 @@ import pytest
 import cupyrope
 from cupyrope import reference
 from cupyrope._runtime.arrays import ITEMSIZE
-from cupyrope.ops import rmsnorm_plan_forward as forward
 from cupyrope.ops import rmsnorm_rows as rows_module
 from helpers import (DTYPES, KINDS, assert_backward_with_offset, assert_matches, outside_rows, poison, random_host,
-                     requires_gpu, requires_torch_cuda, to_device, to_host, unaligned_view)
+                     requires_gpu, requires_torch_cuda, to_device, to_host, unaligned_view, use_choices)
 from norm_helpers import (HIDDEN, ROWS, fill_next_allocation_with_nan, fresh_plans, planned, runs_clusters,
                           sample_rows, strided_rows)
 
@@ -264,8 +263,7 @@ def two_pass_cache_bytes(dtype, hidden, impl):
                                                      ("bfloat16", 8191, 0, "auto")])
 @pytest.mark.parametrize("cache", [False, True])
 def test_fused_add_row_cache(rng, monkeypatch, kind, dtype, hidden, start, impl, cache):
-    fresh_plans(monkeypatch)
-    monkeypatch.setattr(forward, "ROW_CACHE_MAX_BYTES", 136 * 1024 if cache else 0)
+    use_choices(monkeypatch, rms_norm_forward={"row_cache_max_bytes": 136 * 1024 if cache else 0})
     monkeypatch.setattr(rows_module, "SPLIT_SIZES", ())  # aligned rows: not split over a cluster (GPUs before sm_90)
     rows = 37
     x_host, r_host = random_host((rows, hidden), dtype, rng, scale=2.0), random_host((rows, hidden), dtype, rng)

@@ -1,6 +1,8 @@
 """RMSNorm's plans (kernel, variant, grid, block) are pure functions of shapes, dtypes, strides and alignment:
 checked here without a GPU."""
 
+import functools
+
 import pytest
 from helpers import PLAN_BASE as BASE
 from helpers import planned_array as arr
@@ -9,9 +11,13 @@ from cupyrope._runtime.arrays import ITEMSIZE
 from cupyrope.ops import all_variants, rmsnorm_rows
 from cupyrope.ops import rmsnorm_plan_backward as backward
 from cupyrope.ops import rmsnorm_plan_forward as forward
-from cupyrope.ops.rmsnorm_plan_backward import cap_grid, plan_backward
-from cupyrope.ops.rmsnorm_plan_forward import plan_forward
+from cupyrope.ops.profiles import reference_profile
+from cupyrope.ops.rmsnorm_plan_backward import cap_grid
 from cupyrope.ops.rmsnorm_rows import row_shape
+
+H100 = reference_profile()  # the plans below are an H100's
+plan_forward = functools.partial(forward.plan_forward, choices=H100.rms_norm_forward)
+plan_backward = functools.partial(backward.plan_backward, choices=H100.rms_norm_backward)
 
 
 @pytest.mark.parametrize(
@@ -130,7 +136,8 @@ def test_rms_norm_forward_takes_wider_threads_to_fit_one_wave(monkeypatch, rows,
     monkeypatch.setattr(rmsnorm_rows, "resident_blocks", lambda name, threads, shared, device: 65536 // (
         threads * (40 if ", 2, " in name else 64)))
     x, y = arr((rows, hidden)), arr((rows, hidden), ptr=BASE + 2**28)
-    plan = forward.plan_forward_for_device(x, y, None, arr((hidden,)), (hidden, hidden), rows, hidden, "auto", 0)
+    plan = forward.plan_forward_for_device(x, y, None, arr((hidden,)), (hidden, hidden), rows, hidden, "auto", 0,
+                                           H100.rms_norm_forward)
     assert plan.name.startswith(f"cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, {expected},")
 
 
@@ -373,7 +380,7 @@ def test_fused_add_row_cache_plan():
     def cache(hidden, dtype, shared_limit=227 * 1024 - 1024):
         x = arr((64, hidden), dtype)
         plan = plan_forward(x, x, x, arr((hidden,), "float32"), (hidden,) * 3, 64, hidden)
-        return plan.slots, plan.shifted, forward.row_cache_bytes(plan, hidden, dtype, shared_limit)
+        return plan.slots, plan.shifted, forward.row_cache_bytes(plan, hidden, dtype, shared_limit, H100.rms_norm_forward)
 
     assert cache(32768, "bfloat16") == (0, False, 65536)
     assert cache(20001, "float16") == (0, True, 20008 * 2) and cache(32761, "bfloat16") == (0, True, 65536)
@@ -419,10 +426,10 @@ def test_rms_norm_backward_plans_fit_the_gpus_shared_memory(optin_kib, dtype):
 
 
 def test_rms_norm_backward_one_cluster_rule():
-    # Calls of up to CLUSTER_BWD_MAX_ROWS rows with a weight whose staged plan can take LEAN: one launch of
+    # Calls of up to one_cluster_max_rows rows with a weight whose staged plan can take LEAN: one launch of
     # rms_norm_bwd_cluster (8 blocks up to 8 rows, then 16; its dweight sums after the stages), where the GPU runs
     # clusters.
-    limit = backward.CLUSTER_BWD_MAX_ROWS
+    limit = H100.rms_norm_backward.one_cluster_max_rows
     assert limit == 32
     x, w = arr((limit, 4096)), arr((4096,), "float32")
     for rows, blocks in ((1, 8), (8, 8), (9, 16), (16, 16), (17, 16), (limit, 16)):

@@ -5,10 +5,11 @@ import pytest
 
 import cupyrope
 from cupyrope import reference
-from cupyrope.ops import rope, rope_plan
+from cupyrope.ops import rope
 
 from helpers import (DTYPES, KINDS, assert_matches, data_ptr, fresh_plans, index_to_device, planned_kernels, poison,
-                     poisoned_allocations, random_host, requires_gpu, requires_torch_cuda, to_device, to_host)
+                     poisoned_allocations, random_host, requires_gpu, requires_torch_cuda, to_device, to_host,
+                     use_choices)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -19,9 +20,8 @@ MAX_POS = 2**24
 def kernel(request, monkeypatch):
     """Runs a test with each RoPE kernel: the block kernel (cos/sin shared by a block's heads) and the
     direct one (one item a thread; what the planner takes for small calls). Returns its name's start."""
-    monkeypatch.setattr(rope_plan, "DIRECT_MAX_TOKENS", 0 if request.param == "block" else 2**31)
-    monkeypatch.setattr(rope_plan, "DIRECT_WITH_CACHE", request.param == "direct")
-    fresh_plans(monkeypatch)
+    direct = request.param == "direct"
+    use_choices(monkeypatch, rope={"direct_max_tokens": 2**31 if direct else 0, "direct_with_cache": direct})
     return "rope_direct_kernel<" if request.param == "direct" else "rope_kernel<"
 
 

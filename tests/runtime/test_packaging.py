@@ -1,4 +1,5 @@
-"""The wheel ships the kernel sources, and an installed cupyrope finds them (no network, no GPU)."""
+"""The wheel ships the kernel sources and the launch profiles, and an installed cupyrope finds them (no network, no
+GPU)."""
 
 import os
 import subprocess
@@ -23,6 +24,10 @@ def test_wheel_contains_package_and_kernel_sources(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for source in (ROOT / "kernels_src").glob("*.cu*"):
         assert f"cupyrope/kernels_src/{source.name}" in names
+    profiles = list((ROOT / "cupyrope" / "profiles").glob("*.json"))
+    assert profiles
+    for profile in profiles:
+        assert f"cupyrope/profiles/{profile.name}" in names
     for module in ("__init__.py", "torch.py", "dropin.py", "patch.py", "py.typed", "ops/rope.py", "_runtime/launch.py"):  # py.typed: type checkers read the hints
         assert f"cupyrope/{module}" in names
 
@@ -30,12 +35,14 @@ def test_wheel_contains_package_and_kernel_sources(wheel):
 def test_installed_wheel_finds_its_sources(wheel, tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(tmp_path / "site")  # what pip install puts in site-packages
-    code = "import cupyrope._runtime.compile as c; print(c.kernels_dir()); print(c.sources_hash())"
+    code = ("import cupyrope._runtime.compile as c; from cupyrope.ops import profiles as p; print(c.kernels_dir()); "
+            "print(c.sources_hash()); print(len(p.shipped_profiles()))")
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    found, digest = done.stdout.split()
+    found, digest, n_profiles = done.stdout.split()
     assert Path(found) == tmp_path / "site" / "cupyrope" / "kernels_src"
     from cupyrope._runtime.compile import sources_hash
 
     assert digest == sources_hash()  # the same sources as the checkout
+    assert int(n_profiles) == len(list((ROOT / "cupyrope" / "profiles").glob("*.json")))
