@@ -1,0 +1,106 @@
+"""Batch invariance on the GPU: a row's output bits do not depend on how many rows its call has or where the row
+sits in it. Each case runs one large call, then calls of fewer rows (crossing the planners' row-count boundaries:
+small calls, direct kernels, one cluster, rounds of clusters, one or two waves) on the same rows in a shuffled
+order, and compares bits. Odd rows (not a multiple of 16 bytes) keep their offset from a 16-byte boundary when
+shuffled: that offset is part of a row's layout (docs/design.md, "Batch invariance")."""
+
+import numpy as np
+import pytest
+
+import cupyrope
+from cupyrope._runtime.arrays import ITEMSIZE
+from helpers import DTYPES, random_host, requires_gpu, to_device
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+ROW_COUNTS = [1, 2, 3, 8, 9, 31, 32, 33, 64, 65, 131, 132, 264, 265, 1000, 2048, 4096, 8192, 16384, 32768]
+MAX_ELEMENTS = 1 << 25
+HIDDEN = [64, 130, 1027, 2048, 4096, 5120, 8192, 12288, 16384, 20001, 32768, 65536, 131072]
+
+
+def shuffled_rows(rows, n, hidden, itemsize, rng):
+    """n row indices of a rows-row call, shuffled among the rows with the same offset from a 16-byte boundary
+    (contiguous rows: row i starts i * hidden * itemsize bytes past an aligned base)."""
+    period = 16 // np.gcd(16, hidden * itemsize)
+    index = rng.choice(rows, n, replace=False) if n < rows else np.arange(rows)
+    out = index.copy()
+    for offset in range(period):
+        where = np.flatnonzero(index % period == offset)
+        out[where] = rng.permutation(index[where])
+    return out
+
+
+def row_counts(hidden):
+    return [n for n in ROW_COUNTS if n * hidden <= MAX_ELEMENTS]
+
+
+def host_bits(array, rows):
+    """A CuPy array's bytes, one row of them per row."""
+    import cupy
+
+    return cupy.asnumpy(array).view(np.uint8).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_rows_are_batch_invariant(rng, dtype, hidden):
+    counts = row_counts(hidden)
+    rows = counts[-1]
+    itemsize = ITEMSIZE[dtype]
+    weight_dtype = "float32" if hidden % 2 else dtype
+    x_host = random_host((rows, hidden), dtype, rng)
+    r_host = random_host((rows, hidden), dtype, rng)
+    dy_host = random_host((rows, hidden), dtype, rng)
+    w_host = random_host((hidden,), weight_dtype, rng)
+    w = to_device(w_host, weight_dtype, "cupy")
+
+    def run(index):
+        x, r, dy = (to_device(a[index], dtype, "cupy") for a in (x_host, r_host, dy_host))
+        y, rstd = cupyrope.rms_norm(x, w, return_rstd=True)
+        dx_given, _ = cupyrope.rms_norm_backward(dy, x, w, rstd=rstd, offset=0.5)
+        dx_recomputed, _ = cupyrope.rms_norm_backward(dy, x, w, offset=0.5)
+        cupyrope.fused_add_rms_norm(x, r, w)
+        outputs = {"y": y, "rstd": rstd, "dx (rstd given)": dx_given, "dx (rstd recomputed)": dx_recomputed,
+                   "fused add x": x, "fused add residual": r}
+        return {name: host_bits(a, len(index)) for name, a in outputs.items()}
+
+    big = run(np.arange(rows))
+    # The backward's recomputed rstd is the forward's: dx the same bits with rstd given or not.
+    assert np.array_equal(big["dx (rstd given)"], big["dx (rstd recomputed)"]), \
+        "rms_norm_backward: dx differs between rstd given and rstd recomputed"
+    failures = []
+    for n in counts[:-1]:
+        index = shuffled_rows(rows, n, hidden, itemsize, rng)
+        small = run(index)
+        for name in big:
+            if bad := int(np.count_nonzero(np.any(big[name][index] != small[name], axis=-1))):
+                failures.append(f"{name}: {bad} of {n} rows differ from the {rows}-row call")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_tokens_are_batch_invariant(rng, dtype, cache):
+    import cupy
+
+    heads, head_dim, tokens = 8, 128, 32768
+    x_host = random_host((tokens, heads, head_dim), dtype, rng)
+    positions_host = rng.integers(0, 65536, tokens)
+    cos_sin = None
+    if cache:
+        angles = np.arange(65536)[:, None] * 10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)
+        cos_sin = to_device(np.concatenate([np.cos(angles), np.sin(angles)], axis=1), "float32", "cupy")
+
+    def run(index):
+        x = to_device(x_host[index], dtype, "cupy")
+        positions = cupy.asarray(positions_host[index])
+        q = cupyrope.rope(x, positions, cos_sin_cache=cos_sin)
+        return host_bits(q, len(index))
+
+    big = run(np.arange(tokens))
+    failures = []
+    for n in [1, 2, 7, 32, 63, 64, 65, 128, 1000, 4096]:
+        index = rng.permutation(rng.choice(tokens, n, replace=False))
+        if bad := int(np.count_nonzero(np.any(big[index] != run(index), axis=-1))):
+            failures.append(f"{bad} of {n} tokens differ from the {tokens}-token call")
+    assert not failures, "\n".join(failures)
