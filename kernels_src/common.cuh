@@ -211,13 +211,6 @@ __device__ __forceinline__ void store_shared_of_rank(float* mine, unsigned rank,
 #endif
 }
 
-__device__ __forceinline__ void store_shared_of_rank(float2* mine, unsigned rank, float2 v) {
-#if CUPYROPE_CLUSTERS
-    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(shared_of_rank(mine, rank)), "f"(v.x), "f"(v.y)
-                 : "memory");
-#endif
-}
-
 // The cluster block `rank`'s copy of the shared float at `mine` (this block's address of it).
 __device__ __forceinline__ float load_shared_of_rank(const float* mine, unsigned rank) {
     float v = 0.f;
@@ -228,7 +221,6 @@ __device__ __forceinline__ float load_shared_of_rank(const float* mine, unsigned
 }
 
 __device__ __forceinline__ float add(float a, float b) { return a + b; }
-__device__ __forceinline__ float2 add(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
 
 // The sum over the SPLIT blocks of a cluster (each with a part of a row) of their `sums` (the same in all of a
 // block's threads; blocks of one row of threads): every block writes its sums into slot [its rank] of every
@@ -324,7 +316,7 @@ __device__ __forceinline__ float lanes_sum_loop(float v, int width) {
     return v;
 }
 
-// The same by a switch over the width (a jump table): what the backward's register-bound kernels keep (row_sum2;
+// The same by a switch over the width (a jump table): what the backward's kernels keep (row_sum<LANES_JUMP>;
 // with lanes_sum: bf16 [1024, 131072] 377 -> 404 us, fp16 [4096, 65536] 619 -> 629-651), and the forward's
 // element-by-element rows of 4+ elements a thread (see norm_row).
 __device__ __forceinline__ float lanes_sum_switch(float v, int width) {
@@ -380,36 +372,6 @@ __device__ __forceinline__ float row_sum(float v, int width, float* scratch /* >
     if (lane == 0) partials[warp] = v;
     __syncthreads();
     return partials_sum<LANES == LANES_JUMP>(partials, warps, lane);
-}
-
-// Two sums at once (one pass of barriers): same contract as row_sum; scratch >= 2 * warps.
-// TREE false: the partials are added by one loop in warp order instead (fewer shuffles on the
-// critical path, more instructions).
-template <bool TREE = true>
-__device__ __forceinline__ float2 row_sum2(float a, float b, int width, float* scratch) {
-    if (width <= 32) return make_float2(lanes_sum_switch(a, width), lanes_sum_switch(b, width));
-    a = group_sum<32>(a);
-    b = group_sum<32>(b);
-    const int warps = width / 32;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float2* partials = reinterpret_cast<float2*>(scratch) + threadIdx.y * warps;
-    __syncthreads();
-    if (lane == 0) partials[warp] = make_float2(a, b);
-    __syncthreads();
-    if constexpr (!TREE) {
-        float2 total = make_float2(0.f, 0.f);
-        for (int w = 0; w < warps; ++w) {  // fixed order
-            total.x += partials[w].x;
-            total.y += partials[w].y;
-        }
-        return total;
-    }
-    if (warps <= 16) {
-        const float2 mine = lane % 16 < warps ? partials[lane % 16] : make_float2(0.f, 0.f);
-        return make_float2(group_sum<16>(mine.x), group_sum<16>(mine.y));
-    }
-    const float2 mine = lane < warps ? partials[lane] : make_float2(0.f, 0.f);
-    return make_float2(group_sum<32>(mine.x), group_sum<32>(mine.y));
 }
 
 }  // namespace cupyrope

@@ -22,13 +22,13 @@ struct NormBwdParams {  // mirrored by rmsnorm.py's BWD_TAIL
     const void* dy;
     const void* x;
     const void* weight;  // may be null: no dweight
-    const float* rstd;   // may be null: recomputed
+    const float* rstd;   // the forward's (rms_norm_backward computes it first where not given)
     void* dx;
     float* partial;      // [gridDim.x (clusters: gridDim.x / CLUSTER), hidden]; unused without weight
     i64 rows, hidden;
     i64 dy_stride, x_stride, dx_stride;
     i64 shared_acc;  // 1: dynamic shared memory holds [blockDim.y, hidden] floats of dweight sums
-    float eps, offset;
+    float offset;
     float inv_hidden;  // 1 / hidden, as in NormParams
 };
 
@@ -46,16 +46,20 @@ __device__ __forceinline__ Pack<T, E> bwd_chunk(const NormBwdParams& p, const Pa
     return out;
 }
 
-// The row sums the backward needs from E columns: sum_sq += x^2, dot += dy * (w + offset) * x.
+// The row sum the backward needs from E columns: dot += dy * (w + offset) * x. Every kernel adds a thread's
+// chunks in column order and the threads by row_sum's tree (LANES_JUMP: lanes_sum_switch measured faster here),
+// and takes coef the same way (row_coef): a row's dx has the same bits whichever kernel the call's size picks
+// (batch invariance).
 template <typename T, typename W, int E>
-__device__ __forceinline__ void add_row_sums(const NormBwdParams& p, const Pack<T, E>& d, const Pack<T, E>& xx,
-                                             const Pack<W, E>& w, float& sum_sq, float& dot) {
+__device__ __forceinline__ void add_row_dot(const NormBwdParams& p, const Pack<T, E>& d, const Pack<T, E>& xx,
+                                            const Pack<W, E>& w, float& dot) {
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-        const float xf = to_float(xx.v[e]);
-        sum_sq += xf * xf;
-        dot += to_float(d.v[e]) * scale<W, E>(p.weight, p.offset, w, e) * xf;
-    }
+    for (int e = 0; e < E; ++e) dot += to_float(d.v[e]) * scale<W, E>(p.weight, p.offset, w, e) * to_float(xx.v[e]);
+}
+
+// rstd^3 * mean(g * x): dx = rstd * g - x * coef.
+__device__ __forceinline__ float row_coef(const NormBwdParams& p, float rstd, float dot) {
+    return rstd * rstd * rstd * (dot * p.inv_hidden);
 }
 
 template <int E>
@@ -92,7 +96,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
-    __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
+    __shared__ float scratch[32];  // row_sum's warp partials
     extern __shared__ __align__(16) float dw_acc[];  // [blockDim.y][acc_row] when shared_acc
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;  // hidden: for NPT > 0 (see first_column)
@@ -142,7 +146,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
         const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
         const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
-        float sum_sq = 0.f, dot = 0.f;
+        float dot = 0.f;
         if constexpr (NPT > 0) {
             if constexpr (!PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row, first, step, dyv, xv);
 #pragma unroll
@@ -151,9 +155,9 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
                 if (active && col < hidden) {
                     if constexpr (!WEIGHT_ONCE) {
                         const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
-                        add_row_sums<T, W, E>(p, dyv[i], xv[i], w, sum_sq, dot);
+                        add_row_dot<T, W, E>(p, dyv[i], xv[i], w, dot);
                     } else {
-                        add_row_sums<T, W, E>(p, dyv[i], xv[i], wv[i], sum_sq, dot);
+                        add_row_dot<T, W, E>(p, dyv[i], xv[i], wv[i], dot);
                     }
                 }
             }
@@ -161,14 +165,14 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
             for (i64 col = first; active && col < p.hidden; col += step) {
                 const Pack<T, E> d = load_chunk<VEC, SHIFT, E>(dy_row, col, p.hidden);
                 const Pack<T, E> xx = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
-                add_row_sums<T, W, E>(p, d, xx, load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden), sum_sq, dot);
+                add_row_dot<T, W, E>(p, d, xx, load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden), dot);
             }
         }
         Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
         if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row + rows_per_pass, first, step, next_dy, next_x);
-        const float2 sums = row_sum2(sum_sq, dot, width, scratch);
-        const float rstd = p.rstd ? (active ? p.rstd[row] : 0.f) : inverse_rms(sums.x, p.inv_hidden, p.eps);
-        const float coef = rstd * rstd * rstd * (sums.y * p.inv_hidden);
+        const float row_dot = row_sum<LANES_JUMP>(dot, width, scratch);
+        const float rstd = active ? p.rstd[row] : 0.f;
+        const float coef = row_coef(p, rstd, row_dot);
 
         if (active) {
             if constexpr (NPT > 0) {
@@ -245,8 +249,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
 // allocation), its last chunk only up to the row's end; columns outside the row are zeroed after the
 // copy. The weight, read element by element, stays in registers for all rows.
 // LEAN (the planner's STAGED_LEAN_MAX_ROWS: blocks that walk few rows with 1 or 2 chunks a thread, fp32
-// rows of 4 chunks): a shorter row: rstd by rsqrt and 1/hidden, the warps' partials added by a shuffle
-// tree, the weights kept in registers for all rows (aligned rows too). Measured 5-16% faster where a
+// rows of 4 chunks): the weights kept in registers for all rows (aligned rows too). Measured 5-16% faster where a
 // block walks up to ~40 rows (bf16 [2048, 4096], [8192, 1024-2053], odd 1027; 2 chunks: bf16 [2048,
 // 8192] 20%) and 2-16% with fp32 rows of 4 chunks (hidden 5120-8192, any length), but 5% slower at bf16
 // [32768, 4096] (124 rows a block): there the longer chain stays (a sensitivity to the L2's dirty lines
@@ -308,15 +311,15 @@ __device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged,
     copy_async_commit();
 }
 
-// The given rstd (p.rstd; 0 without) of the rows a block walks one at a time (first_row, + row_step, ...),
-// each loaded a row ahead so that it is not on its row's critical path.
+// The rstd of the rows a block walks one at a time (first_row, + row_step, ...), each loaded a row ahead so that
+// it is not on its row's critical path.
 struct RstdAhead {
     float next;
     __device__ __forceinline__ RstdAhead(const NormBwdParams& p, i64 first_row)
-        : next(p.rstd && first_row < p.rows ? p.rstd[first_row] : 0.f) {}
+        : next(first_row < p.rows ? p.rstd[first_row] : 0.f) {}
     __device__ __forceinline__ float take(const NormBwdParams& p, i64 row, i64 row_step) {  // once a row, in order
         const float current = next;
-        if (p.rstd && row + row_step < p.rows) next = p.rstd[row + row_step];
+        if (row + row_step < p.rows) next = p.rstd[row + row_step];
         return current;
     }
 };
@@ -395,10 +398,10 @@ __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* 
     // The loop bound is uniform across the block (one row per block; the reduction has barriers).
 #pragma unroll 1
     for (i64 row = blockIdx.x; row < p.rows; row += row_step) {
-        const float given_rstd = given.take(p, row, row_step);
+        const float rstd = given.take(p, row, row_step);
         copy_async_wait<STAGES - 1>();  // this row's group is complete
         Pack<T, E> dyv[NPT], xv[NPT];
-        float sum_sq = 0.f, dot = 0.f;
+        float dot = 0.f;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
@@ -406,21 +409,14 @@ __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* 
                 dyv[i] = unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 0, i), col, hidden);
                 xv[i] = unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden);
                 const Pack<W, E> w = staged_weight<HOLD, E>(p, wv, i, col);
-                add_row_sums<T, W, E>(p, dyv[i], xv[i], w, sum_sq, dot);
+                add_row_dot<T, W, E>(p, dyv[i], xv[i], w, dot);
             }
         }
         // The shared reads above precede this refill in program order, and a copy's write lands
         // only after its global read: the slot is free.
         stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
         stage = stage + 1 == STAGES ? 0 : stage + 1;
-        const float2 sums = row_sum2<LEAN>(sum_sq, dot, width, scratch);
-        // Not LEAN: IEEE division and sqrt, and the loop over the warps' partials (row_sum2<false>): the
-        // shorter chain of rms_norm_bwd (rsqrt, shuffle tree, int columns) made this kernel 3-11% slower
-        // at bf16 [32768, 4096] and [8192, 16384] and fp32 [8192, 5120].
-        const float rstd = p.rstd ? given_rstd
-                           : LEAN ? inverse_rms(sums.x, p.inv_hidden, p.eps)
-                                  : 1.f / sqrtf(sums.x / (float)p.hidden + p.eps);
-        const float coef = rstd * rstd * rstd * (LEAN ? sums.y * p.inv_hidden : sums.y / (float)p.hidden);
+        const float coef = row_coef(p, rstd, row_sum<LANES_JUMP>(dot, width, scratch));
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
@@ -441,7 +437,7 @@ template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN>
 __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
     wait_for_previous_grid();
     constexpr int E = 16 / sizeof(T);
-    __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
+    __shared__ float scratch[32];  // row_sum's warp partials
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
     int first;
     Pack<float, E> dw[NPT];
@@ -466,7 +462,7 @@ __global__ void CLUSTER_DIMS(CLUSTER) __launch_bounds__(StagedMaxThreads<NPT, tr
     wait_for_previous_grid();
 #if CUPYROPE_CLUSTERS
     constexpr int E = 16 / sizeof(T);
-    __shared__ __align__(8) float scratch[64];
+    __shared__ float scratch[32];  // row_sum's warp partials
     extern __shared__ __align__(16) uint4 staged[];  // the stages, then this block's dweight sums: [hidden] floats
     float* sums = reinterpret_cast<float*>(staged + STAGES * 2 * NPT * blockDim.x);
     int first;
@@ -500,7 +496,6 @@ __global__ void CLUSTER_DIMS(CLUSTER) __launch_bounds__(StagedMaxThreads<NPT, tr
 // slower), as in rms_norm_bwd_staged (same stages, same copies), but the current row stays in its stage and
 // is read twice from it: for the row sums, then for dx; the stage is refilled after that. Registers hold only
 // the dweight sums (a thread owns the same columns in every row); the weight is loaded per row (L1). The
-// row's chain is LEAN's (rsqrt, shuffle tree); the staged kernel's long chain was 4-17% slower here.
 // SHIFT: every row of the block starts at the same offset from a 16-byte boundary (planner), and the weight is
 // copied once into shared memory after the stages, from that offset, so that each chunk's weights are one
 // aligned read there instead of E element loads from global memory (registers cannot hold them: spills; element
@@ -519,8 +514,8 @@ __device__ __forceinline__ Pack<W, E> reread_weight(const NormBwdParams& p, cons
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT, int SPLIT>
 __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_row, i64 row_step, bool accumulate = false) {
     constexpr int E = 16 / sizeof(T);
-    __shared__ __align__(8) float scratch[64];  // row_sum2 reads it as float2
-    __shared__ float2 cluster_slots[2][SPLIT];  // SPLIT > 1: the row sums of the cluster's blocks (cluster_sum)
+    __shared__ float scratch[32];  // row_sum's warp partials
+    __shared__ float cluster_slots[2][SPLIT];  // SPLIT > 1: the row sums of the cluster's blocks (cluster_sum)
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]; SHIFT: then the weight
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
@@ -549,23 +544,22 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
     // across the cluster.
 #pragma unroll 1
     for (i64 row = first_row; row < p.rows; row += row_step) {
-        const float given_rstd = given.take(p, row, row_step);
+        const float rstd = given.take(p, row, row_step);
         copy_async_wait<STAGES - 1>();  // this row's group is complete
-        float sum_sq = 0.f, dot = 0.f;
+        float dot = 0.f;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
             if (col < hidden)
-                add_row_sums<T, W, E>(p, unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 0, i), col, hidden),
-                                      unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden),
-                                      reread_weight<SHIFT, W, E>(p, shifted_weight, col, shift), sum_sq, dot);
+                add_row_dot<T, W, E>(p, unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 0, i), col, hidden),
+                                     unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden),
+                                     reread_weight<SHIFT, W, E>(p, shifted_weight, col, shift), dot);
         }
         // Two slot sets by row parity: a block writes a set again (two rows on) only after the next row's
         // cluster barrier, which its peers pass only after reading the set.
-        const float2 sums = cluster_sum<SPLIT>(row_sum2(sum_sq, dot, width, scratch), cluster_slots[parity]);
+        const float row_dot = cluster_sum<SPLIT>(row_sum<LANES_JUMP>(dot, width, scratch), cluster_slots[parity]);
         parity ^= 1;
-        const float rstd = p.rstd ? given_rstd : inverse_rms(sums.x, p.inv_hidden, p.eps);
-        const float coef = rstd * rstd * rstd * (sums.y * p.inv_hidden);
+        const float coef = row_coef(p, rstd, row_dot);
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
@@ -609,7 +603,7 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdPara
 // of rms_norm_bwd read them twice from global memory) on a cluster of SPLIT blocks (sm_90+), each the reread
 // kernel on its part of every row: the block of rank r takes columns [r * part, (r + 1) * part), part = the row's
 // 16-byte chunks / SPLIT rounded up (the last part may be shorter), with one stage, and keeps its dweight sums for
-// those columns of the cluster's partial row. Only the two row sums cross blocks (cluster_sum).
+// those columns of the cluster's partial row. Only the row's dot crosses blocks (cluster_sum).
 // SHIFT: the dweight sums hold a thread's columns for one shift (offset of the row from a 16-byte boundary), and a
 // row's shift repeats every E rows. On 2 blocks the clusters step over a multiple of E rows (the planner's
 // cluster_step), so a cluster's rows share one shift; the parts split the chunks a row of any shift spans

@@ -82,8 +82,8 @@ def stand_in_for_the_device(patch=setattr, shared_optin=227 * 1024, blocks_per_w
     patch(rmsnorm_rows, "shared_optin", lambda device: shared_optin)
     patch(rmsnorm_rows, "allow_shared_memory", lambda *args: None)
     clusters = resident_clusters or (lambda split: 16)
+    patch(rmsnorm_plan_backward, "blocks_per_wave", lambda *args: blocks_per_wave)
     for module in (rmsnorm_plan_forward, rmsnorm_plan_backward):
-        patch(module, "blocks_per_wave", lambda *args: blocks_per_wave)
         patch(module, "runs_clusters", lambda device: True)
     for module in (rmsnorm_rows, rmsnorm_plan_backward):
         patch(module, "resident_clusters", lambda kernel, split, *args: clusters(split))

@@ -1,5 +1,7 @@
 """Shared by the RMSNorm GPU tests: rows, strided inputs, and the plans a call made."""
 
+import importlib
+
 import numpy as np
 
 import helpers
@@ -23,18 +25,19 @@ def strided_rows(host, dtype, kind, pad):
     return to_device(wide, dtype, kind)[:, :hidden]
 
 
-_fresh = {}
 _OPS = {"fwd": "rms_norm", "add": "fused_add_rms_norm", "bwd": "rms_norm_backward"}
 
 
 def fresh_plans(monkeypatch):
     """Empties the plan caches, so that the next call's plan can be looked at (planned)."""
-    _fresh.update(helpers.fresh_plans(monkeypatch))
+    helpers.fresh_plans(monkeypatch)
 
 
 def planned(op):
-    """The plan the cache holds for op ("fwd", "add" or "bwd")."""
-    return next(iter(_fresh[_OPS[op]].plans.values()))
+    """The first plan op's cache ("fwd", "add" or "bwd") made since the caches were emptied (fresh_plans,
+    helpers.use_choices)."""
+    module_name, name = helpers.OP_PLANS[_OPS[op]]
+    return next(iter(getattr(importlib.import_module(f"cupyrope.ops.{module_name}"), name).plans.values()))
 
 
 def runs_clusters() -> bool:

@@ -9,7 +9,7 @@ import struct
 
 from .._runtime import checks
 from .._runtime.arrays import allocator, contiguous_like
-from .._runtime.checks import IN_PLACE, NEW, OUT
+from .._runtime.checks import IN_PLACE, OUT, output_mode
 from .._runtime.compile import get_kernel
 from .._runtime.device import sm_count
 from .._runtime.launch import Launch
@@ -22,12 +22,12 @@ from .rmsnorm_rows import kernel_for, shared_limit
 
 # Mirror NormParams, NormBwdParams and DweightParams in kernels_src: pointers, then these.
 FWD_TAIL = struct.Struct("<5q3f")  # rows, hidden, three row strides, then _scalars()
-BWD_TAIL = struct.Struct("<6q3f")  # rows, hidden, three row strides, shared_acc, then _scalars()
+BWD_TAIL = struct.Struct("<6q2f")  # rows, hidden, three row strides, shared_acc, offset, 1 / hidden
 DW_TAIL = struct.Struct("<2q")
 
 
 def _scalars(eps, offset, hidden) -> tuple[float, float, float]:
-    """The float parameters that end both row kernels' structs: eps, offset, 1 / hidden."""
+    """The float parameters that end the forward's struct: eps, offset, 1 / hidden."""
     return float(eps), float(offset), 1 / hidden
 
 
@@ -38,14 +38,20 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, out=None, return_rstd=Fals
     Accumulates in fp32 and returns x's dtype. Returns y, or (y, rstd) with rstd fp32 of shape (...).
     out: where to write y (x's shape and dtype; out=x normalizes in place).
     """
-    mode = NEW if out is None else IN_PLACE if out is x else OUT
+    out, rstd, _ = _forward(x, weight, eps, offset, out, return_rstd, impl)
+    return (out, rstd) if return_rstd else out
+
+
+def _forward(x, weight, eps, offset, out, return_rstd, impl):
+    """rms_norm's call: (y, rstd or None, rstd's pointer or 0)."""
+    mode = output_mode(out, x)
     plan, (x_ptr, w_ptr, o_ptr) = _forward_plans.find(
         (x, weight, out if mode == OUT else None), (mode, weight is None, eps, offset, return_rstd, impl))
     out, o_ptr = checks.output_of(plan, mode, x, out, x_ptr, o_ptr)
     rstd, rstd_ptr = plan.new_rstd(x) if return_rstd else (None, 0)
     if plan.grid:
         plan.launch(x_ptr, o_ptr, 0, w_ptr, rstd_ptr)
-    return (out, rstd) if return_rstd else out
+    return out, rstd, rstd_ptr
 
 
 def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"):
@@ -62,10 +68,13 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"
 def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, impl="auto"):
     """Gradients of rms_norm: returns (dx, dweight); dweight is None when weight is None.
 
-    rstd (fp32, shape x.shape[:-1], as returned by rms_norm(..., return_rstd=True)) is recomputed when
-    not given. dweight is reduced in a fixed order: bitwise identical from run to run, no atomics."""
+    rstd (fp32, shape x.shape[:-1], as returned by rms_norm(..., return_rstd=True)): without it, rms_norm
+    computes it first (a read of x and a write more), so that dx has the same bits either way. dweight is reduced
+    in a fixed order: bitwise identical from run to run, no atomics."""
     plan, (d_ptr, x_ptr, w_ptr, r_ptr) = _backward_plans.find(
         (dy, x, weight, rstd), (weight is None, rstd is None, eps, offset, impl))
+    if rstd is None:  # the forward's own sum of squares: the same rstd bits as rms_norm's
+        _, _, r_ptr = _forward(x, weight, eps, offset, None, True, impl)
     dx, dx_ptr = plan.new_dx(x)
     dweight, dweight_ptr = plan.new_dweight(weight) if weight is not None else (None, 0)
     if not plan.grid:
@@ -135,7 +144,7 @@ def _plan_backward_call(da, xa, wa, ra, _no_weight, _no_rstd, eps, offset, impl)
                                                 shared_limit(xa.device), xa.device,
                                                 profiles.profile_for(xa.device).rms_norm_backward)
         tail = BWD_TAIL.pack(n_rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc),
-                             *_scalars(eps, offset, hidden))
+                             float(offset), 1 / hidden)
         plan.launch = Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
         if wa is not None and not plan.one_cluster:
             partials = plan.grid // plan.split  # one partial row a block, or a cluster

@@ -5,6 +5,10 @@ A row is held in registers whenever its block's threads can hold it: one read of
 y. Rows past that are read twice, the second read mostly from the L2 (the fused add keeps its new residual in
 shared memory for the second pass: the row cache); rows of 128 KiB and more split over a cluster of blocks on
 sm_90+ (rms_norm_fwd_split), each block holding a part of the row in registers.
+
+Batch invariance: a row's threads, chunks a thread and kernel follow from its size, dtype, alignment and the launch
+profile only, never from the number of rows, so each row's sum of squares adds the same terms in the same order in
+every call (docs/design.md, "Batch invariance").
 """
 
 import dataclasses
@@ -13,13 +17,13 @@ from .._runtime.arrays import CTYPE, ITEMSIZE
 from .._runtime.choices import choice
 from .._runtime.compile import get_kernel
 from .._runtime.device import runs_clusters
-from .rmsnorm_rows import (MAX_WIDTH, SHARED_OPTIN_LIMIT, SPLIT_SIZES, NormPlan, blocks_per_wave, chunks_span,
+from .rmsnorm_rows import (MAX_WIDTH, SHARED_OPTIN_LIMIT, SPLIT_SIZES, NormPlan, chunks_span,
                            fit_clusters, flag, plan_rows, row_variant_params, split_parts)
 
 SOURCE = "rmsnorm_fwd.cu"
 # Elements a thread: 16 (one 16-byte chunk of fp32, two of fp16/bf16... up to the register slots) measured best.
 FWD_ELEMS_PER_THREAD = 16
-# Small inputs (ForwardChoices.small_row_bytes, small_elements): FWD_SMALL_ELEMS_PER_THREAD, i.e. one 16-byte
+# Short rows (ForwardChoices.small_row_bytes): FWD_SMALL_ELEMS_PER_THREAD, i.e. one 16-byte
 # chunk a thread where rows are vectorized, whose weight the kernel then loads with x rather than after the
 # reduction (one memory round trip less on the critical path of a grid that is mostly latency); 4 elements a thread
 # where rows go element by element (8 measured slower in fp32, 2 and 16 in bf16).
@@ -62,8 +66,9 @@ FWD_SPLIT_MIN_BLOCKS = {(False, 4, False): 2, (True, 4, False): 2, (False, 2, Fa
 class ForwardChoices:
     """The RMSNorm forward's measured launch choices: a launch profile's "rms_norm_forward" section.
 
-    small_row_bytes, small_elements: calls of rows of at most small_row_bytes and at most small_elements in all
-      take FWD_SMALL_ELEMS_PER_THREAD elements a thread (latency-bound grids).
+    small_row_bytes: rows of at most this many bytes take FWD_SMALL_ELEMS_PER_THREAD elements a thread (the
+      shortest latency chain: decode-sized calls), longer rows FWD_ELEMS_PER_THREAD. By row size alone, so that
+      a row reduces in the same order whatever the number of rows (batch invariance).
     row_cache_max_bytes: the fused add's rows read twice keep their rounded sums in shared memory for the output
       pass (the row cache) where the block's rows take at most this many bytes, instead of reading the new residual
       again (bf16 [4096, 32768] 85% -> 96% of copy bandwidth on an H100; rows of 80-128 KiB, 2 or 1 blocks an SM,
@@ -75,7 +80,6 @@ class ForwardChoices:
     """
 
     small_row_bytes: int = choice(0, 16384)
-    small_elements: int = choice(0, 1 << 26)
     row_cache_max_bytes: int = choice(0, SHARED_OPTIN_LIMIT)
     split_min_row_bytes: int = choice(16384, 1 << 30)
 
@@ -95,7 +99,7 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     add = flag(residual is not None)
     weight_dtype = weight.dtype if weight is not None else "float32"
     itemsize = ITEMSIZE[x.dtype]
-    small = hidden * itemsize <= choices.small_row_bytes and rows * hidden <= choices.small_elements
+    small = hidden * itemsize <= choices.small_row_bytes
     elems = elems or (FWD_SMALL_ELEMS_PER_THREAD if small else FWD_ELEMS_PER_THREAD)
     key = residual is not None, itemsize
 
@@ -114,7 +118,6 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
         split = plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, plan.shifted,
                                    choices=choices)
         plan = split or plan
-    plan.small = small
     return plan
 
 
@@ -145,25 +148,13 @@ def split_slots(add: bool, itemsize: int) -> int:
     return (FWD_ADD_MAX_SLOTS if add else FWD_MAX_SLOTS)[True, itemsize]
 
 
-def waves(plan, device) -> int:
-    """How many rounds of resident blocks the plan's grid takes on the device."""
-    return -(-plan.grid // blocks_per_wave(get_kernel(SOURCE, plan.name, device), plan, device))
-
-
 def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, impl, device, choices) -> NormPlan:
-    """plan_forward's plan, or the one with twice the elements a thread where that one takes a single
-    wave of blocks instead of two (the second, partial wave costs a whole row's latency: bf16 [512, 8192]
-    on an H100, 512 blocks of 512 threads at 3 an SM; 256 threads with 4 chunks fit 4 an SM)."""
+    """plan_forward's plan, split over a cluster where the GPU runs clusters and places one, else read twice."""
     planning = (x, y, residual, weight, row_strides, rows, hidden, impl)
     plan = plan_forward(*planning, clusters=runs_clusters(device), choices=choices)
-    if plan.split > 1:
-        if fit_clusters(plan, get_kernel(SOURCE, plan.name, device), rows, device):
-            return plan
+    if plan.split > 1 and not fit_clusters(plan, get_kernel(SOURCE, plan.name, device), rows, device):
         plan = plan_forward(*planning, choices=choices)  # no cluster fits: read twice
-    if plan.small or not plan.slots or waves(plan, device) != 2:
-        return plan
-    wider = plan_forward(*planning, elems=2 * FWD_ELEMS_PER_THREAD, choices=choices)
-    return wider if wider.name != plan.name and wider.slots and waves(wider, device) == 1 else plan
+    return plan
 
 
 def row_cache_bytes(plan, hidden: int, dtype, shared_limit: int, choices: ForwardChoices) -> int:

@@ -25,7 +25,7 @@ STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against th
 
 
 class NormPlan:
-    __slots__ = ("source", "name", "grid", "block", "vectorized", "shifted", "staged", "small", "slots", "extents",
+    __slots__ = ("source", "name", "grid", "block", "vectorized", "shifted", "staged", "slots", "extents",
                  "shared_mem", "shared_acc", "reread", "split", "cluster_step", "one_cluster", "cluster_rounds",
                  "out_layouts", "launch", "dw_launch", "new_output", "new_rstd", "new_dx", "new_dweight",
                  "new_partial")
@@ -46,7 +46,6 @@ class NormPlan:
         self.cluster_step = 1  # split: the cluster count a multiple of this where clusters walk several rows
         self.one_cluster = False  # backward: rms_norm_bwd_cluster, one launch that writes dweight itself
         self.cluster_rounds = False  # backward: rms_norm_bwd_cluster over rounds of clusters
-        self.small = False  # forward: planned as a small input
 
     def __repr__(self):
         return f"NormPlan({self.name}, grid={self.grid}, block={self.block})"

@@ -19,15 +19,17 @@ HIDDEN = [64, 130, 1027, 2048, 4096, 5120, 8192, 12288, 16384, 20001, 32768, 655
 
 
 def shuffled_rows(rows, n, hidden, itemsize, rng):
-    """n row indices of a rows-row call, shuffled among the rows with the same offset from a 16-byte boundary
-    (contiguous rows: row i starts i * hidden * itemsize bytes past an aligned base)."""
+    """Which of a rows-row call's rows an n-row call takes, position by position: distinct rows in a random order,
+    each at a position with its own offset from a 16-byte boundary (contiguous rows from an aligned base: row i
+    starts i * hidden * itemsize bytes past it)."""
+    if n == rows:
+        return np.arange(rows)
     period = 16 // np.gcd(16, hidden * itemsize)
-    index = rng.choice(rows, n, replace=False) if n < rows else np.arange(rows)
-    out = index.copy()
+    index = np.empty(n, dtype=np.int64)
     for offset in range(period):
-        where = np.flatnonzero(index % period == offset)
-        out[where] = rng.permutation(index[where])
-    return out
+        positions = np.arange(offset, n, period)
+        index[positions] = rng.choice(np.arange(offset, rows, period), len(positions), replace=False)
+    return index
 
 
 def row_counts(hidden):
@@ -65,11 +67,11 @@ def test_rms_norm_rows_are_batch_invariant(rng, dtype, hidden):
         return {name: host_bits(a, len(index)) for name, a in outputs.items()}
 
     big = run(np.arange(rows))
-    # The backward's recomputed rstd is the forward's: dx the same bits with rstd given or not.
-    assert np.array_equal(big["dx (rstd given)"], big["dx (rstd recomputed)"]), \
-        "rms_norm_backward: dx differs between rstd given and rstd recomputed"
     failures = []
-    for n in counts[:-1]:
+    # The backward's recomputed rstd is the forward's: dx the same bits with rstd given or not.
+    if bad := int(np.count_nonzero(np.any(big["dx (rstd given)"] != big["dx (rstd recomputed)"], axis=-1))):
+        failures.append(f"dx: {bad} of {rows} rows differ between rstd given and rstd recomputed")
+    for n in [n for n in counts if n < rows]:
         index = shuffled_rows(rows, n, hidden, itemsize, rng)
         small = run(index)
         for name in big:
@@ -99,7 +101,7 @@ def test_rope_tokens_are_batch_invariant(rng, dtype, cache):
 
     big = run(np.arange(tokens))
     failures = []
-    for n in [1, 2, 7, 32, 63, 64, 65, 128, 1000, 4096]:
+    for n in [1, 2, 7, 32, 63, 64, 65, 128, 1000, 4096, 16384]:
         index = rng.permutation(rng.choice(tokens, n, replace=False))
         if bad := int(np.count_nonzero(np.any(big[index] != run(index), axis=-1))):
             failures.append(f"{bad} of {n} tokens differ from the {tokens}-token call")

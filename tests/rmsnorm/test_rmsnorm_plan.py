@@ -44,12 +44,13 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
     odd, out = arr((7, 1027)), arr((7, 1027), ptr=BASE + 2**20)
     weight = arr((1027,), "float32", ptr=BASE + 2**21 + 4)  # the weight's alignment does not matter
     p = plan_forward(odd, out, None, weight, (1027, 1027), 8192, 1027)
-    assert p.vectorized and p.shifted and p.name.endswith("float, true, 2, false, true>")
-    # 1027 bf16 + up to 7 elements before the first boundary: 130 chunks, two a thread (whole warps).
-    assert p.block == (96, 1) and p.slots == 2
-    # A small input (7 rows): one chunk a thread (the weight is loaded with x).
-    small = plan_forward(odd, out, None, weight, (1027, 1027), 7, 1027)
-    assert small.name.endswith("float, true, 1, false, true>") and small.block == (160, 1)
+    assert p.vectorized and p.shifted and p.name.endswith("float, true, 1, false, true>")
+    # 1027 bf16 + up to 7 elements before the first boundary: 130 chunks; a short row (<= small_row_bytes): one
+    # chunk a thread (the weight is loaded with x), whole warps.
+    assert p.block == (160, 1) and p.slots == 1
+    # A longer row: two chunks a thread.
+    long = plan_forward(arr((7, 4099)), arr((7, 4099), ptr=BASE + 2**20), None, weight, (4099, 4099), 7, 4099)
+    assert long.name.endswith("float, true, 2, false, true>") and long.block == (288, 1)
     assert not plan_forward(odd, out, None, weight, (1027, 1027), 7, 1027, impl="scalar").vectorized
     # Rows of out start at another offset from a 16-byte boundary than x's: element by element.
     assert not plan_forward(odd, arr((7, 1027), ptr=BASE + 2), None, None, (1027, 1027), 7, 1027).vectorized
@@ -122,23 +123,25 @@ def test_rms_norm_shifted_backward_grid_revisits_rows_of_one_shift(n_sm, rows, h
     assert step >= rows or step % (16 // item) == 0
 
 
-@pytest.mark.parametrize("rows, hidden, expected", [
-    (512, 8192, "true, 4"),  # 512 blocks of 512 threads at 3 an SM: 2 waves; 256 threads x 4 chunks at 4: one
-    (512, 4096, "true, 2"),  # one wave already
-    (4096, 8192, "true, 2"),  # many waves either way
-    (512, 1024, "true, 1"),  # a small input: one chunk a thread
-])
-def test_rms_norm_forward_takes_wider_threads_to_fit_one_wave(monkeypatch, rows, hidden, expected):
-    # An H100 (132 SMs) and the resident blocks its occupancy calculator gives for these variants.
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("add", [False, True])
+def test_rms_norm_forward_rows_reduce_the_same_way_whatever_the_row_count(monkeypatch, dtype, add):
+    # Batch invariance: the kernel and the row's threads (which fix a row's order of summation) depend on the row,
+    # never on how many rows the call has: one wave or two, a small call or a large one, split or not.
     monkeypatch.setattr(rmsnorm_rows, "sm_count", lambda device: 132)
     monkeypatch.setattr(forward, "runs_clusters", lambda device: True)
     monkeypatch.setattr(forward, "get_kernel", lambda source, name, device: name)
-    monkeypatch.setattr(rmsnorm_rows, "resident_blocks", lambda name, threads, shared, device: 65536 // (
-        threads * (40 if ", 2, " in name else 64)))
-    x, y = arr((rows, hidden)), arr((rows, hidden), ptr=BASE + 2**28)
-    plan = forward.plan_forward_for_device(x, y, None, arr((hidden,)), (hidden, hidden), rows, hidden, "auto", 0,
-                                           H100.rms_norm_forward)
-    assert plan.name.startswith(f"cupyrope::rms_norm_fwd<__nv_bfloat16, __nv_bfloat16, {expected},")
+    monkeypatch.setattr(rmsnorm_rows, "resident_blocks", lambda *args: 2)
+    monkeypatch.setattr(rmsnorm_rows, "resident_clusters", lambda *args: 16)
+    for hidden in (64, 130, 1024, 1027, 2048, 4096, 8192, 12291, 16384, 32768, 65536, 131072):
+        shapes = set()
+        for rows in (1, 2, 8, 33, 132, 264, 512, 4096, 65536):
+            x, y = arr((rows, hidden), dtype), arr((rows, hidden), dtype, ptr=BASE + 2**34)
+            residual = arr((rows, hidden), dtype, ptr=BASE + 2**35) if add else None
+            plan = forward.plan_forward_for_device(x, y, residual, arr((hidden,)), (hidden,) * 3, rows, hidden,
+                                                   "auto", 0, H100.rms_norm_forward)
+            shapes.add((plan.name, plan.block[0]))
+        assert len(shapes) == 1, (hidden, shapes)
 
 
 def test_rms_norm_backward_plans():
