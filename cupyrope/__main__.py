@@ -1,7 +1,7 @@
-"""cupyrope's command line: ``python -m cupyrope`` (or ``cupyrope``) info | compile | check | bench.
+"""cupyrope's command line: ``python -m cupyrope`` (or ``cupyrope``) info | compile | check | bench | tune.
 
-Exit codes: 0 done; 1 a failure (a check failed, a kernel did not compile, a missing dependency); 2 bad
-arguments; 3 no CUDA GPU or no CUDA driver on this machine (check, bench).
+Exit codes: 0 done; 1 a failure (a check failed, a kernel did not compile, a missing dependency, a profile not
+written); 2 bad arguments; 3 no CUDA GPU or no CUDA driver on this machine (check, bench, tune).
 """
 
 import argparse
@@ -123,6 +123,32 @@ def _bench(args) -> int:
     return bench_main(args)
 
 
+def _tune(args) -> int:
+    from ._runtime.compile import device_count
+    from ._runtime.device import gpu_model
+    from .ops import profiles
+    from .tune import tune
+
+    if not 0 <= args.device < device_count():
+        print(f"cupyrope tune: --device: expected 0 to {device_count() - 1}, got {args.device}", file=sys.stderr)
+        return EXIT_USAGE
+    start = time.perf_counter()
+    profile, measured = tune(args.device, say=lambda line: print(line, flush=True))
+    path = args.out or profiles.tuned_path(gpu_model(args.device))
+    choices = {name: getattr(profile, name) for name in profiles.SECTIONS}
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as file:
+            file.write(profiles.profile_json(profile.gpu, choices, made_by="python -m cupyrope tune",
+                                             measured=measured))
+    except OSError as error:
+        print(f"cupyrope tune: cannot write the profile: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"wrote {path} in {time.perf_counter() - start:.0f} s"
+          + ("" if args.out else "; processes on this GPU model now plan with it"))
+    return EXIT_OK
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -154,6 +180,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also save the results (and environment) to this JSON file")
     p.add_argument("--from-json", help="re-render tables and plot from a saved --json file (no GPU needed)")
     p.set_defaults(func=_bench)
+    p = sub.add_parser("tune", help="time the planners' launch choices on this GPU (a few minutes) and write the "
+                                    "launch profile later processes use")
+    p.add_argument("--device", type=int, default=0, help="which CUDA device to tune (default 0)")
+    p.add_argument("--out", help="write the profile here instead of beside the kernel cache (select it with "
+                                 "CUPYROPE_PROFILE=path)")
+    p.set_defaults(func=_tune)
     args = parser.parse_args(argv)
     from ._runtime.compile import NoGPUError
 

@@ -33,6 +33,16 @@ class EmptyPlan:
     grid = 0
 
 
+_ALL_OPS: list = []  # every OpPlans made, for forget_plans
+
+
+def forget_plans() -> None:
+    """Empties every op's plans and recent calls: the next calls plan again (with the launch profile of then)."""
+    for op in _ALL_OPS:
+        op.plans.clear()
+        op.recent = RecentCalls()
+
+
 class OpPlans:
     """The plans of one op's calls. ``names``: the op's array arguments, in the order calls pass them, those in
     ``optional`` may be None; ``make_plan(*arrays described, *options)`` checks a call's arguments and plans it
@@ -46,6 +56,7 @@ class OpPlans:
         self._aligned_pointers = _ALIGNED_POINTERS.get(len(names), _aligned_pointers)
         self.plans: dict = {}
         self.recent = RecentCalls()
+        _ALL_OPS.append(self)
 
     def emptied(self) -> "OpPlans":
         """A new OpPlans for the same op, with no plans and no recent calls."""

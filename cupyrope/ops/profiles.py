@@ -14,6 +14,7 @@ A file that cannot be read, or that this cupyrope cannot take (another format, a
 value of the wrong type or out of range), is passed over with one warning.
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -26,6 +27,7 @@ from pathlib import Path
 from .._runtime.choices import choices_dict, read_choices
 from .._runtime.compile import cache_dir
 from .._runtime.device import GpuModel, gpu_model
+from .._runtime.plan_cache import forget_plans
 from .rmsnorm_plan_backward import BackwardChoices
 from .rmsnorm_plan_forward import ForwardChoices
 from .rope_plan import RopeChoices
@@ -146,9 +148,26 @@ def _profile_of(device: int) -> tuple[Profile, str]:
     return select_profile(gpu_model(device))
 
 
+_planning_with: list[Profile] = []  # planning_with's profile, where one is given
+
+
+@contextlib.contextmanager
+def planning_with(profile: Profile):
+    """Calls inside plan with ``profile`` on every device (the tuner's candidates); every op's plans are forgotten
+    on the way in and out, and each device's own profile is looked up again afterwards."""
+    forget_plans()
+    _planning_with[:] = [profile]
+    try:
+        yield profile
+    finally:
+        _planning_with.clear()
+        _profile_of.cache_clear()
+        forget_plans()
+
+
 def profile_for(device: int) -> Profile:
     """The launch profile the planners use on this device (looked up once per process)."""
-    return _profile_of(device)[0]
+    return _planning_with[0] if _planning_with else _profile_of(device)[0]
 
 
 def describe_profile(device: int) -> str:
