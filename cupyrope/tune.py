@@ -9,8 +9,9 @@ where later processes on this GPU model find it; the shipped profiles are made b
 
 Timing: GPU time per call of a CUDA graph of calls replayed (CUDA events, median of replays), inputs rotated over
 copies that together exceed twice the L2 cache, so no call reads what the previous one left there; the few-row
-backward, whose choice is about host time, by an eager loop. Nothing is timed except by this command: never on a
-user's first call, never inside a capture.
+backward, whose choice is about host time, by an eager loop. The candidates take turns over ROUNDS rounds, so that
+a drift of the GPU's clocks does not favour the one timed first. Nothing is timed except by this command: never on
+a user's first call, never inside a capture.
 
 Batch invariance holds for every candidate: the forward's choices select by row size only, RoPE has no reduction,
 and the backward's kernels give a row's dx the same bits whichever of them a call's size picks
@@ -27,6 +28,7 @@ import numpy as np
 KEEP_UNLESS = 0.02  # a candidate replaces the current value only if it is this much faster (geometric mean)
 GRAPH_US = 3000.0  # calls per graph: about this long a replay
 REPLAYS = 9
+ROUNDS = 3  # every candidate is timed once a round, in a rotated order; each keeps its median over the rounds
 
 
 @dataclasses.dataclass
@@ -211,13 +213,18 @@ def tune(device: int = 0, say=print, seed: int = 0):
         for i, (section, name, candidates, workloads) in enumerate(plan, 1):
             started = time.perf_counter()
             inputs = {w.label: w.make() for w in workloads}
+            cupy.cuda.Device().synchronize()  # the inputs are ready before any timing starts
             current = getattr(getattr(profile, section), name)
             values = [current, *(v for v in candidates if v != current)]
-            baseline = time_candidate(cupy, profile, workloads, inputs)
-            scores = {current: 1.0}
-            for value in values[1:]:
-                times = time_candidate(cupy, with_choice(profile, section, name, value), workloads, inputs)
-                scores[value] = math.exp(statistics.fmean(math.log(t / b) for t, b in zip(times, baseline)))
+            times = {value: [] for value in values}
+            for turn in range(ROUNDS):
+                for value in values[turn % len(values):] + values[:turn % len(values)]:
+                    times[value].append(time_candidate(cupy, with_choice(profile, section, name, value), workloads,
+                                                       inputs))
+            medians = {value: [statistics.median(t) for t in zip(*rounds)] for value, rounds in times.items()}
+            scores = {value: math.exp(statistics.fmean(math.log(t / b) for t, b in zip(medians[value],
+                                                                                       medians[current])))
+                      for value in values}
             best = min(scores, key=scores.get)
             if scores[best] < 1.0 - KEEP_UNLESS:
                 profile = with_choice(profile, section, name, best)

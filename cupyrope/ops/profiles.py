@@ -107,11 +107,6 @@ def shipped_profiles() -> tuple[Profile, ...]:
     return tuple(read_profile(path) for path in sorted(SHIPPED_DIR.glob("*.json")))
 
 
-def reference_profile() -> Profile:
-    """The shipped H100 profile: what the planners' tests plan with."""
-    return next(p for p in shipped_profiles() if p.gpu.name.startswith("NVIDIA H100"))
-
-
 def nearest(gpu: GpuModel, profiles) -> Profile:
     """The profile measured on this GPU model (same name, compute capability and SMs), else the nearest: the same
     compute capability first, then the closest memory bandwidth per SM."""
@@ -154,14 +149,13 @@ _planning_with: list[Profile] = []  # planning_with's profile, where one is give
 @contextlib.contextmanager
 def planning_with(profile: Profile):
     """Calls inside plan with ``profile`` on every device (the tuner's candidates); every op's plans are forgotten
-    on the way in and out, and each device's own profile is looked up again afterwards."""
+    on the way in and out."""
     forget_plans()
     _planning_with[:] = [profile]
     try:
         yield profile
     finally:
         _planning_with.clear()
-        _profile_of.cache_clear()
         forget_plans()
 
 

@@ -3,7 +3,6 @@ run (a compiled variant, launch limits, alignment for 16-byte accesses, shared m
 or a TypeError/ValueError that names the argument, under the reference launch profile or any other whose choices
 lie in their ranges. What the plans compute is the GPU tests' job."""
 
-import contextlib
 import dataclasses
 import math
 
@@ -19,7 +18,7 @@ from cupyrope.ops import all_variants, profiles, rmsnorm, rope  # noqa: E402
 from cupyrope.ops import rmsnorm_plan_backward as backward  # noqa: E402
 from cupyrope.ops.rmsnorm_rows import STATIC_SHARED_BYTES  # noqa: E402
 from cupyrope.ops.rope_plan import _TAIL  # noqa: E402
-from fakes import stand_in_for_the_device  # noqa: E402
+from fakes import PLANNING_PROFILE, stand_in_for_the_device  # noqa: E402
 
 BASE = 0x7F0000000000
 VARIANTS = {name for _, name in all_variants()}
@@ -44,8 +43,8 @@ def mostly(usual, anything):
 
 @st.composite
 def launch_profiles(draw):
-    """The reference profile, or one whose every choice is drawn from its range (its ends, mostly)."""
-    reference = profiles.reference_profile()
+    """The planning tests' profile, or one whose every choice is drawn from its range (its ends, mostly)."""
+    reference = PLANNING_PROFILE
     if draw(st.booleans()):
         return reference
     sections = {}
@@ -61,13 +60,6 @@ def launch_profiles(draw):
                 values[field.name] = draw(mostly(ends, st.integers(low, high)))
         sections[name] = dataclasses.replace(choices, **values)
     return dataclasses.replace(reference, **sections)
-
-
-@contextlib.contextmanager
-def planning_with(profile):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(profiles, "_profile_of", lambda device: (profile, "drawn"))
-        yield
 
 
 @st.composite
@@ -142,7 +134,7 @@ def rope_calls(draw, qk=False):
 @given(rope_calls(), launch_profiles())
 def test_rope_plans_are_runnable_or_refused_clearly(call, profile):
     x, positions, cache, out, options = call
-    with planning_with(profile):
+    with profiles.planning_with(profile):
         try:
             mode = output_mode(out, x)
             plan = rope._plan_rope_call(x, positions, cache, out if mode == OUT else None, mode, cache is None, **options)
@@ -157,7 +149,7 @@ def test_rope_plans_are_runnable_or_refused_clearly(call, profile):
 def test_rope_qk_plans_are_runnable_or_refused_clearly(call, new, profile):
     """In place, or into new arrays (out="new": the planner describes them as contiguous)."""
     q, k, positions, cache, options = call
-    with planning_with(profile):
+    with profiles.planning_with(profile):
         try:
             plan = rope._plan_rope_qk_call(q, k, positions, cache, None, None, NEW if new else IN_PLACE, cache is None,
                                            **options)
@@ -184,7 +176,7 @@ def test_rope_qk_cos_sin_plans_are_runnable_or_refused_clearly(call, data, profi
         sin = data.draw(arrays(cos.shape, table_dtype, BASE + 2**34))
     options = dict(rotary_dim=options["rotary_dim"], freq_step=freq_step, style=options["style"],
                    inverse=options["inverse"], impl=options["impl"])
-    with planning_with(profile):
+    with profiles.planning_with(profile):
         try:
             plan = rope._plan_rope_cos_sin_call(q, k, cos, sin, None, None, IN_PLACE, **options)
         except (TypeError, ValueError) as error:
@@ -252,7 +244,7 @@ def norm_calls(draw):
 @given(norm_calls(), st.sampled_from(["forward", "fused add", "backward"]), launch_profiles())
 def test_rms_norm_plans_are_runnable_or_refused_clearly(call, op, profile):
     x, weight, other, eps, offset, impl = call
-    with planning_with(profile):
+    with profiles.planning_with(profile):
         try:
             if op == "forward":
                 plan = rmsnorm._plan_forward_call(x, weight, other, OUT, weight is None, eps, offset, True, impl)

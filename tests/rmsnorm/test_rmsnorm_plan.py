@@ -4,6 +4,7 @@ checked here without a GPU."""
 import functools
 
 import pytest
+from fakes import PLANNING_PROFILE
 from helpers import PLAN_BASE as BASE
 from helpers import planned_array as arr
 
@@ -11,11 +12,10 @@ from cupyrope._runtime.arrays import ITEMSIZE
 from cupyrope.ops import all_variants, rmsnorm_rows
 from cupyrope.ops import rmsnorm_plan_backward as backward
 from cupyrope.ops import rmsnorm_plan_forward as forward
-from cupyrope.ops.profiles import reference_profile
 from cupyrope.ops.rmsnorm_plan_backward import cap_grid
 from cupyrope.ops.rmsnorm_rows import row_shape
 
-H100 = reference_profile()  # the plans below are an H100's
+H100 = PLANNING_PROFILE  # the plans below are an H100's
 plan_forward = functools.partial(forward.plan_forward, choices=H100.rms_norm_forward)
 plan_backward = functools.partial(backward.plan_backward, choices=H100.rms_norm_backward)
 

@@ -6,13 +6,13 @@ import pytest
 from helpers import PLAN_BASE as BASE
 from helpers import planned_array as arr
 
-from cupyrope.ops.profiles import reference_profile
+from fakes import PLANNING_PROFILE
 from cupyrope.ops.rope_plan import TOKEN_ROWS, _TAIL, fast_divisor, plan_rope
 
 
 def plan(groups, pos, cache=None, **kw):
     opts = dict(style="neox", rotary_dim=groups[0][0].shape[-1], theta=1e4, inverse=False, impl="auto", n_sm=132,
-                choices=reference_profile().rope, in_place=all(inp is out for inp, out in groups))
+                choices=PLANNING_PROFILE.rope, in_place=all(inp is out for inp, out in groups))
     opts.update(kw)
     return plan_rope(groups, pos, cache, **opts)
 

@@ -7,7 +7,7 @@ import json
 import warnings
 
 import pytest
-from fakes import H100, stand_in_for_the_device
+from fakes import H100, PLANNING_PROFILE, stand_in_for_the_device
 from helpers import PLAN_BASE as BASE
 from helpers import planned_array as arr
 from helpers import requires_gpu
@@ -28,10 +28,12 @@ def clean(monkeypatch, tmp_path):
     monkeypatch.setattr(profiles, "_warned", set())
 
 
-def write(path, profile=None, **changes):
-    """A profile file: the reference profile's text (or ``profile``'s), with top-level entries changed (None
-    removes one)."""
-    profile = profile or profiles.reference_profile()
+def shipped_h100():
+    return next(p for p in profiles.shipped_profiles() if p.gpu.name == H100.name)
+
+
+def write(path, profile=PLANNING_PROFILE, **changes):
+    """A profile file: ``profile``'s text, with top-level entries changed (None removes one)."""
     data = json.loads(profiles.profile_json(profile.gpu, {name: getattr(profile, name) for name in profiles.SECTIONS}))
     for key, value in changes.items():
         if value is None:
@@ -50,9 +52,8 @@ def with_choice(profile, section, **values):
 def test_shipped_profiles_read_and_one_is_the_h100s():
     shipped = profiles.shipped_profiles()
     assert shipped and all(p.source.endswith(profiles.file_name(p.gpu)) for p in shipped)
-    reference = profiles.reference_profile()
-    assert (reference.gpu.name, reference.gpu.compute_capability) == (H100.name, H100.compute_capability)
-    assert profiles.nearest(H100, shipped) is reference
+    assert profiles.nearest(H100, shipped) is shipped_h100()
+    assert shipped_h100().gpu.compute_capability == H100.compute_capability
 
 
 def test_file_names_say_the_model_and_architecture():
@@ -61,7 +62,7 @@ def test_file_names_say_the_model_and_architecture():
 
 
 def test_profile_text_reads_back(tmp_path):
-    changed = with_choice(profiles.reference_profile(), "rope", items_per_block=1024, direct_with_cache=False)
+    changed = with_choice(PLANNING_PROFILE, "rope", items_per_block=1024, direct_with_cache=False)
     read = profiles.read_profile(write(tmp_path / "p.json", changed))
     assert (read.rope, read.rms_norm_forward, read.gpu) == (changed.rope, changed.rms_norm_forward, changed.gpu)
 
@@ -97,7 +98,7 @@ def test_a_file_that_is_not_json_is_refused(tmp_path):
 
 
 def test_nearest_takes_the_same_model_then_architecture_then_bandwidth_per_sm():
-    reference = profiles.reference_profile()
+    reference = PLANNING_PROFILE
     h200 = dataclasses.replace(reference, gpu=H200, source="h200")
     a100 = dataclasses.replace(reference, gpu=A100, source="a100")
     assert profiles.nearest(H200, [reference, h200, a100]) is h200
@@ -117,16 +118,16 @@ def test_nearest_takes_the_same_model_then_architecture_then_bandwidth_per_sm():
 
 def test_selection_order(tmp_path, monkeypatch):
     profile, why = profiles.select_profile(H100)
-    assert profile is profiles.reference_profile() and why == "shipped for this GPU"
+    assert profile is shipped_h100() and why == "shipped for this GPU"
     profile, why = profiles.select_profile(H200)
     assert profile is profiles.nearest(H200, profiles.shipped_profiles())
     if profile.gpu.name != H200.name:
         assert why.startswith("shipped, nearest to this GPU")
-    tuned = write(profiles.tuned_path(H100), with_choice(profiles.reference_profile(), "rope", items_per_block=512))
+    tuned = write(profiles.tuned_path(H100), with_choice(PLANNING_PROFILE, "rope", items_per_block=512))
     assert tuned.parent == tmp_path / "cache" / "cupyrope-profiles"
     profile, why = profiles.select_profile(H100)
     assert (profile.rope.items_per_block, why) == (512, "tuned on this GPU")
-    explicit = write(tmp_path / "mine.json", with_choice(profiles.reference_profile(), "rope", items_per_block=256))
+    explicit = write(tmp_path / "mine.json", with_choice(PLANNING_PROFILE, "rope", items_per_block=256))
     monkeypatch.setenv("CUPYROPE_PROFILE", str(explicit))
     profile, why = profiles.select_profile(H100)
     assert (profile.rope.items_per_block, why, profile.source) == (256, "CUPYROPE_PROFILE", str(explicit))
@@ -138,26 +139,27 @@ def test_a_bad_file_is_passed_over_with_one_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("CUPYROPE_PROFILE", str(bad))
     with pytest.warns(RuntimeWarning, match="CUPYROPE_PROFILE: ignoring .*bad.json: cannot read it"):
         profile, why = profiles.select_profile(H100)
-    assert profile is profiles.reference_profile()
+    assert profile is shipped_h100()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert profiles.select_profile(H100)[0] is profile  # warned once
     monkeypatch.delenv("CUPYROPE_PROFILE")
     write(profiles.tuned_path(H100), cupyrope_profile=0)  # a tuned file another version wrote
     with pytest.warns(RuntimeWarning, match="ignoring the tuned profile .*run `python -m cupyrope tune` again"):
-        assert profiles.select_profile(H100)[0] is profiles.reference_profile()
+        assert profiles.select_profile(H100)[0] is shipped_h100()
 
 
 def test_ops_plan_with_the_devices_profile(tmp_path, monkeypatch):
     stand_in_for_the_device(monkeypatch.setattr)
+    monkeypatch.setattr(profiles, "_profile_of", lambda device: profiles.select_profile(H100))  # each time
     x, positions = arr((4, 8, 128)), arr((4,), "int64", ptr=BASE + 2**32)
     options = dict(theta=1e4, style="neox", rotary_dim=None, inverse=False, impl="auto")
 
     def planned():
         return rope._plan_rope_call(x, positions, None, None, NEW, True, **options).name
 
-    assert planned().startswith("cupyrope::rope_direct_kernel<")  # 4 tokens: the reference takes them directly
-    block_only = with_choice(profiles.reference_profile(), "rope", direct_max_tokens=0)
+    assert planned().startswith("cupyrope::rope_direct_kernel<")  # 4 tokens: the shipped profile takes them directly
+    block_only = with_choice(PLANNING_PROFILE, "rope", direct_max_tokens=0)
     monkeypatch.setenv("CUPYROPE_PROFILE", str(write(tmp_path / "block.json", block_only)))
     assert planned().startswith("cupyrope::rope_kernel<")
 
@@ -172,6 +174,6 @@ def test_the_gpu_describes_its_model_and_gets_a_profile():
     profile, why = profiles.select_profile(model)
     assert profile in profiles.shipped_profiles() and why.startswith("shipped")
     if model.name == H100.name:  # the shipped H100 profile names this GPU as its driver does
-        shipped = profiles.reference_profile().gpu
+        shipped = shipped_h100().gpu
         assert (model.compute_capability, model.sm_count) == (shipped.compute_capability, shipped.sm_count)
-        assert profile is profiles.reference_profile() and why == "shipped for this GPU"
+        assert profile is shipped_h100() and why == "shipped for this GPU"
