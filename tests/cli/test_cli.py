@@ -1,5 +1,5 @@
-"""python -m cupyrope (and the `cupyrope` command): info, compile, check, bench; what each says and its exit code
-where there is no GPU (EXIT_NO_GPU, the same for check and bench), and the kernel cache that compile fills."""
+"""python -m cupyrope (and the `cupyrope` command): info, compile, check, bench, tune; what each says and its exit
+code where there is no GPU (EXIT_NO_GPU, the same for check, bench and tune), and the kernel cache compile fills."""
 
 import json
 import os
@@ -27,7 +27,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(compile, "device_count", no_device)
 
 
-@pytest.mark.parametrize("command", [["check"], ["bench", "--op", "rope"]])
+@pytest.mark.parametrize("command", [["check"], ["bench", "--op", "rope"], ["tune"]])
 def test_check_and_bench_say_there_is_no_gpu_with_one_exit_code(no_gpu, capsys, command):
     assert cli.main(command) == cli.EXIT_NO_GPU == 3
     assert capsys.readouterr().err.strip() == f"cupyrope {command[0]}: {NO_GPU}"
