@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
 // 8192] 20%) and 2-16% with fp32 rows of 4 chunks (hidden 5120-8192, any length), but 5% slower at bf16
 // [32768, 4096] (124 rows a block): there the longer chain stays (a sensitivity to the L2's dirty lines
 // left by the previous call, not to instructions).
-// Launch bound: 1 chunk a thread, and 2 with the long chain, fit the 64 registers of 1024-thread blocks
+// Launch bound: 1 chunk a thread, and 2 without LEAN, fit the 64 registers of 1024-thread blocks
 // (2 spill 4-12 bytes); LEAN at 2 chunks (92-102 registers: it spilled at 64 and was up to 25% slower),
 // 4 and 8 chunks take the 512-thread bound (128 registers). Mirrored by rmsnorm_plan_backward.py's
 // STAGED_MAX_THREADS and STAGED_LEAN_MAX_THREADS.

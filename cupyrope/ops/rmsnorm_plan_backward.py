@@ -6,7 +6,7 @@ its rows in a fixed order; rms_norm_dw then adds the blocks' partial rows in a f
 the same in every run, with no atomics. Which kernel, by row:
 - rms_norm_bwd: short rows (many to a block) and fp32 rows of up to 8 elements a thread, in registers;
 - rms_norm_bwd_staged: aligned rows of 2 KiB or more (and odd ones of one chunk a thread), one row a block, the
-  next rows' dy and x copied ahead into shared memory (cp.async); its LEAN variant (shorter chain, weights held)
+  next rows' dy and x copied ahead into shared memory (cp.async); its LEAN variant (weights held in registers)
   where a block walks few rows;
 - rms_norm_bwd_cluster: the staged walk on clusters of blocks (sm_90+) that add their dweight sums across the
   cluster: one cluster for calls of up to 32 rows (one launch, dweight written directly), and rounds of 8-block
@@ -54,7 +54,7 @@ STAGED_STAGES = (1, 2, 3)
 # 211 -> 169 us; [8192, 10240] (62% full) the same; [8192, 12288] (75%) 233 -> 246. On 512 threads as empty
 # (bf16 rows of 4104-4912, Gemma 2's 4608) it was 12-21% slower; fp32 4100 (512 x 4) 14% slower.
 STAGED_MIN_FILL_PCT = {2: 60, 4: 0}
-# The LEAN variant (shorter row chain, weights held) where a resident block walks at most this many rows, by
+# The LEAN variant (weights held in registers) where a resident block walks at most this many rows, by
 # chunks a thread: one chunk 5-16% faster up to ~40 rows a block, 5% slower at 124; 2 chunks (on up to 512
 # threads: LEAN's launch bound) 20% faster at 8 rows a block, +-1% at 31-124 in bf16; fp32 rows of 4 chunks faster
 # at every length measured; 8 chunks no faster.
@@ -65,7 +65,7 @@ STAGED_LEAN_MAX_THREADS = {1: 1024, 2: 512, 4: 512, 8: 512}  # mirrors StagedMax
 # row, else the last; 16 is a non-portable size, which the kernel opts in to: device.resident_clusters) instead of
 # the staged kernel and rms_norm_dw.
 CLUSTER_BWD_BLOCKS = (8, 16)
-# Large calls: aligned rows that the staged kernel would walk with its long chain (each resident block more than
+# Large calls: aligned rows that the staged kernel would walk without LEAN (each resident block more than
 # STAGED_LEAN_MAX_ROWS rows, 1-2 chunks a thread) run on rms_norm_bwd_cluster instead, in clusters of
 # CLUSTER_ROUNDS_BLOCKS blocks, over as many rounds of the clusters the GPU holds at once as give each block about
 # CLUSTER_ROUNDS_ROWS rows (by chunks a thread). The SMs stream at different speeds, and a grid of one round gives
@@ -304,7 +304,7 @@ def lean_staged(plan, rows: int) -> bool:
 
 
 def takes_cluster_rounds(plan, weighted: bool, device: int) -> bool:
-    """Whether a staged plan (its grid its resident blocks) that lean_staged leaves on the long chain should be
+    """Whether a staged plan (its grid its resident blocks) that lean_staged leaves without LEAN should be
     re-planned on rounds of clusters (CLUSTER_ROUNDS_BLOCKS): aligned rows, a weight, a GPU that runs clusters."""
     if not (plan.staged and weighted) or plan.reread or plan.split > 1 or plan.shifted:
         return False
