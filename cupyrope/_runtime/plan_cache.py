@@ -18,6 +18,7 @@ CUPYROPE_RECALL=0 in the environment) every call takes fingerprints.
 import operator
 import os
 import sys
+import weakref
 from functools import reduce
 
 from .arrays import TORCH_TYPES, describe_optional, fingerprint, fingerprint_optional
@@ -33,7 +34,7 @@ class EmptyPlan:
     grid = 0
 
 
-_ALL_OPS: list = []  # every OpPlans made, for forget_plans
+_ALL_OPS = weakref.WeakSet()  # every live OpPlans, for forget_plans (tests' emptied copies come and go)
 
 
 def forget_plans() -> None:
@@ -56,7 +57,7 @@ class OpPlans:
         self._aligned_pointers = _ALIGNED_POINTERS.get(len(names), _aligned_pointers)
         self.plans: dict = {}
         self.recent = RecentCalls()
-        _ALL_OPS.append(self)
+        _ALL_OPS.add(self)
 
     def emptied(self) -> "OpPlans":
         """A new OpPlans for the same op, with no plans and no recent calls."""
