@@ -135,12 +135,10 @@ def _tune(args) -> int:
     start = time.perf_counter()
     profile, measured = tune(args.device, say=lambda line: print(line, flush=True))
     path = args.out or profiles.tuned_path(gpu_model(args.device))
-    choices = {name: getattr(profile, name) for name in profiles.SECTIONS}
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as file:
-            file.write(profiles.profile_json(profile.gpu, choices, made_by="python -m cupyrope tune",
-                                             measured=measured))
+            file.write(profiles.profile_json(profile, made_by="python -m cupyrope tune", measured=measured))
     except OSError as error:
         print(f"cupyrope tune: cannot write the profile: {error}", file=sys.stderr)
         return EXIT_FAILED

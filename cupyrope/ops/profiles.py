@@ -73,11 +73,11 @@ def read_profile(path) -> Profile:
     return Profile(GpuModel(**gpu), **sections, source=str(path))
 
 
-def profile_json(gpu: GpuModel, choices: dict, **notes) -> str:
-    """The text of a profile file: ``choices`` maps each section's name to its choices; ``notes`` (how it was
-    made) are kept beside them and ignored when read."""
-    data = {"cupyrope_profile": FORMAT, **notes, "gpu": dataclasses.asdict(gpu)}
-    data.update({name: choices_dict(choices[name]) for name in SECTIONS})
+def profile_json(profile: Profile, **notes) -> str:
+    """The text of a profile file; ``notes`` (how it was made) are kept beside the choices and ignored when
+    read."""
+    data = {"cupyrope_profile": FORMAT, **notes, "gpu": dataclasses.asdict(profile.gpu)}
+    data.update({name: choices_dict(getattr(profile, name)) for name in SECTIONS})
     return json.dumps(data, indent=2) + "\n"
 
 

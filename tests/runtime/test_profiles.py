@@ -34,7 +34,7 @@ def shipped_h100():
 
 def write(path, profile=PLANNING_PROFILE, **changes):
     """A profile file: ``profile``'s text, with top-level entries changed (None removes one)."""
-    data = json.loads(profiles.profile_json(profile.gpu, {name: getattr(profile, name) for name in profiles.SECTIONS}))
+    data = json.loads(profiles.profile_json(profile))
     for key, value in changes.items():
         if value is None:
             del data[key]
