@@ -159,11 +159,14 @@ def host_only_us(fn, synchronize, calls=400, repeats=15) -> float:
 
 
 def l2_bytes() -> int:
+    """The current CUDA device's L2 cache, at least L2_BYTES (the floor where there is no device)."""
     try:
-        import torch
+        from ._runtime.compile import import_cupy
 
-        return max(L2_BYTES, torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size)
-    except Exception:  # no torch, or no CUDA device: the floor
+        cupy = import_cupy()
+        runtime = cupy.cuda.runtime
+        return max(L2_BYTES, runtime.deviceGetAttribute(runtime.cudaDevAttrL2CacheSize, cupy.cuda.Device().id))
+    except Exception:  # no CuPy, or no CUDA device: the floor
         return L2_BYTES
 
 

@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from .bench import copies_for
+
 KEEP_UNLESS = 0.02  # a candidate replaces the current value only if it is this much faster (geometric mean)
 GRAPH_US = 3000.0  # calls per graph: about this long a replay
 REPLAYS = 9
@@ -39,15 +41,6 @@ class Workload:
 
 
 # ------------------------------------------------------------------------------------------- timing
-
-
-def _l2_bytes(cupy) -> int:
-    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrL2CacheSize, cupy.cuda.Device().id)
-
-
-def copies(cupy, nbytes: int) -> int:
-    """Input copies whose total is at least twice the L2 (at most 64)."""
-    return max(1, min(64, math.ceil(2 * _l2_bytes(cupy) / max(nbytes, 1))))
 
 
 def gpu_us(cupy, calls) -> float:
@@ -115,7 +108,7 @@ def rope_qk_workload(cupy, rng, tokens, dtype="bfloat16", cache=False, q_heads=3
             table = cupy.asarray(np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32))
         nbytes = tokens * (q_heads + kv_heads) * head_dim * 2 * 2
         calls = []
-        for _ in range(copies(cupy, nbytes)):
+        for _ in range(copies_for(nbytes)):
             q = _random(cupy, (tokens, q_heads, head_dim), dtype, rng)
             k = _random(cupy, (tokens, kv_heads, head_dim), dtype, rng)
             positions = cupy.asarray(rng.integers(0, 8192, tokens))
@@ -133,7 +126,7 @@ def rms_workload(cupy, rng, rows, hidden, dtype="bfloat16", op="forward", eager=
         nbytes = rows * hidden * (2 if dtype != "float32" else 4) * 3
         calls = []
         weight = _random(cupy, (hidden,), dtype, rng)
-        for _ in range(1 if eager else copies(cupy, nbytes)):
+        for _ in range(1 if eager else copies_for(nbytes)):
             x, other = _random(cupy, (rows, hidden), dtype, rng), _random(cupy, (rows, hidden), dtype, rng)
             if op == "forward":
                 calls.append(lambda x=x, y=other: cupyrope.rms_norm(x, weight, out=y))
