@@ -97,7 +97,6 @@ CLASS_WALK_MIN_SPLIT = 4
 CLASS_WALK_MAX_THREADS = 640
 
 
-
 @dataclasses.dataclass(frozen=True)
 class BackwardChoices:
     """The RMSNorm backward's measured launch choices: a launch profile's "rms_norm_backward" section.
@@ -114,6 +113,7 @@ class BackwardChoices:
 
     long_row_bytes: int = choice(0, 1 << 20)
     one_cluster_max_rows: int = choice(0, 4 * CLUSTER_BWD_BLOCKS[-1])
+
 
 def _staged_row(itemsize: int, hidden: int, shifted: bool):
     """How rms_norm_bwd_staged takes a row of `hidden` elements by the rule above: (chunks, slots, threads), slots 0
@@ -247,10 +247,10 @@ def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=Non
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto",
                   shared_limit=SHARED_OPTIN_LIMIT, lean=False, clusters=False, rounds=False, *,
                   choices: BackwardChoices) -> NormPlan:
-    """choices: the launch profile's. lean: a staged plan takes the LEAN variant (the caller decides, see lean_staged). clusters: the GPU
-    runs thread block clusters (sm_90+), so rows past rms_norm_bwd_reread may be split over one. rounds: aligned
-    staged rows take rms_norm_bwd_cluster over rounds of clusters where it can (the caller decides, see
-    takes_cluster_rounds; resident_grid sets the grid)."""
+    """choices: the launch profile's. lean: a staged plan takes the LEAN variant (the caller decides, see
+    lean_staged). clusters: the GPU runs thread block clusters (sm_90+), so rows past rms_norm_bwd_reread may be
+    split over one. rounds: aligned staged rows take rms_norm_bwd_cluster over rounds of clusters where it can (the
+    caller decides, see takes_cluster_rounds; resident_grid sets the grid)."""
     weight_dtype = weight.dtype if weight is not None else "float32"
     long_rows = hidden * ITEMSIZE[x.dtype] >= choices.long_row_bytes
     elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD

@@ -91,16 +91,16 @@ def fwd_max_slots(add: bool, shifted: bool) -> dict:
     return FWD_ADD_SHIFTED_MAX_SLOTS if shifted else FWD_ADD_MAX_SLOTS
 
 
-def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto", elems=None, clusters=False, *,
+def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto", clusters=False, *,
                  choices: ForwardChoices) -> NormPlan:
-    """elems: elements a thread (default: the rule above). clusters: the GPU runs thread block clusters (sm_90+),
-    so rows past the registers may be split over one (plan_forward_split). choices: the launch profile's."""
+    """clusters: the GPU runs thread block clusters (sm_90+), so rows past the registers may be split over one
+    (plan_forward_split). choices: the launch profile's."""
     arrays = [x, y, residual, weight]
     add = flag(residual is not None)
     weight_dtype = weight.dtype if weight is not None else "float32"
     itemsize = ITEMSIZE[x.dtype]
     small = hidden * itemsize <= choices.small_row_bytes
-    elems = elems or (FWD_SMALL_ELEMS_PER_THREAD if small else FWD_ELEMS_PER_THREAD)
+    elems = FWD_SMALL_ELEMS_PER_THREAD if small else FWD_ELEMS_PER_THREAD
     key = residual is not None, itemsize
 
     def plan_with(max_slots):
