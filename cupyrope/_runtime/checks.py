@@ -148,8 +148,8 @@ NEW, IN_PLACE, OUT = "new", "in place", "out"
 
 
 def output_mode(out, x) -> str:
-    """How a one-output call returns: out None, a new array; out x, in place; else the caller's out. (rope and
-    rms_norm write this expression out: it runs before their plan lookup on every call.)"""
+    """How a one-output call returns: out None, a new array; out x, in place; else the caller's out. (rope writes
+    this expression out: it runs before its plan lookup on every call.)"""
     return NEW if out is None else IN_PLACE if out is x else OUT
 
 
