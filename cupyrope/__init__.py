@@ -4,6 +4,7 @@ with NVRTC (no compiler toolchain, no build step)."""
 from . import reference, rope_scaling
 from ._runtime.compile import KernelCompileError, NoGPUError, vet_cache_dir
 from ._runtime.launch import pdl_mode, set_pdl
+from .ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_backward
 from .ops.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_backward
 from .ops.rope import rope, rope_, rope_cache, rope_qk, rope_qk_cos_sin
 
@@ -16,6 +17,8 @@ __all__ = [
     "NoGPUError",
     "fused_add_rms_norm",
     "pdl_mode",
+    "qk_norm_rope",
+    "qk_norm_rope_backward",
     "reference",
     "rms_norm",
     "rms_norm_backward",

@@ -9,7 +9,7 @@ ops' own argument checks first, so bad input raises what the GPU functions raise
 import numpy as np
 
 from ._runtime.arrays import describe_host
-from .ops import rmsnorm_checks, rope_checks
+from .ops import qk_norm_rope_checks, rmsnorm_checks, rope_checks
 from .rope_scaling import frequencies, inv_freq  # noqa: F401 (inv_freq: part of the reference API)
 
 _FLOAT64 = ("float64",)
@@ -83,28 +83,83 @@ def per_token_cos_sin(cos_sin_cache, positions, freq_step=1):
     return (np.concatenate([rows[..., :half]] * 2, -1), np.concatenate([rows[..., half:]] * 2, -1))
 
 
-def _cos_sin(positions, leading_ndim, rotary_dim, theta, cos_sin_cache):
-    positions = np.asarray(positions)
+def mrope_rows(rotary_dim: int, mrope_section, interleaved: bool = False) -> np.ndarray:
+    """(rotary_dim / 2,) ints: the position row (0 t, 1 h, 2 w) each frequency takes under M-RoPE. Contiguous
+    sections in order (Qwen2-VL: transformers' ``cos.split(mrope_section * 2)``), or interleaved (Qwen3-VL:
+    h at f % 3 == 1 below 3 h, w at f % 3 == 2 below 3 w, t elsewhere)."""
+    t, h, w = (int(n) for n in mrope_section)
+    f = np.arange(rotary_dim // 2)
+    if interleaved:
+        return np.where((f % 3 == 1) & (f < 3 * h), 1, np.where((f % 3 == 2) & (f < 3 * w), 2, 0))
+    return np.where(f < t, 0, np.where(f < t + h, 1, 2))
+
+
+def varlen_positions(cu_seqlens, n_tokens: int, seqlen_offsets=None) -> np.ndarray:
+    """(n_tokens,) float64 positions of packed sequences: token t of sequence s (cu_seqlens[s] <= t <
+    cu_seqlens[s + 1]) at t - cu_seqlens[s] + seqlen_offsets[s]; NaN for a token in no sequence."""
+    starts = np.asarray(cu_seqlens, dtype=np.int64)
+    offsets = np.zeros(len(starts) - 1, np.int64) if seqlen_offsets is None else np.asarray(seqlen_offsets, np.int64)
+    positions = np.full(n_tokens, np.nan)
+    for s in range(len(starts) - 1):
+        t = np.arange(max(starts[s], 0), min(starts[s + 1], n_tokens))
+        positions[t] = np.where(np.isnan(positions[t]), t - starts[s] + offsets[s], positions[t])
+    return positions
+
+
+def _frequency_positions(positions, source, rotary_dim, leading_ndim, cu_seqlens, seqlen_offsets, n_tokens, section,
+                         interleaved):
+    """(leading..., rotary_dim / 2) float64: the position each frequency of each token takes (NaN: none)."""
+    half = rotary_dim // 2
+    if source.mode == "varlen":
+        pos = varlen_positions(cu_seqlens, n_tokens, seqlen_offsets)
+        pos = pos.reshape((n_tokens,) + (1,) * (leading_ndim - 1))
+        return np.broadcast_to(pos[..., None], pos.shape + (half,))
+    positions = np.asarray(positions).astype(np.float64)
+    if source.mode == "mrope":
+        rows = positions[mrope_rows(rotary_dim, section, interleaved)]  # (half, ...)
+        rows = np.moveaxis(rows, 0, -1)
+        return rows.reshape(rows.shape[:-1] + (1,) * (leading_ndim - rows.ndim + 1) + (half,))
     positions = positions.reshape(positions.shape + (1,) * (leading_ndim - positions.ndim))
+    return np.broadcast_to(positions[..., None], positions.shape + (half,))
+
+
+def _cos_sin(positions, rotary_dim, theta, cos_sin_cache):
+    """cos, sin at per-frequency positions (..., rotary_dim / 2), NaN where a position is NaN or outside the
+    cache."""
     half = rotary_dim // 2
     if cos_sin_cache is None:
-        angles = positions[..., None].astype(np.float64) * inv_freq(rotary_dim, theta)
+        angles = positions * inv_freq(rotary_dim, theta)
         return np.cos(angles), np.sin(angles)
     cache = np.asarray(cos_sin_cache, dtype=np.float64)
-    inside = (positions >= 0) & (positions < cache.shape[0])
-    rows = cache[np.where(inside, positions, 0)]
-    rows = np.where(inside[..., None], rows, np.nan)  # out-of-range positions give NaN (documented)
-    return rows[..., :half], rows[..., half:rotary_dim]
+    inside = np.isfinite(positions) & (positions >= 0) & (positions < cache.shape[0])
+    rows = np.where(inside, positions, 0).astype(np.int64)
+    f = np.arange(half)
+    cos, sin = cache[rows, f], cache[rows, half + f]
+    return np.where(inside, cos, np.nan), np.where(inside, sin, np.nan)  # out-of-range positions give NaN
 
 
-def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False):
-    """Rotate x (..., head_dim) by positions (aligned from the left with x's leading dimensions)."""
+def _arrays(positions, cu_seqlens, seqlen_offsets):
+    pos, pa = (None, None) if positions is None else _integers(positions, "positions")
+    cu, cua = (None, None) if cu_seqlens is None else _integers(cu_seqlens, "cu_seqlens")
+    so, soa = (None, None) if seqlen_offsets is None else _integers(seqlen_offsets, "seqlen_offsets")
+    return (pos, cu, so), (pa, cua, soa)
+
+
+def rope(x, positions=None, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False,
+         cu_seqlens=None, seqlen_offsets=None, mrope_section=None, mrope_interleaved=False):
+    """Rotate x (..., head_dim) by positions (aligned from the left with x's leading dimensions; with
+    mrope_section, (3, ...): M-RoPE) or by the positions of packed sequences (cu_seqlens, seqlen_offsets):
+    cupyrope.rope's definitions."""
     x, xa = _float64(x, "x")
-    positions, pa = _integers(positions, "positions")
+    (positions, cu_seqlens, seqlen_offsets), (pa, cua, soa) = _arrays(positions, cu_seqlens, seqlen_offsets)
     cos_sin_cache, ca = _optional_float64(cos_sin_cache, "cos_sin_cache")
-    rotary_dim = rope_checks.check_rope(xa, pa, ca, None, theta=theta, style=style, rotary_dim=rotary_dim,
-                                        inverse=inverse, impl="auto", dtypes=_FLOAT64)
-    cos, sin = _cos_sin(positions, x.ndim - 1, rotary_dim, theta, cos_sin_cache)
+    rotary_dim, _, source = rope_checks.check_rope(
+        xa, pa, ca, None, theta=theta, style=style, rotary_dim=rotary_dim, inverse=inverse, impl="auto",
+        cu_seqlens=cua, seqlen_offsets=soa, mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+        dtypes=_FLOAT64)
+    freq_positions = _frequency_positions(positions, source, rotary_dim, x.ndim - 1, cu_seqlens, seqlen_offsets,
+                                          x.shape[0], mrope_section, mrope_interleaved)
+    cos, sin = _cos_sin(freq_positions, rotary_dim, theta, cos_sin_cache)
     return _rotate(x, cos, sin, style, rotary_dim, inverse)
 
 
@@ -139,6 +194,41 @@ def _rotate(x, cos, sin, style, rotary_dim, inverse):
     else:
         raise ValueError(f"style: expected one of {STYLES}, got {style!r}")
     return out
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, positions=None, *, eps=1e-6, offset=0.0, **rope_options):
+    """(q, k) of cupyrope.qk_norm_rope: each head RMS-normalized over head_dim with its weight, then rotated
+    (rope_options: rope()'s)."""
+    _check_qk_norm_rope(q, k, q_weight, k_weight, positions, eps, offset, rope_options)
+    return tuple(rope(rms_norm(x, w, eps, offset), positions, **rope_options)
+                 for x, w in ((q, q_weight), (k, k_weight)))
+
+
+def qk_norm_rope_backward(dq, dk, q, k, q_weight, k_weight, positions=None, *, eps=1e-6, offset=0.0,
+                          **rope_options):
+    """(dq_in, dk_in, dq_weight, dk_weight) of cupyrope.qk_norm_rope_backward: the inverse rotation of the output
+    gradients, then rms_norm_backward per head."""
+    _check_qk_norm_rope(q, k, q_weight, k_weight, positions, eps, offset, rope_options)
+    grads = []
+    for dy, x, w in ((dq, q, q_weight), (dk, k, k_weight)):
+        g = rope(dy, positions, inverse=True, **rope_options)
+        grads.append(rms_norm_backward(g, x, w, eps, offset))
+    (dq_in, dq_weight), (dk_in, dk_weight) = grads
+    return dq_in, dk_in, dq_weight, dk_weight
+
+
+def _check_qk_norm_rope(q, k, q_weight, k_weight, positions, eps, offset, rope_options):
+    if "inverse" in rope_options:
+        raise TypeError("qk_norm_rope() got an unexpected keyword argument 'inverse'")
+    descriptions = [_float64(a, name)[1] for a, name in ((q, "q"), (k, "k"), (q_weight, "q_weight"),
+                                                        (k_weight, "k_weight"))]
+    options = dict(rope_options)
+    (_, _, _), (pa, cua, soa) = _arrays(positions, options.pop("cu_seqlens", None), options.pop("seqlen_offsets", None))
+    cache = options.pop("cos_sin_cache", None)
+    qk_norm_rope_checks.check_qk_norm_rope(*descriptions, pa, _optional_float64(cache, "cos_sin_cache")[1], eps=eps,
+                                           offset=offset, impl="auto", cu_seqlens=cua, seqlen_offsets=soa,
+                                           dtypes=_FLOAT64, **{"theta": 10000.0, "style": "neox", "rotary_dim": None,
+                                                                **options})
 
 
 def rms_norm(x, weight=None, eps=1e-6, offset=0.0, return_rstd=False):

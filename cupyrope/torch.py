@@ -48,9 +48,9 @@ def _optional_host(t, name):
 
 def _rope_cpu(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse):
     """rope() on CPU tensors: its checks, then the formula in torch, float32 math, x's dtype out."""
-    rotary_dim = _rope_checks.check_rope(_host(x, "x"), _host(positions, "positions"),
-                                         _optional_host(cos_sin_cache, "cos_sin_cache"), None, theta=theta,
-                                         style=style, rotary_dim=rotary_dim, inverse=inverse, impl="auto")
+    rotary_dim, _, _ = _rope_checks.check_rope(_host(x, "x"), _host(positions, "positions"),
+                                               _optional_host(cos_sin_cache, "cos_sin_cache"), None, theta=theta,
+                                               style=style, rotary_dim=rotary_dim, inverse=inverse, impl="auto")
     return _rope_formula(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
 
 
@@ -58,7 +58,7 @@ def _check_rope_qk_cpu(q, k, positions, theta, style, rotary_dim, cos_sin_cache,
     """rope_qk()'s checks on CPU tensors; returns the rotary dimension."""
     return _rope_checks.check_rope_qk(_host(q, "q"), _host(k, "k"), _host(positions, "positions"),
                                       _optional_host(cos_sin_cache, "cos_sin_cache"), theta=theta, style=style,
-                                      rotary_dim=rotary_dim, inverse=inverse, impl="auto")
+                                      rotary_dim=rotary_dim, inverse=inverse, impl="auto")[0]
 
 
 def _rope_formula(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse):

@@ -12,10 +12,10 @@ from .._runtime.device import sm_count
 from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import profiles, rope_checks
-from .rope_plan import SOURCE, plan_rope
+from .rope_plan import ROPE_POINTERS, SOURCE, plan_rope
 
-def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False,
-         out=None, impl="auto"):
+def rope(x, positions=None, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False,
+         out=None, impl="auto", cu_seqlens=None, seqlen_offsets=None, mrope_section=None, mrope_interleaved=False):
     """Rotary position embedding of ``x`` (..., head_dim) at ``positions``.
 
     positions: int32/int64, shape matching x's leading dimensions aligned from the left (size-1
@@ -26,15 +26,32 @@ def rope(x, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_
     given (cos half, then sin half; fp32 or x's dtype); rotated features of positions outside
     [0, max_position) become NaN. inverse=True rotates by -angle (the backward of RoPE).
     out=x rotates in place. Returns ``out`` (a new array of x's kind when out is None).
+
+    M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``mrope_section=[t, h, w]`` (frequencies, adding up to
+    rotary_dim / 2) with positions of shape (3, ...): frequency f takes its position from the row of its section,
+    the sections in order, or with ``mrope_interleaved=True`` Qwen3-VL's assignment (h at f % 3 == 1 below 3h,
+    w at f % 3 == 2 below 3w, t elsewhere).
+
+    Packed sequences (varlen): ``cu_seqlens`` (int32, (n_seqs + 1,): where each sequence starts in x's first
+    dimension, then the end) instead of positions, and optional ``seqlen_offsets`` (int32/int64, (n_seqs,): each
+    sequence's first position, e.g. a cached prefix). Token t of sequence s is at position
+    t - cu_seqlens[s] + seqlen_offsets[s]. A token outside [cu_seqlens[0], cu_seqlens[-1]), or where cu_seqlens
+    does not increase, has no sequence: its rotated features become NaN; nothing is read or written out of bounds.
     """
     mode = NEW if out is None else IN_PLACE if out is x else OUT
-    plan, (x_ptr, p_ptr, c_ptr, o_ptr) = _rope_plans.find(
-        (x, positions, cos_sin_cache, out if mode == OUT else None),
-        (mode, cos_sin_cache is None, theta, style, rotary_dim, inverse, impl))
+    plan, (x_ptr, p_ptr, c_ptr, o_ptr, s_ptr, so_ptr) = _rope_plans.find(
+        (x, positions, cos_sin_cache, out if mode == OUT else None, cu_seqlens, seqlen_offsets),
+        (mode, cos_sin_cache is None, theta, style, rotary_dim, inverse, impl, _section_key(mrope_section),
+         mrope_interleaved))
     out, o_ptr = checks.output_of(plan, mode, x, out, x_ptr, o_ptr)
     if plan.grid:
-        plan.launch(x_ptr, o_ptr, x_ptr, o_ptr, p_ptr, c_ptr)
+        plan.launch(x_ptr, o_ptr, x_ptr, o_ptr, p_ptr or s_ptr, c_ptr, so_ptr)
     return out
+
+
+def _section_key(section):
+    """mrope_section as a hashable option (a list becomes a tuple; anything else is checked by the planner)."""
+    return tuple(section) if isinstance(section, list) else section
 
 
 def rope_(x, positions, **options):
@@ -42,17 +59,19 @@ def rope_(x, positions, **options):
     return rope(x, positions, out=x, **options)
 
 
-def rope_qk(q, k, positions, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None,
-            inverse=False, impl="auto", out=None):
-    """Rotate q (..., Hq, head_dim) and k (..., Hk, head_dim) in one launch (options as in rope()). In
-    place by default; out=(q_out, k_out) writes elsewhere, out="new" into new arrays. q and k may be
-    strided views (e.g. column slices of a fused qkv tensor) as long as their last dimension is
+def rope_qk(q, k, positions=None, *, theta=10000.0, style="neox", rotary_dim=None, cos_sin_cache=None,
+            inverse=False, impl="auto", out=None, cu_seqlens=None, seqlen_offsets=None, mrope_section=None,
+            mrope_interleaved=False):
+    """Rotate q (..., Hq, head_dim) and k (..., Hk, head_dim) in one launch (options as in rope(), M-RoPE and
+    varlen included). In place by default; out=(q_out, k_out) writes elsewhere, out="new" into new arrays. q and k
+    may be strided views (e.g. column slices of a fused qkv tensor) as long as their last dimension is
     contiguous. Returns (q, k), or the outputs."""
     mode, q_out, k_out = _qk_outputs(out)
-    plan, pointers = _rope_qk_plans.find(
-        (q, k, positions, cos_sin_cache, q_out, k_out),
-        (mode, cos_sin_cache is None, theta, style, rotary_dim, inverse, impl))
-    return _launch_qk(plan, pointers, q, k, mode, out)
+    plan, (q_ptr, k_ptr, p_ptr, c_ptr, qo_ptr, ko_ptr, s_ptr, so_ptr) = _rope_qk_plans.find(
+        (q, k, positions, cos_sin_cache, q_out, k_out, cu_seqlens, seqlen_offsets),
+        (mode, cos_sin_cache is None, theta, style, rotary_dim, inverse, impl, _section_key(mrope_section),
+         mrope_interleaved))
+    return _launch_qk(plan, (q_ptr, k_ptr, p_ptr or s_ptr, c_ptr, qo_ptr, ko_ptr, so_ptr), q, k, mode, out)
 
 
 def rope_qk_cos_sin(q, k, cos, sin, *, rotary_dim=None, freq_step=1, style="neox", inverse=False, impl="auto",
@@ -68,7 +87,7 @@ def rope_qk_cos_sin(q, k, cos, sin, *, rotary_dim=None, freq_step=1, style="neox
     mode, q_out, k_out = _qk_outputs(out)
     plan, pointers = _rope_cos_sin_plans.find(
         (q, k, cos, sin, q_out, k_out), (mode, rotary_dim, freq_step, style, inverse, impl))
-    return _launch_qk(plan, pointers, q, k, mode, out)
+    return _launch_qk(plan, (*pointers, 0), q, k, mode, out)
 
 
 def _qk_outputs(out):
@@ -86,10 +105,11 @@ def _qk_outputs(out):
     return OUT, out[0], out[1]
 
 
-def _launch_qk(plan, pointers, q, k, mode, out):
-    """Launch a planned q+k call with its pointers (q, k, the cos/sin source's two, q_out, k_out); returns what
-    the call returns. New outputs share memory with nothing: they skip the per-call overlap checks."""
-    q_ptr, k_ptr, a_ptr, b_ptr, qo_ptr, ko_ptr = pointers
+def _launch_qk(plan, pointers, q, k, mode, out, *norm_pointers):
+    """Launch a planned q+k call with its pointers (q, k, the cos/sin source's two, q_out, k_out, seqlen_offsets)
+    and, for qk_norm_rope, the weights'; returns what the call returns. New outputs share memory with nothing: they
+    skip the per-call overlap checks."""
+    q_ptr, k_ptr, a_ptr, b_ptr, qo_ptr, ko_ptr, so_ptr = pointers
     if mode == NEW:
         new_q, new_k = plan.new_output
         (q_out, qo_ptr), (k_out, ko_ptr) = new_q(q), new_k(k)
@@ -103,23 +123,25 @@ def _launch_qk(plan, pointers, q, k, mode, out):
         extents, names = plan.extents, plan.slot_names
         for a, b in plan.disjoint:  # pointers change between calls of one plan
             checks.check_disjoint(ptrs[a], extents[a], ptrs[b], extents[b], names[a], names[b], "pass separate memory")
-        plan.launch(*ptrs)
+        plan.launch(*ptrs, so_ptr, *norm_pointers)
     return result
 
 
 # ------------------------------------------------------------------------------------------ planning
 
 
-def _plan_rope_call(xa, pa, ca, oa, mode, _no_cache, theta, style, rotary_dim, inverse, impl):
-    rotary_dim = rope_checks.check_rope(xa, pa, ca, oa, theta=theta, style=style, rotary_dim=rotary_dim,
-                                        inverse=inverse, impl=impl)
+def _plan_rope_call(xa, pa, ca, oa, sa, soa, mode, _no_cache, theta, style, rotary_dim, inverse, impl, section=None,
+                    interleaved=False):
+    rotary_dim, rows, source = rope_checks.check_rope(
+        xa, pa, ca, oa, theta=theta, style=style, rotary_dim=rotary_dim, inverse=inverse, impl=impl, cu_seqlens=sa,
+        seqlen_offsets=soa, mrope_section=section, mrope_interleaved=interleaved)
     if not xa.size:
         plan = EmptyPlan()
     else:
         out = xa if mode == IN_PLACE else oa if mode == OUT else contiguous_like(xa, xa.shape, xa.dtype)
-        plan = plan_rope([(xa, out)], pa, ca, style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse,
+        plan = plan_rope([(xa, out)], rows, ca, style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse,
                          impl=impl, n_sm=sm_count(xa.device), choices=profiles.profile_for(xa.device).rope,
-                         in_place=mode == IN_PLACE)
+                         in_place=mode == IN_PLACE, source=source)
         if mode == OUT:
             plan.out_layouts = checks.out_layouts(xa, oa)
         _prepare_launch(plan, xa)
@@ -127,11 +149,13 @@ def _plan_rope_call(xa, pa, ca, oa, mode, _no_cache, theta, style, rotary_dim, i
     return plan
 
 
-def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, mode, _no_cache, theta, style, rotary_dim, inverse, impl):
-    rotary_dim = rope_checks.check_rope_qk(qa, ka, pa, ca, theta=theta, style=style, rotary_dim=rotary_dim,
-                                           inverse=inverse, impl=impl)
-    return _plan_qk(qa, ka, qo, ko, mode, (pa, ca), ("positions", "cos_sin_cache"), False, positions=pa, cache=ca,
-                    style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse, impl=impl)
+def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, sa, soa, mode, _no_cache, theta, style, rotary_dim, inverse, impl,
+                       section=None, interleaved=False):
+    rotary_dim, rows, source = rope_checks.check_rope_qk(
+        qa, ka, pa, ca, theta=theta, style=style, rotary_dim=rotary_dim, inverse=inverse, impl=impl, cu_seqlens=sa,
+        seqlen_offsets=soa, mrope_section=section, mrope_interleaved=interleaved)
+    return _plan_qk(qa, ka, qo, ko, mode, (pa, ca), ("positions", "cos_sin_cache"), False, positions=rows, cache=ca,
+                    style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse, impl=impl, source=source)
 
 
 def _plan_rope_cos_sin_call(qa, ka, cos, sin, qo, ko, mode, rotary_dim, freq_step, style, inverse, impl):
@@ -142,10 +166,13 @@ def _plan_rope_cos_sin_call(qa, ka, cos, sin, qo, ko, mode, rotary_dim, freq_ste
                     freq_stride=freq_step * cos.strides[-1])
 
 
-def _plan_qk(qa, ka, qo, ko, mode, sources, source_names, check_reads, **options):
-    """The plan of a checked q+k call (options: plan_rope's). New outputs (plan.new_output: their allocators)
-    overlap nothing; otherwise the outputs (q and k in place) are checked here and the pairs that must not share
-    memory (sources: the cos/sin source's two arrays) are set for the per-call checks."""
+def _plan_qk(qa, ka, qo, ko, mode, sources, source_names, check_reads, plan=plan_rope, kernels=(SOURCE, ROPE_POINTERS),
+             **options):
+    """The plan of a checked q+k call (options: those of ``plan``, the planner; kernels: its kernels' source file
+    and pointers). New outputs (plan.new_output: their allocators) overlap nothing; otherwise the outputs (q and k
+    in place) are checked here and the pairs that must not share memory (sources: the cos/sin source's two arrays)
+    are set for the per-call checks."""
+    planner = plan
     if mode == NEW:
         qo, ko = (contiguous_like(a, a.shape, a.dtype) for a in (qa, ka))
     elif mode == IN_PLACE:
@@ -156,10 +183,10 @@ def _plan_qk(qa, ka, qo, ko, mode, sources, source_names, check_reads, **options
     if not (qa.size or ka.size):
         plan = EmptyPlan()
     else:
-        plan = plan_rope([(qa, qo), (ka, ko)], n_sm=sm_count(qa.device),
-                         choices=profiles.profile_for(qa.device).rope, in_place=mode == IN_PLACE, **options)
+        plan = planner([(qa, qo), (ka, ko)], n_sm=sm_count(qa.device),
+                       choices=profiles.profile_for(qa.device).rope, in_place=mode == IN_PLACE, **options)
         _set_disjoint(plan, qa, ka, qo, ko, mode, sources, source_names, check_reads)
-        _prepare_launch(plan, qa)
+        _prepare_launch(plan, qa, *kernels)
     if mode == NEW:
         plan.new_output = tuple(allocator(a, a.shape, a.dtype) for a in (qa, ka))
     return plan
@@ -180,14 +207,16 @@ def _set_disjoint(plan, qa, ka, qo, ko, mode, sources, source_names, check_reads
         plan.disjoint = [(1, 3)] + [(r, w) for w in (1, 3) for r in [0, 2, *read]]
 
 
-def _prepare_launch(plan, like) -> None:
-    kernel = get_kernel(SOURCE, plan.name, like.device)
-    plan.launch = Launch(kernel, plan.grid, plan.block, 6, plan.tail, like.device, like.kind, plan.shared_mem)
+def _prepare_launch(plan, like, source=SOURCE, pointers=ROPE_POINTERS) -> None:
+    kernel = get_kernel(source, plan.name, like.device)
+    plan.launch = Launch(kernel, plan.grid, plan.block, pointers, plan.tail, like.device, like.kind, plan.shared_mem)
 
 
-_rope_plans = OpPlans(("x", "positions", "cos_sin_cache", "out"), _plan_rope_call, optional=("cos_sin_cache", "out"))
-_rope_qk_plans = OpPlans(("q", "k", "positions", "cos_sin_cache", "out[0]", "out[1]"), _plan_rope_qk_call,
-                         optional=("cos_sin_cache", "out[0]", "out[1]"))
+_rope_plans = OpPlans(("x", "positions", "cos_sin_cache", "out", "cu_seqlens", "seqlen_offsets"), _plan_rope_call,
+                      optional=("positions", "cos_sin_cache", "out", "cu_seqlens", "seqlen_offsets"))
+_rope_qk_plans = OpPlans(("q", "k", "positions", "cos_sin_cache", "out[0]", "out[1]", "cu_seqlens", "seqlen_offsets"),
+                         _plan_rope_qk_call,
+                         optional=("positions", "cos_sin_cache", "out[0]", "out[1]", "cu_seqlens", "seqlen_offsets"))
 _rope_cos_sin_plans = OpPlans(("q", "k", "cos", "sin", "out[0]", "out[1]"), _plan_rope_cos_sin_call,
                               optional=("out[0]", "out[1]"))
 

@@ -3,7 +3,7 @@ run the same ones and raise the same errors."""
 
 from .._runtime import checks
 from .._runtime.arrays import FLOAT_DTYPES, INDEX_DTYPES, Array
-from .rope_plan import MAX_ROTARY_DIM, STYLES, TOKEN_ROWS
+from .rope_plan import MAX_ROTARY_DIM, PLAIN, STYLES, TOKEN_ROWS, PositionSource
 
 FREQ_STEPS = (1, 2)
 
@@ -35,6 +35,80 @@ def check_positions(pos: Array, like: Array, like_name: str) -> None:
         raise TypeError(f"positions: expected an integer array (int32 or int64), got {pos.dtype}")
     checks.check_same_device(like, pos, like_name, "positions")
     check_leading("positions", pos.shape, like, like_name)
+
+
+def check_mrope_section(section, interleaved, rotary_dim: int):
+    """M-RoPE's (t, h, w) section sizes, in frequencies: three ints >= 0 adding up to rotary_dim / 2."""
+    checks.check_bool(interleaved, "mrope_interleaved")
+    if section is None:
+        if interleaved:
+            raise ValueError("mrope_interleaved: True needs mrope_section (the t, h, w section sizes)")
+        return None
+    if (not isinstance(section, (list, tuple)) or len(section) != 3
+            or not all(checks.is_int(n) and n >= 0 for n in section)):
+        raise ValueError(f"mrope_section: expected three ints >= 0 (the t, h and w sections, in frequencies), got "
+                         f"{section!r}")
+    if sum(section) != rotary_dim // 2:
+        raise ValueError(f"mrope_section: expected sections adding up to rotary_dim / 2 = {rotary_dim // 2} "
+                         f"frequencies, got {list(section)} (sum {sum(section)})")
+    return tuple(int(n) for n in section)
+
+
+def check_position_source(positions: Array | None, cu_seqlens: Array | None, offsets: Array | None, section,
+                          interleaved, like: Array, like_name: str, rotary_dim: int) -> tuple[Array, PositionSource]:
+    """The checks of where a call's positions come from: ``positions`` (one a token; with mrope_section, shape
+    (3, ...): M-RoPE's t, h and w rows), or ``cu_seqlens`` with optional ``seqlen_offsets`` (varlen). Returns the
+    Array that stands for the positions' token dimensions in the layout, and the PositionSource."""
+    section = check_mrope_section(section, interleaved, rotary_dim)
+    if cu_seqlens is not None:
+        return _check_varlen(positions, cu_seqlens, offsets, section, like, like_name)
+    if offsets is not None:
+        raise ValueError("seqlen_offsets: only with cu_seqlens (each sequence's first position)")
+    if positions is None:
+        raise TypeError("positions: expected an integer array (int32 or int64), got None; packed sequences pass "
+                        "cu_seqlens instead")
+    if section is None:
+        check_positions(positions, like, like_name)
+        return positions, PLAIN
+    if positions.dtype not in INDEX_DTYPES:
+        raise TypeError(f"positions: expected an integer array (int32 or int64), got {positions.dtype}")
+    checks.check_same_device(like, positions, like_name, "positions")
+    if len(positions.shape) < 2 or positions.shape[0] != 3:
+        raise ValueError(f"positions: with mrope_section, expected shape (3, ...) (the t, h and w position rows, then "
+                         f"{like_name}'s leading dimensions), got {positions.shape}")
+    rows = Array(None, positions.kind, positions.ptr, positions.dtype, positions.shape[1:], positions.strides[1:],
+                 positions.device)
+    check_leading("positions", rows.shape, like, like_name)
+    return rows, PositionSource("mrope", mrope_stride=positions.strides[0], sections=section,
+                                interleaved=bool(interleaved))
+
+
+def _check_varlen(positions, cu_seqlens: Array, offsets: Array | None, section, like: Array, like_name: str):
+    if positions is not None:
+        raise ValueError("positions: pass either positions or cu_seqlens (packed sequences), not both")
+    if section is not None:
+        raise ValueError("mrope_section: M-RoPE takes positions of shape (3, ...), not cu_seqlens")
+    checks.check_same_device(like, cu_seqlens, like_name, "cu_seqlens")
+    if cu_seqlens.dtype != "int32":
+        raise TypeError(f"cu_seqlens: expected int32, got {cu_seqlens.dtype}")
+    if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected shape (n_seqs + 1,) with n_seqs >= 1, got {cu_seqlens.shape}")
+    if cu_seqlens.strides != (1,):
+        raise ValueError(f"cu_seqlens: expected a contiguous array, got strides {cu_seqlens.strides}")
+    n_seqs = cu_seqlens.shape[0] - 1
+    if offsets is not None:
+        checks.check_same_device(like, offsets, like_name, "seqlen_offsets")
+        if offsets.dtype not in INDEX_DTYPES:
+            raise TypeError(f"seqlen_offsets: expected int32 or int64, got {offsets.dtype}")
+        if offsets.shape != (n_seqs,):
+            raise ValueError(f"seqlen_offsets: expected shape ({n_seqs},) (one per sequence of cu_seqlens), got "
+                             f"{offsets.shape}")
+        if n_seqs > 1 and offsets.strides != (1,):
+            raise ValueError(f"seqlen_offsets: expected a contiguous array, got strides {offsets.strides}")
+    if len(like.shape) < 2:
+        raise ValueError(f"{like_name}: with cu_seqlens, expected shape (tokens, ..., head_dim), got {like.shape}")
+    tokens = Array(None, cu_seqlens.kind, cu_seqlens.ptr, "int32", like.shape[:1], (1,), cu_seqlens.device)
+    return tokens, PositionSource("varlen", n_seqs=n_seqs, offsets_64=offsets is not None and offsets.dtype == "int64")
 
 
 def check_leading(name: str, shape, like: Array, like_name: str) -> None:
@@ -83,16 +157,18 @@ def check_out(out: Array | None, x: Array, x_name: str) -> None:
     checks.check_not_overlapping(x, out, x_name, "out", same_allowed=True)
 
 
-def check_rope(x: Array, positions: Array, cache: Array | None, out: Array | None, *, theta, style, rotary_dim,
-               inverse, impl, dtypes=FLOAT_DTYPES) -> int:
-    """Every check of a rope() call; returns the rotary dimension."""
+def check_rope(x: Array, positions: Array | None, cache: Array | None, out: Array | None, *, theta, style,
+               rotary_dim, inverse, impl, cu_seqlens=None, seqlen_offsets=None, mrope_section=None,
+               mrope_interleaved=False, dtypes=FLOAT_DTYPES) -> tuple[int, Array, PositionSource]:
+    """Every check of a rope() call; returns the rotary dimension and check_position_source's pair."""
     check_options(style, impl, theta, inverse)
     checks.check_float_input(x, "x", "head_dim", dtypes)
     rotary_dim = check_rotary_dim(rotary_dim, x.shape[-1])
-    check_positions(positions, x, "x")
+    rows, source = check_position_source(positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved, x,
+                                         "x", rotary_dim)
     check_cache(cache, x, "x", rotary_dim)
     check_out(out, x, "x")
-    return rotary_dim
+    return rotary_dim, rows, source
 
 
 def check_qk(q: Array, k: Array, dtypes=FLOAT_DTYPES) -> None:
@@ -118,15 +194,18 @@ def check_qk_outputs(q: Array, k: Array, q_out: Array | None, k_out: Array | Non
         checks.check_not_overlapping(q_out, k_out, "out[0]", "out[1]")
 
 
-def check_rope_qk(q: Array, k: Array, positions: Array, cache: Array | None, *, theta, style, rotary_dim, inverse,
-                  impl, dtypes=FLOAT_DTYPES) -> int:
-    """The checks of a rope_qk() call but its outputs'; returns the rotary dimension."""
+def check_rope_qk(q: Array, k: Array, positions: Array | None, cache: Array | None, *, theta, style, rotary_dim,
+                  inverse, impl, cu_seqlens=None, seqlen_offsets=None, mrope_section=None, mrope_interleaved=False,
+                  dtypes=FLOAT_DTYPES) -> tuple[int, Array, PositionSource]:
+    """The checks of a rope_qk() call but its outputs'; returns the rotary dimension and check_position_source's
+    pair."""
     check_options(style, impl, theta, inverse)
     check_qk(q, k, dtypes)
     rotary_dim = check_rotary_dim(rotary_dim, q.shape[-1])
-    check_positions(positions, q, "q")
+    rows, source = check_position_source(positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved, q,
+                                         "q", rotary_dim)
     check_cache(cache, q, "q", rotary_dim)
-    return rotary_dim
+    return rotary_dim, rows, source
 
 
 def check_rope_qk_cos_sin(q: Array, k: Array, cos: Array, sin: Array | None, *, rotary_dim, freq_step, style,

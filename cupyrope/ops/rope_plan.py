@@ -49,13 +49,81 @@ class RopeChoices:
     direct_threads: int = choice(32, DIRECT_MAX_THREADS)
 
 
-# Mirrors RopeParams in kernels_src/rope.cu: six pointers, then this tail.
-_TAIL = struct.Struct("<3q3q4q16q2q3q3qdq")
+# Mirrors RopeParams in kernels_src/rope_common.cuh: twelve pointers, then this tail. RoPE's launches pass the
+# first seven (ROPE_POINTERS) and pack the five qk_norm_rope ones as null in front of the tail.
+_TAIL = struct.Struct("<3q3qqq3qq2q4q16q8q2q3q3qdq2q2f")
+ROPE_POINTERS = 7
+NORM_POINTERS = bytes(8 * 5)
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionSource:
+    """Where a token's position comes from (RopeParams::pos_mode): one position per token ("plain"), M-RoPE's
+    three rows ("mrope": each frequency takes the row of its section) or varlen sequences ("varlen": the token's
+    offset in its sequence plus the sequence's offset)."""
+
+    mode: str = "plain"
+    mrope_stride: int = 0  # mrope: elements between the position rows
+    sections: tuple = (0, 0, 0)  # mrope: frequencies of the t, h and w sections
+    interleaved: bool = False  # mrope: Qwen3-VL's assignment
+    n_seqs: int = 0  # varlen: sequences (cu_seqlens has n_seqs + 1 entries)
+    offsets_64: bool = False  # varlen: seqlen_offsets is int64
+
+    def fields(self) -> tuple:
+        return (POSITION_MODES[self.mode], self.mrope_stride, *self.sections, int(self.interleaved), self.n_seqs,
+                int(self.offsets_64))
+
+
+POSITION_MODES = {"plain": 0, "mrope": 1, "varlen": 2}  # kernels_src/rope_common.cuh: POS_*
+PLAIN = PositionSource()
+
+
+@dataclasses.dataclass(frozen=True)
+class NormFields:
+    """The qk_norm_rope fields of RopeParams (zero in RoPE's plans)."""
+
+    head_dim: int = 0
+    group_threads: int = 0
+    eps: float = 0.0
+    weight_offset: float = 0.0
+    x_strides: tuple = ((0,) * 4, (0,) * 4)  # backward: q_x's and k_x's strides (3 token dims, heads)
+
+
+def pack_params(layout, strides, source, *, direct, n_tokens, heads, lanes, tokens, cache_fields, rotary_dim,
+                theta, inverse, norm=NormFields()) -> bytes:
+    """RopeParams after its pointers. strides: q in, q out, k in, k out (3 token dims, then heads, each); heads:
+    (q heads, all heads); lanes: (rotating, copying) a head."""
+    rot_lanes, copy_lanes = lanes
+    n_q_heads, n_heads = heads
+    per_head = rot_lanes + copy_lanes
+    divisors = (n_heads * per_head, layout.token_sizes[2], layout.token_sizes[1], per_head)
+    return _TAIL.pack(
+        n_tokens, layout.token_sizes[1], layout.token_sizes[2],
+        *layout.pos_strides,
+        *source.fields(),
+        *(fast_divisor(d) if direct else 0 for d in divisors),
+        *(s for tensor in strides for s in tensor),
+        *(s for tensor in norm.x_strides for s in tensor),
+        *cache_fields,
+        n_q_heads, n_heads, tokens,
+        rotary_dim, rot_lanes, copy_lanes,
+        -2.0 * math.log(theta) / rotary_dim, int(bool(inverse)),
+        norm.head_dim, norm.group_threads, norm.eps, norm.weight_offset,
+    )  # fmt: skip
+
+
+def tensor_strides(layout, n_groups: int) -> list[tuple]:
+    """(3 token strides, head stride) of q in, q out, k in, k out; without k, k's repeat q's (0 k heads)."""
+    strides = []
+    for t in range(4):
+        src = t if t < 2 * n_groups else t - 2
+        strides.append((*layout.token_strides[src], layout.head_strides[src]))
+    return strides
 
 
 class RopePlan:
     __slots__ = ("name", "grid", "block", "shared_mem", "tail", "vectorized", "tokens_per_block", "lanes", "extents",
-                 "slot_names", "disjoint", "launch", "out_layouts", "new_output")
+                 "slot_names", "disjoint", "launch", "out_layouts", "new_output", "partial_rows", "dw_launch", "new_grads")
 
     def __init__(self, name, grid, block, shared_mem, tail, vectorized, tokens_per_block, lanes):
         self.name = name
@@ -134,12 +202,13 @@ def _cache_in_packs(cache, freqs) -> bool:
 
 
 def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, impl, n_sm, choices, in_place,
-              freq_stride=0) -> RopePlan:
+              freq_stride=0, source=PLAIN) -> RopePlan:
     """groups: [(input, output), ...] Arrays: q's pair, then k's (optional). All checked already. in_place: each
     output is its input (out of place, features past rotary_dim are copied). positions of dtype TOKEN_ROWS: the
     leading dimensions of per-token cos/sin tensors (their strides locate a token's row), cache then stands for
-    cos (its dtype) and freq_stride is the element stride between frequencies in cos and sin. n_sm and choices
-    (RopeChoices): the GPU's SMs and its launch profile's "rope" section."""
+    cos (its dtype) and freq_stride is the element stride between frequencies in cos and sin. source: where the
+    positions come from (PositionSource; positions then stands for the token dimensions they cover). n_sm and
+    choices (RopeChoices): the GPU's SMs and its launch profile's "rope" section."""
     dtype = groups[0][0].dtype
     head_dim = groups[0][0].shape[-1]
     layout = canonical_layout(
@@ -158,7 +227,8 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         raise ValueError("impl: 'vector' is not possible here: " + "; ".join(blockers))
     n_tokens, n_q_heads, n_heads = layout.n_tokens, layout.heads[0], sum(layout.heads)
     can_vectorize = impl != "scalar" and not blockers
-    direct = n_tokens <= choices.direct_max_tokens or (choices.direct_with_cache and cache is not None and can_vectorize)
+    direct = n_tokens <= choices.direct_max_tokens or (choices.direct_with_cache and cache is not None and can_vectorize
+                                                       and source.mode != "mrope")
     direct = direct and n_tokens * n_heads * head_dim < 2**31  # item indices in fast_div's range
     # Direct calls with in-kernel cos/sin: one pair a thread measured 0.1-0.4 us faster than 16-byte items
     # (whose 8 cos/sin are computed by 8 threads and gathered by shuffles), so auto takes it.
@@ -169,8 +239,7 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         direct = _cache_in_packs(cache, freqs)  # else the block kernel, which reads any cache
     rot_lanes = rotary_dim // 2 // elems if style == "neox" else rotary_dim // elems
     copy_lanes = (head_dim - rotary_dim) // (elems if vectorized else 1) if copies else 0
-    if n_tokens >= 2**31 or n_tokens * n_heads * max(rot_lanes, copy_lanes, 1) >= 2**32:
-        raise ValueError(f"x: {n_tokens} tokens x {n_heads} heads is too many for one call; split it")
+    check_token_count(n_tokens, n_heads, max(rot_lanes, copy_lanes, 1))
     if direct:  # items (token, head, lane), lanes rotating then copying; one thread each, or one per
         # frequency of a 16-byte item when the kernel computes the cos/sin
         per_item = freqs if vectorized and cache is None else 1
@@ -178,38 +247,38 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
         grid = -(-n_tokens * n_heads * (rot_lanes + copy_lanes) * per_item // block)
     else:
         # Tokens per block: enough items to keep every thread busy, few enough to spread over the SMs.
-        tokens = max(1, choices.items_per_block // max(1, n_heads * (rot_lanes + copy_lanes)))
-        tokens = min(tokens, MAX_BLOCK_TOKENS, COS_SIN_FLOATS // rotary_dim,
-                     max(1, n_tokens // (n_sm * choices.blocks_per_sm)))
+        tokens = block_tokens(n_tokens, n_heads * (rot_lanes + copy_lanes), rotary_dim, n_sm, choices)
         grid, block = max(1, -(-n_tokens // tokens)), BLOCK_THREADS
-
-    strides = []
-    for t in range(4):  # q in, q out, k in, k out; without k, k's slots repeat q's (0 k heads)
-        src = t if t < 2 * len(groups) else t - 2
-        strides.extend(layout.token_strides[src])
-        strides.append(layout.head_strides[src])
     use_cache = cache is not None
-    if positions.dtype == TOKEN_ROWS:
-        cache_fields = (freq_stride, 0)
-    else:
-        cache_fields = (cache.strides[0], cache.shape[0]) if use_cache else (0, 0)
-    lanes = rot_lanes + copy_lanes
-    tail = (
-        n_tokens, layout.token_sizes[1], layout.token_sizes[2],
-        *layout.pos_strides,
-        *(fast_divisor(d) if direct else 0
-          for d in (n_heads * lanes, layout.token_sizes[2], layout.token_sizes[1], lanes)),
-        *strides,
-        *cache_fields,
-        n_q_heads, n_heads, tokens,
-        rotary_dim, rot_lanes, copy_lanes,
-        -2.0 * math.log(theta) / rotary_dim, int(bool(inverse)),
-    )  # fmt: skip
+    tail = pack_params(layout, tensor_strides(layout, len(groups)), source, direct=direct, n_tokens=n_tokens,
+                       heads=(n_q_heads, n_heads), lanes=(rot_lanes, copy_lanes), tokens=tokens,
+                       cache_fields=cache_fields(positions, cache, freq_stride), rotary_dim=rotary_dim, theta=theta,
+                       inverse=inverse)
     name = kernel_name(dtype, cache.dtype if use_cache else "float32", positions.dtype, style, vectorized, use_cache,
                        direct)
-    return RopePlan(name, grid, block, tokens * rotary_dim * 4, _TAIL.pack(*tail), vectorized, tokens,
+    return RopePlan(name, grid, block, tokens * rotary_dim * 4, NORM_POINTERS + tail, vectorized, tokens,
                     (rot_lanes, copy_lanes))
 
+
+def check_token_count(n_tokens: int, n_heads: int, lanes: int) -> None:
+    """Token and item indices stay 32-bit in the kernels."""
+    if n_tokens >= 2**31 or n_tokens * n_heads * lanes >= 2**32:
+        raise ValueError(f"x: {n_tokens} tokens x {n_heads} heads is too many for one call; split it")
+
+
+def block_tokens(n_tokens: int, items_per_token: int, rotary_dim: int, n_sm: int, choices) -> int:
+    """Tokens a block of a block kernel takes: about choices.items_per_block items (threads' work), few enough to
+    spread the call over the SMs, and as many cos/sin rows as its shared memory holds."""
+    tokens = max(1, choices.items_per_block // max(1, items_per_token))
+    return min(tokens, MAX_BLOCK_TOKENS, COS_SIN_FLOATS // rotary_dim,
+               max(1, n_tokens // (n_sm * choices.blocks_per_sm)))
+
+
+def cache_fields(positions, cache, freq_stride) -> tuple[int, int]:
+    """RopeParams' (cache_stride or freq_stride, max_position)."""
+    if positions.dtype == TOKEN_ROWS:
+        return freq_stride, 0
+    return (cache.strides[0], cache.shape[0]) if cache is not None else (0, 0)
 
 
 # ------------------------------------------------------------------------------------------- layout

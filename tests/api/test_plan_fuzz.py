@@ -17,7 +17,7 @@ from cupyrope._runtime.checks import IN_PLACE, NEW, OUT, output_mode  # noqa: E4
 from cupyrope.ops import all_variants, profiles, rmsnorm, rope  # noqa: E402
 from cupyrope.ops import rmsnorm_plan_backward as backward  # noqa: E402
 from cupyrope.ops.rmsnorm_rows import STATIC_SHARED_BYTES  # noqa: E402
-from cupyrope.ops.rope_plan import _TAIL  # noqa: E402
+from cupyrope.ops.rope_plan import _TAIL, NORM_POINTERS  # noqa: E402
 from fakes import PLANNING_PROFILE, stand_in_for_the_device  # noqa: E402
 
 BASE = 0x7F0000000000
@@ -100,7 +100,7 @@ def assert_runnable_rope(plan, arrays_, cache=None, style="neox"):
             freqs = 16 // ITEMSIZE[arrays_[0].dtype] // (2 if style == "gptj" else 1)
             pack = min(16, freqs * ITEMSIZE[cache.dtype])
             assert cache.ptr % pack == 0 and cache.strides[0] * ITEMSIZE[cache.dtype] % pack == 0
-    assert len(plan.tail) == _TAIL.size
+    assert len(plan.tail) == len(NORM_POINTERS) + _TAIL.size
 
 
 @st.composite
@@ -137,7 +137,7 @@ def test_rope_plans_are_runnable_or_refused_clearly(call, profile):
     with profiles.planning_with(profile):
         try:
             mode = output_mode(out, x)
-            plan = rope._plan_rope_call(x, positions, cache, out if mode == OUT else None, mode, cache is None, **options)
+            plan = rope._plan_rope_call(x, positions, cache, out if mode == OUT else None, None, None, mode, cache is None, **options)
         except (TypeError, ValueError) as error:
             assert_clear_error(error)
             return
@@ -151,7 +151,7 @@ def test_rope_qk_plans_are_runnable_or_refused_clearly(call, new, profile):
     q, k, positions, cache, options = call
     with profiles.planning_with(profile):
         try:
-            plan = rope._plan_rope_qk_call(q, k, positions, cache, None, None, NEW if new else IN_PLACE, cache is None,
+            plan = rope._plan_rope_qk_call(q, k, positions, cache, None, None, None, None, NEW if new else IN_PLACE, cache is None,
                                            **options)
         except (TypeError, ValueError) as error:
             assert_clear_error(error)
@@ -266,10 +266,10 @@ def test_rope_qk_out_of_place_reads_overlapping_inputs_but_never_writes_overlapp
     out = Array(None, "cupy", BASE + 2**30, "float32", (3, 2, 64), (128, 64, 1), 0)
     other = Array(None, "cupy", BASE + 2**31, "float32", (3, 2, 64), (128, 64, 1), 0)
     options = dict(theta=1e4, style="neox", rotary_dim=None, inverse=False, impl="auto")
-    assert rope._plan_rope_qk_call(q, q, pos, None, out, other, OUT, True, **options).grid
+    assert rope._plan_rope_qk_call(q, q, pos, None, out, other, None, None, OUT, True, **options).grid
     with pytest.raises(ValueError, match="out\\[1\\]: overlaps out\\[0\\]"):
-        rope._plan_rope_qk_call(q, q, pos, None, out, out, OUT, True, **options)
-    new = rope._plan_rope_qk_call(q, q, pos, None, None, None, NEW, True, **options)  # out="new": fresh memory
+        rope._plan_rope_qk_call(q, q, pos, None, out, out, None, None, OUT, True, **options)
+    new = rope._plan_rope_qk_call(q, q, pos, None, None, None, None, None, NEW, True, **options)  # out="new": fresh memory
     assert new.grid and len(new.new_output) == 2 and new.disjoint == []
     with pytest.raises(ValueError, match="k: overlaps q"):  # in place
-        rope._plan_rope_qk_call(q, q, pos, None, None, None, IN_PLACE, True, **options)
+        rope._plan_rope_qk_call(q, q, pos, None, None, None, None, None, IN_PLACE, True, **options)

@@ -7,7 +7,7 @@ from helpers import PLAN_BASE as BASE
 from helpers import planned_array as arr
 
 from fakes import PLANNING_PROFILE
-from cupyrope.ops.rope_plan import TOKEN_ROWS, _TAIL, fast_divisor, plan_rope
+from cupyrope.ops.rope_plan import NORM_POINTERS, TOKEN_ROWS, _TAIL, fast_divisor, plan_rope
 
 
 def plan(groups, pos, cache=None, **kw):
@@ -146,7 +146,8 @@ def test_transformers_cos_sin_rows_are_read_where_they_lie():
     cos = arr((2, 1, 2048, 128), "float32", ptr=BASE + 2**34)
     p = plan([(q, q), (k, k)], rows, cos, freq_stride=2)
     assert p.name == "cupyrope::rope_direct_kernel<__nv_bfloat16, float, cupyrope::TokenRows, 0, true, true>"
-    tail = struct.unpack(_TAIL.format, p.tail)
+    tail = struct.unpack(_TAIL.format, p.tail[len(NORM_POINTERS):])
     assert tail[0] == 2 * 2048  # tokens: (B, S); the heads of q and k share each token's row
     assert tail[3:6] == (0, 2048 * 128, 128)  # cos's token strides (B merged away: padded to 3)
-    assert tail[26:28] == (2, 0)  # freq_stride, no max_position
+    assert tail[6] == 0  # positions: one a token (here cos/sin rows)
+    assert tail[42:44] == (2, 0)  # freq_stride, no max_position

@@ -36,7 +36,12 @@ def test_variant_list_covers_both_ops_and_is_unique():
     assert all(n.startswith("cupyrope::rms_norm_fwd") for n in forward)
     assert any(n.endswith("true, false>") and "rms_norm_fwd<" in n for n in forward)  # fused add
     assert all(n.startswith("cupyrope::rms_norm_bwd") or n.startswith("cupyrope::rms_norm_dw") for n in backward)
-    assert len(rope) + len(forward) + len(backward) == len(variants)
+    norm_rope = [name for source, name in variants if source == "qk_norm_rope.cu"]
+    # fp32: 1 weight dtype x 2 cos/sin sources; fp16, bf16: 2 x 3 (in kernel, fp32 table, own-dtype table);
+    # x 2 position types x 2 styles x scalar/vector x forward/backward
+    assert len(norm_rope) == (1 * 2 + 2 * (2 * 3)) * 2 * 2 * 2 * 2
+    assert sum("qk_norm_rope_bwd_kernel<" in name for name in norm_rope) == len(norm_rope) // 2
+    assert len(rope) + len(forward) + len(backward) + len(norm_rope) == len(variants)
 
 
 def test_cuda_headers_are_found():

@@ -156,7 +156,7 @@ def test_ops_plan_with_the_devices_profile(tmp_path, monkeypatch):
     options = dict(theta=1e4, style="neox", rotary_dim=None, inverse=False, impl="auto")
 
     def planned():
-        return rope._plan_rope_call(x, positions, None, None, NEW, True, **options).name
+        return rope._plan_rope_call(x, positions, None, None, None, None, NEW, True, **options).name
 
     assert planned().startswith("cupyrope::rope_direct_kernel<")  # 4 tokens: the shipped profile takes them directly
     block_only = with_choice(PLANNING_PROFILE, "rope", direct_max_tokens=0)

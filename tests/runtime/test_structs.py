@@ -42,7 +42,7 @@ def _expand(fmt: str) -> str:
 
 
 @pytest.mark.parametrize("source,name,pointers,tail", [
-    ("rope.cu", "RopeParams", 6, "cupyrope.ops.rope_plan:_TAIL"),
+    ("rope_common.cuh", "RopeParams", 12, "cupyrope.ops.rope_plan:_TAIL"),
     ("rmsnorm_fwd.cu", "NormParams", 5, "cupyrope.ops.rmsnorm:FWD_TAIL"),
     ("rmsnorm_bwd.cu", "NormBwdParams", 6, "cupyrope.ops.rmsnorm:BWD_TAIL"),
     ("rmsnorm_bwd.cu", "DweightParams", 2, "cupyrope.ops.rmsnorm:DW_TAIL"),

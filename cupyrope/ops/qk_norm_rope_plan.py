@@ -1,0 +1,101 @@
+"""QK-norm + RoPE's plan: kernel variant, grid, block and parameters of a checked call (kernels_src/qk_norm_rope.cu).
+A pure function of shapes, dtypes, strides, pointer alignment and the GPU's numbers (unit-tested without a GPU).
+
+The tensors reduce to RoPE's canonical layout (rope_plan.canonical_layout) and the tokens go to blocks as in RoPE's
+block kernel; a head is a row of `group_threads` threads (a power of two up to a warp) holding its items in
+registers: rotating pairs, then the chunks past rotary_dim (normalized, not rotated).
+"""
+
+from .._runtime.arrays import CTYPE, FLOAT_DTYPES, INDEX_DTYPES, ITEMSIZE
+from .rmsnorm_rows import next_pow2
+from .rope_plan import (BLOCK_THREADS, PLAIN, STYLES, NormFields, RopePlan, _vector_blockers,
+                        block_tokens, cache_fields, canonical_layout, check_token_count, pack_params)
+
+SOURCE = "qk_norm_rope.cu"
+MAX_ITEMS = {True: 2, False: 4}  # items a thread, 16-byte and scalar (kernels_src/qk_norm_rope.cu: MAX_ITEMS)
+STATIC_SHARED_BYTES = 8 * 1024  # the kernels' BlockTokens and inverse frequencies
+SHARED_LIMIT = 48 * 1024  # what a block has without opting in
+
+
+def kernel_name(dtype, weight_dtype, cache_dtype, pos_dtype, style, vectorized, use_cache, backward=False) -> str:
+    kernel = "qk_norm_rope_bwd_kernel" if backward else "qk_norm_rope_kernel"
+    return (f"cupyrope::{kernel}<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {CTYPE[cache_dtype]}, {CTYPE[pos_dtype]}, "
+            f"{STYLES[style]}, {'true' if vectorized else 'false'}, {'true' if use_cache else 'false'}>")
+
+
+def variants():
+    """Every QK-norm + RoPE kernel the planners can ask for."""
+    for dtype in FLOAT_DTYPES:
+        tables = sorted({"float32", dtype})
+        for weight in tables:
+            for cache in (None, *tables):
+                for pos in INDEX_DTYPES:
+                    for style in STYLES:
+                        for vectorized in (False, True):
+                            for backward in (False, True):
+                                yield SOURCE, kernel_name(dtype, weight, cache or "float32", pos, style, vectorized,
+                                                          cache is not None, backward)
+
+
+def head_lanes(head_dim: int, rotary_dim: int, style: str, elems: int, vectorized: bool) -> tuple[int, int]:
+    """(rotating items, copy items) of a head: pairs of `elems`-element chunks (NeoX) or interleaved chunks
+    (GPT-J), then the features past rotary_dim in chunks (one element at a time when scalar)."""
+    rot_lanes = rotary_dim // 2 // elems if style == "neox" else rotary_dim // elems
+    return rot_lanes, (head_dim - rotary_dim) // (elems if vectorized else 1)
+
+
+def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, theta, eps, offset, impl, n_sm,
+                      choices, source=PLAIN, x_inputs=None, resident_blocks=0) -> RopePlan:
+    """groups: [(q input, q output), (k input, k output)] Arrays, checked; weights: (q_weight, k_weight).
+    Backward (x_inputs: the forward's q and k): the inputs are the output gradients, the outputs dq and dk; the
+    grid is at most resident_blocks (blocks the GPU holds at once), each walking the token chunks, and
+    plan.partial_rows is the partial sums' rows. n_sm and choices: the GPU's SMs and its profile's "rope" section."""
+    backward = x_inputs is not None
+    dtype, head_dim = groups[0][0].dtype, groups[0][0].shape[-1]
+    tensors = [[inp, out] + ([x_inputs[g]] if backward else []) for g, (inp, out) in enumerate(groups)]
+    layout = canonical_layout([(t[0].shape[:-1], [a.strides[:-1] for a in t]) for t in tensors], positions.shape,
+                              positions.strides, "q")
+    per_group = len(tensors[0])
+    roles = ("input", "output", "forward input") if backward else ("input", "output")
+    named = [(f"{'qk'[g]} {role}", tensors[g][i], layout.token_strides[per_group * g + i],
+              layout.head_strides[per_group * g + i]) for g in range(2) for i, role in enumerate(roles)]
+    blockers = _vector_blockers(named, dtype, style, rotary_dim, head_dim, True)
+    blockers += [f"{name} is not 16-byte aligned" for name, w in zip(("q_weight", "k_weight"), weights) if w.ptr % 16]
+    if impl == "vector" and blockers:
+        raise ValueError("impl: 'vector' is not possible here: " + "; ".join(blockers))
+    vectorized = impl != "scalar" and not blockers
+    elems = 16 // ITEMSIZE[dtype] if vectorized else (2 if style == "gptj" else 1)
+    rot_lanes, copy_lanes = head_lanes(head_dim, rotary_dim, style, elems, vectorized)
+    lanes = rot_lanes + copy_lanes
+    group = min(32, next_pow2(lanes))
+    if -(-lanes // group) > MAX_ITEMS[vectorized]:
+        kind = "16-byte" if vectorized else "element-by-element"
+        raise ValueError(f"q: head_dim {head_dim} is too large for qk_norm_rope's {kind} rows (at most "
+                         f"{32 * MAX_ITEMS[vectorized]} items of a head, here {lanes})")
+    n_tokens, n_q_heads, n_heads = layout.n_tokens, layout.heads[0], sum(layout.heads)
+    check_token_count(n_tokens, n_heads, lanes)
+    tokens = block_tokens(n_tokens, n_heads * group, rotary_dim, n_sm, choices)
+    shared = tokens * rotary_dim * 4
+    if backward:
+        sums = BLOCK_THREADS // group * 2 * head_dim * 4
+        tokens = max(1, min(tokens, (SHARED_LIMIT - STATIC_SHARED_BYTES - sums) // (rotary_dim * 4)))
+        shared = tokens * rotary_dim * 4 + sums
+    chunks = -(-n_tokens // tokens)
+    grid = max(1, min(chunks, resident_blocks)) if backward else max(1, chunks)
+    strides = [(*layout.token_strides[i], layout.head_strides[i]) for i in range(len(layout.token_strides))]
+    if backward:  # q in, q out, q x, k in, k out, k x
+        strides, x_strides = [strides[0], strides[1], strides[3], strides[4]], (strides[2], strides[5])
+    else:
+        x_strides = ((0,) * 4, (0,) * 4)
+    norm = NormFields(head_dim=head_dim, group_threads=group, eps=float(eps), weight_offset=float(offset),
+                      x_strides=x_strides)
+    tail = pack_params(layout, strides, source, direct=False, n_tokens=n_tokens, heads=(n_q_heads, n_heads),
+                       lanes=(rot_lanes, copy_lanes), tokens=tokens,
+                       cache_fields=cache_fields(positions, cache, 0), rotary_dim=rotary_dim, theta=theta,
+                       inverse=backward, norm=norm)
+    name = kernel_name(dtype, weights[0].dtype, cache.dtype if cache is not None else "float32", positions.dtype, style,
+                       vectorized, cache is not None, backward)
+    plan = RopePlan(name, grid, BLOCK_THREADS, shared, tail, vectorized, tokens, (rot_lanes, copy_lanes))
+    plan.partial_rows = grid if backward else 0
+    return plan
+

@@ -1,0 +1,328 @@
+// QK-norm + RoPE: for each head of q and of k, RMSNorm over head_dim with a per-feature weight (q_weight or
+// k_weight), then the rotation, in one launch; and its backward.
+//
+// A block takes `tokens_per_block` tokens and computes their (token, frequency) cos/sin once into shared memory,
+// as rope_kernel does (rope_common.cuh). A head is a row of G = group_threads threads (a power of two <= 32):
+// the row's items -- rot_lanes rotating pairs (NEOX: two chunks, f0 and f0 + half; GPTJ: one interleaved chunk),
+// then copy_lanes chunks past rot_dim, normalized but not rotated -- go to its threads as lane, lane + G, ...,
+// at most MAX_ITEMS a thread, held in registers between the row's sum of squares and its stores. A row's sums
+// run over its threads' items in item order, then a shuffle tree over the G threads: a row's result depends on
+// its own data and (head_dim, dtype, alignment) only.
+// Template parameters: W, the weights' element type (float or T); the others as in rope_common.cuh.
+#include "rope_common.cuh"
+
+namespace cupyrope {
+
+template <bool VEC>
+constexpr int MAX_ITEMS = VEC ? 2 : 4;  // qk_norm_rope_plan.py: max_items
+
+// One head row's items in one thread, in their storage type.
+template <typename T, int STYLE, bool VEC>
+struct HeadItems {
+    static constexpr int E = ELEMS<T, STYLE, VEC>, EC = COPY_ELEMS<T, VEC>, F = STYLE == NEOX ? E : E / 2;
+    static constexpr int N = MAX_ITEMS<VEC>;
+    Pack<T, E> x1[N], x2[N];  // copy items: their EC elements first in x1
+
+    // Loads item lane + m * G of the row at `in` for each m (those past the row's lanes are left alone).
+    __device__ __forceinline__ void load(const RopeParams& p, const T* in, unsigned lane, unsigned G) {
+        const unsigned rot_lanes = (unsigned)p.rot_lanes, lanes = rot_lanes + (unsigned)p.copy_lanes;
+#pragma unroll
+        for (int m = 0; m < N; ++m) {
+            const unsigned i = lane + m * G;
+            if (i >= lanes) continue;
+            if (i < rot_lanes) {
+                const i64 f0 = (i64)i * F;
+                x1[m] = load_pack<VEC, E>(in + (STYLE == NEOX ? f0 : 2 * f0));
+                if constexpr (STYLE == NEOX) x2[m] = load_pack<VEC, E>(in + f0 + p.rot_dim / 2);
+            } else {
+                const Pack<T, EC> c = load_pack<VEC, EC>(in + p.rot_dim + (i64)(i - rot_lanes) * EC);
+#pragma unroll
+                for (int j = 0; j < EC; ++j) x1[m].v[j] = c.v[j];
+            }
+        }
+    }
+};
+
+// The features item i covers: v1 from first1 (E of them, or EC for a copy item), NEOX's v2 from first2.
+template <int STYLE, int E, int F, int EC>
+__device__ __forceinline__ void item_features(const RopeParams& p, unsigned i, i64& first1, i64& first2) {
+    if (i < (unsigned)p.rot_lanes) {
+        const i64 f0 = (i64)i * F;
+        first1 = STYLE == NEOX ? f0 : 2 * f0;
+        first2 = f0 + p.rot_dim / 2;
+    } else {
+        first1 = p.rot_dim + (i64)(i - (unsigned)p.rot_lanes) * EC;
+        first2 = 0;
+    }
+}
+
+// (w + weight_offset) of the item's features, as v1 and v2 hold them.
+template <typename W, int STYLE, bool VEC, int E, int F, int EC>
+__device__ __forceinline__ void item_weights(const RopeParams& p, const W* w, unsigned i, float (&w1)[E],
+                                             float (&w2)[E]) {
+    i64 first1, first2;
+    item_features<STYLE, E, F, EC>(p, i, first1, first2);
+#pragma unroll
+    for (int j = 0; j < E; ++j) w1[j] = w2[j] = 0.f;
+    if (i < (unsigned)p.rot_lanes) {
+        const Pack<W, E> a = load_pack<VEC, E>(w + first1);
+#pragma unroll
+        for (int j = 0; j < E; ++j) w1[j] = to_float(a.v[j]) + p.weight_offset;
+        if constexpr (STYLE == NEOX) {
+            const Pack<W, E> b = load_pack<VEC, E>(w + first2);
+#pragma unroll
+            for (int j = 0; j < E; ++j) w2[j] = to_float(b.v[j]) + p.weight_offset;
+        }
+    } else {
+        const Pack<W, EC> a = load_pack<VEC, EC>(w + first1);
+#pragma unroll
+        for (int j = 0; j < EC; ++j) w1[j] = to_float(a.v[j]) + p.weight_offset;
+    }
+}
+
+// The item's values as floats (v2: NEOX rotating items only; a copy item's v1 holds EC of them, the rest 0).
+template <typename T, int STYLE, bool VEC, int E, int EC>
+__device__ __forceinline__ void item_floats(const RopeParams& p, const Pack<T, E>& x1, const Pack<T, E>& x2,
+                                            unsigned i, float (&v1)[E], float (&v2)[E]) {
+    const bool rotating = i < (unsigned)p.rot_lanes;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+        v1[j] = rotating || j < EC ? to_float(x1.v[j]) : 0.f;
+        v2[j] = STYLE == NEOX && rotating ? to_float(x2.v[j]) : 0.f;
+    }
+}
+
+// Stores item i's values (a copy item: the first EC of v1).
+template <typename T, int STYLE, bool VEC, int E, int F, int EC>
+__device__ __forceinline__ void store_head_item(const RopeParams& p, unsigned i, const float (&v1)[E],
+                                                const float (&v2)[E], T* out) {
+    if (i < (unsigned)p.rot_lanes) {
+        store_item<T, STYLE, VEC, E>(v1, v2, out, (i64)i * F, p.rot_dim / 2);
+    } else {
+        Pack<T, EC> y;
+#pragma unroll
+        for (int j = 0; j < EC; ++j) y.v[j] = from_float<T>(v1[j]);
+        store_pack<VEC, EC>(out + p.rot_dim + (i64)(i - (unsigned)p.rot_lanes) * EC, y);
+    }
+}
+
+// The cos/sin of item i's frequencies in the block's table (its token's row).
+template <int STYLE, int F>
+__device__ __forceinline__ void item_cos_sin(const RopeParams& p, const float* cos_sin, int t, unsigned i,
+                                             Pack<float, F>& c, Pack<float, F>& s) {
+    const float* cs = cos_sin + t * p.rot_dim + (i64)i * F;
+    c = *reinterpret_cast<const Pack<float, F>*>(cs);
+    s = *reinterpret_cast<const Pack<float, F>*>(cs + p.rot_dim / 2);
+}
+
+// The row (token of the block, head) of a block row index.
+struct HeadRow {
+    int t;
+    unsigned h;
+    bool is_q;
+};
+
+__device__ __forceinline__ HeadRow head_row(const RopeParams& p, unsigned row) {
+    const unsigned n_heads = (unsigned)p.n_heads;
+    const int t = (int)(row / n_heads);
+    const unsigned h = row - (unsigned)t * n_heads;
+    return {t, h, h < (unsigned)p.n_q_heads};
+}
+
+// rsqrt(mean(x^2) + eps) of a row whose items' squares this thread summed into `squares`.
+__device__ __forceinline__ float row_rstd(const RopeParams& p, float squares, unsigned G) {
+    return rsqrtf(lanes_sum(squares, (int)G) / (float)p.head_dim + p.eps);
+}
+
+// The sum of squares of this thread's items of a row.
+template <typename T, int STYLE, bool VEC>
+__device__ __forceinline__ float items_squares(const RopeParams& p, const HeadItems<T, STYLE, VEC>& x, unsigned lane,
+                                               unsigned G, bool active) {
+    using Items = HeadItems<T, STYLE, VEC>;
+    constexpr int E = Items::E, EC = Items::EC;
+    const unsigned lanes = (unsigned)(p.rot_lanes + p.copy_lanes);
+    float squares = 0.f;
+#pragma unroll
+    for (int m = 0; m < Items::N; ++m) {
+        const unsigned i = lane + m * G;
+        if (!active || i >= lanes) continue;
+        float v1[E], v2[E];
+        item_floats<T, STYLE, VEC, E, EC>(p, x.x1[m], x.x2[m], i, v1, v2);
+#pragma unroll
+        for (int j = 0; j < E; ++j) squares += v1[j] * v1[j] + v2[j] * v2[j];
+    }
+    return squares;
+}
+
+template <typename T, typename W, typename C, typename P, int STYLE, bool VEC, bool CACHE>
+__global__ void __launch_bounds__(BLOCK_THREADS) qk_norm_rope_kernel(const RopeParams p) {
+    wait_for_previous_grid();
+    using Items = HeadItems<T, STYLE, VEC>;
+    constexpr int E = Items::E, EC = Items::EC, F = Items::F, N = Items::N;
+    __shared__ BlockTokens bt;
+    __shared__ double inv_freq[CACHE ? 1 : MAX_ROTARY_DIM / 2];
+    extern __shared__ __align__(16) float cos_sin[];  // [tokens_per_block][rot_dim]
+
+    const unsigned first = blockIdx.x * (unsigned)p.tokens_per_block;
+    const int count = (int)min((i64)p.tokens_per_block, p.n_tokens - first);
+    const unsigned G = (unsigned)p.group_threads, lane = threadIdx.x & (G - 1);
+    const unsigned rows = (unsigned)count * (unsigned)p.n_heads, step = blockDim.x / G;
+    const unsigned lanes = (unsigned)(p.rot_lanes + p.copy_lanes);
+    // A warp's groups go round the rows together (the shuffles): warp_row is the first row of the warp's pass.
+    const unsigned warp_first = (threadIdx.x / 32) * (32 / G);
+    // The first pass's loads go out before the positions and the cos/sin: at decode their round trips overlap.
+    unsigned row = threadIdx.x / G;
+    Items x;
+    if (row < rows) {
+        const HeadRow hr = head_row(p, row);
+        i64 offset[4];
+        token_offsets(p, first + hr.t, offset);
+        x.load(p, static_cast<const T*>(head_of<T>(p, offset, hr.h, hr.t).in), lane, G);
+    }
+    if constexpr (!CACHE) fill_inv_freq(p, inv_freq);
+    load_block_tokens<P>(p, first, count, bt);
+    __syncthreads();
+    fill_cos_sin<C, P, CACHE>(p, count, bt, inv_freq, cos_sin);
+    __syncthreads();
+    for (unsigned warp_row = warp_first; warp_row < rows; warp_row += step, row += step) {
+        const bool active = row < rows;
+        const HeadRow hr = head_row(p, active ? row : 0);
+        const Item it = head_of<T>(p, bt.offset[hr.t], hr.h, hr.t);
+        if (active && warp_row != warp_first) x.load(p, static_cast<const T*>(it.in), lane, G);
+        const float rstd = row_rstd(p, items_squares(p, x, lane, G, active), G);
+        const W* w = static_cast<const W*>(hr.is_q ? p.q_weight : p.k_weight);
+#pragma unroll
+        for (int m = 0; m < N; ++m) {
+            const unsigned i = lane + m * G;
+            if (!active || i >= lanes) continue;
+            float v1[E], v2[E], w1[E], w2[E];
+            item_floats<T, STYLE, VEC, E, EC>(p, x.x1[m], x.x2[m], i, v1, v2);
+            item_weights<W, STYLE, VEC, E, F, EC>(p, w, i, w1, w2);
+#pragma unroll
+            for (int j = 0; j < E; ++j) v1[j] = v1[j] * rstd * w1[j], v2[j] = v2[j] * rstd * w2[j];
+            if (i < (unsigned)p.rot_lanes) {
+                Pack<float, F> c, s;
+                item_cos_sin<STYLE, F>(p, cos_sin, hr.t, i, c, s);
+                rotate_floats<STYLE, E, F>(v1, v2, c, s);
+            }
+            store_head_item<T, STYLE, VEC, E, F, EC>(p, i, v1, v2, static_cast<T*>(it.out));
+        }
+    }
+}
+
+// A backward item: g = the inverse rotation of dy (cos_sin holds -sin: the plan sets inverse), n = x * rstd, and
+// (w + offset), as item_floats lays them out.
+template <typename T, typename W, int STYLE, bool VEC, int E>
+__device__ __forceinline__ void backward_item(const RopeParams& p, const HeadItems<T, STYLE, VEC>& dy,
+                                              const HeadItems<T, STYLE, VEC>& x, int m, unsigned i, float rstd,
+                                              const W* w, const float* cos_sin, int t, float (&g1)[E], float (&g2)[E],
+                                              float (&n1)[E], float (&n2)[E], float (&w1)[E], float (&w2)[E]) {
+    using Items = HeadItems<T, STYLE, VEC>;
+    constexpr int EC = Items::EC, F = Items::F;
+    item_floats<T, STYLE, VEC, E, EC>(p, dy.x1[m], dy.x2[m], i, g1, g2);
+    if (i < (unsigned)p.rot_lanes) {
+        Pack<float, F> c, s;
+        item_cos_sin<STYLE, F>(p, cos_sin, t, i, c, s);
+        rotate_floats<STYLE, E, F>(g1, g2, c, s);
+    }
+    item_floats<T, STYLE, VEC, E, EC>(p, x.x1[m], x.x2[m], i, n1, n2);
+#pragma unroll
+    for (int j = 0; j < E; ++j) n1[j] *= rstd, n2[j] *= rstd;
+    item_weights<W, STYLE, VEC, E, F, EC>(p, w, i, w1, w2);
+}
+
+// The backward: dy in q_in / k_in, the forward's inputs in q_x / k_x, dx out in q_out / k_out. Per row:
+// g = the inverse rotation of dy, n = x * rstd, g_n = g * (w + offset), dx = rstd * (g_n - n * mean(g_n * n)),
+// and dw += g * n. The grid is at most the blocks the GPU holds at once; block b takes token chunks b,
+// b + gridDim.x, ... and adds its rows' g * n into shared sums, one per row group and feature (each written by
+// one thread only), then into partial[b] in group order; rms_norm_dw adds the partial rows in a fixed order.
+// Deterministic: every addition's order follows from the grid.
+template <typename T, typename W, typename C, typename P, int STYLE, bool VEC, bool CACHE>
+__global__ void __launch_bounds__(BLOCK_THREADS) qk_norm_rope_bwd_kernel(const RopeParams p) {
+    wait_for_previous_grid();
+    using Items = HeadItems<T, STYLE, VEC>;
+    constexpr int E = Items::E, EC = Items::EC, F = Items::F, N = Items::N;
+    __shared__ BlockTokens bt;
+    __shared__ double inv_freq[CACHE ? 1 : MAX_ROTARY_DIM / 2];
+    extern __shared__ __align__(16) float dynamic[];  // cos_sin [tokens_per_block][rot_dim], then the sums
+    float* cos_sin = dynamic;
+    const unsigned G = (unsigned)p.group_threads, lane = threadIdx.x & (G - 1);
+    const unsigned step = blockDim.x / G, groups = step;
+    const unsigned lanes = (unsigned)(p.rot_lanes + p.copy_lanes);
+    const i64 width = 2 * p.head_dim;  // a group's sums: q's features, then k's
+    float* sums = dynamic + p.tokens_per_block * p.rot_dim;  // [groups][width]
+    float* my_sums = sums + (threadIdx.x / G) * width;
+    for (i64 j = threadIdx.x; j < groups * width; j += blockDim.x) sums[j] = 0.f;
+    if constexpr (!CACHE) fill_inv_freq(p, inv_freq);
+
+    const unsigned chunks = (unsigned)((p.n_tokens + p.tokens_per_block - 1) / p.tokens_per_block);
+    const unsigned warp_first = (threadIdx.x / 32) * (32 / G);
+    for (unsigned chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+        const unsigned first = chunk * (unsigned)p.tokens_per_block;
+        const int count = (int)min((i64)p.tokens_per_block, p.n_tokens - first);
+        const unsigned rows = (unsigned)count * (unsigned)p.n_heads;
+        __syncthreads();  // the previous chunk's tokens and cos/sin are read
+        load_block_tokens<P>(p, first, count, bt);
+        __syncthreads();
+        fill_cos_sin<C, P, CACHE>(p, count, bt, inv_freq, cos_sin);
+        __syncthreads();
+        unsigned row = threadIdx.x / G;
+        for (unsigned warp_row = warp_first; warp_row < rows; warp_row += step, row += step) {
+            const bool active = row < rows;
+            const HeadRow hr = head_row(p, active ? row : 0);
+            const Item it = head_of<T>(p, bt.offset[hr.t], hr.h, hr.t);  // dy in, dx out
+            Items dy, x;
+            if (active) {
+                i64 t[3];
+                token_coords(p, first + hr.t, t);
+                const T* x_row = hr.is_q ? static_cast<const T*>(p.q_x) + offset_of(t, p.q_x_s) + hr.h * p.q_x_s[3]
+                                         : static_cast<const T*>(p.k_x) + offset_of(t, p.k_x_s) +
+                                               (hr.h - p.n_q_heads) * p.k_x_s[3];
+                dy.load(p, static_cast<const T*>(it.in), lane, G);
+                x.load(p, x_row, lane, G);
+            }
+            const float rstd = row_rstd(p, items_squares(p, x, lane, G, active), G);
+            const W* w = static_cast<const W*>(hr.is_q ? p.q_weight : p.k_weight);
+            float* row_sums = my_sums + (hr.is_q ? 0 : p.head_dim);
+            float dot = 0.f;
+#pragma unroll
+            for (int m = 0; m < N; ++m) {
+                const unsigned i = lane + m * G;
+                if (!active || i >= lanes) continue;
+                float g1[E], g2[E], n1[E], n2[E], w1[E], w2[E];
+                backward_item<T, W, STYLE, VEC, E>(p, dy, x, m, i, rstd, w, cos_sin, hr.t, g1, g2, n1, n2, w1, w2);
+                i64 first1, first2;
+                item_features<STYLE, E, F, EC>(p, i, first1, first2);
+                const bool rotating = i < (unsigned)p.rot_lanes;
+#pragma unroll
+                for (int j = 0; j < E; ++j) {
+                    if (rotating || j < EC) row_sums[first1 + j] += g1[j] * n1[j];
+                    if (STYLE == NEOX && rotating) row_sums[first2 + j] += g2[j] * n2[j];
+                    dot += g1[j] * w1[j] * n1[j] + g2[j] * w2[j] * n2[j];
+                }
+            }
+            const float mean_dot = lanes_sum(dot, (int)G) / (float)p.head_dim;
+#pragma unroll
+            for (int m = 0; m < N; ++m) {
+                const unsigned i = lane + m * G;
+                if (!active || i >= lanes) continue;
+                float g1[E], g2[E], n1[E], n2[E], w1[E], w2[E];
+                backward_item<T, W, STYLE, VEC, E>(p, dy, x, m, i, rstd, w, cos_sin, hr.t, g1, g2, n1, n2, w1, w2);
+#pragma unroll
+                for (int j = 0; j < E; ++j) {
+                    g1[j] = rstd * (g1[j] * w1[j] - n1[j] * mean_dot);
+                    g2[j] = rstd * (g2[j] * w2[j] - n2[j] * mean_dot);
+                }
+                store_head_item<T, STYLE, VEC, E, F, EC>(p, i, g1, g2, static_cast<T*>(it.out));
+            }
+        }
+    }
+    __syncthreads();
+    for (i64 col = threadIdx.x; col < width; col += blockDim.x) {
+        float total = 0.f;
+        for (unsigned g = 0; g < groups; ++g) total += sums[g * width + col];
+        p.partial[blockIdx.x * width + col] = total;
+    }
+}
+
+}  // namespace cupyrope
