@@ -31,7 +31,7 @@ INTERLEAVE_BELOW_US = 50.0
 
 @dataclasses.dataclass
 class Case:
-    op: str  # "rope", "rope_qk", "rms_fwd", "rms_bwd"
+    op: str  # "rope", "rms_fwd", "rms_bwd", "qk_norm_rope", "qk_norm_rope_bwd", "rope_qk_positions"
     label: str  # shape, for tables
     dtype: str
     make: object  # () -> dict of inputs (torch tensors)
@@ -323,6 +323,137 @@ def rms_providers(torch, backward):
     return providers
 
 
+QWEN3_8B = (32, 8, 128)  # q heads, kv heads, head_dim
+
+
+def _qk_views(torch, d):
+    """q and k of a case's fused qkv buffer: (T, Hq, D) and (T, Hk, D) column views."""
+    hq, hk, dim = QWEN3_8B
+    qkv = d["qkv"]
+    return qkv[:, : hq * dim].view(-1, hq, dim), qkv[:, hq * dim:(hq + hk) * dim].view(-1, hk, dim)
+
+
+def _torch_qk_norm_rope(torch, q, k, qw, kw, cos, sin, positions, eps=1e-6):
+    """The float reference in torch (what torch.compile fuses): RMSNorm per head in fp32, then RoPE from a cos/sin
+    cache, rounded once."""
+    outputs = []
+    for x, w in ((q, qw), (k, kw)):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+        outputs.append(_torch_rope_cache_formula(torch, y, cos, sin, positions).to(x.dtype))
+    return outputs
+
+
+def qk_norm_rope_providers(torch, backward):
+    import cupyrope
+
+    providers = {}
+    compiled = torch.compile(lambda q, k, qw, kw, cos, sin, pos: _torch_qk_norm_rope(torch, q, k, qw, kw, cos, sin, pos))
+    if backward:
+        def ours(d):
+            q, k = _qk_views(torch, d)
+            return lambda: cupyrope.qk_norm_rope_backward(d["dq"], d["dk"], q, k, d["qw"], d["kw"], d["pos"])
+
+        def compiled_autograd(d):
+            q, k = (t.detach().requires_grad_() for t in _qk_views(torch, d))
+            qw, kw = (t.detach().requires_grad_() for t in (d["qw"], d["kw"]))
+            outputs = compiled(q, k, qw, kw, d["cos"], d["sin"], d["pos"])
+            return lambda: torch.autograd.grad(outputs, (q, k, qw, kw), (d["dq"], d["dk"]), retain_graph=True)
+
+        providers["cupyrope"] = ours
+        providers["torch.compile (float reference)"] = compiled_autograd
+        return providers
+
+    def ours(d):
+        q, k = _qk_views(torch, d)
+        return lambda: cupyrope.qk_norm_rope(q, k, d["qw"], d["kw"], d["pos"], out=(d["q_out"], d["k_out"]))
+
+    def two_calls(d):  # q and k in buffers of their own, the best case for the two calls
+        q, k = (t.contiguous() for t in _qk_views(torch, d))
+
+        def run():
+            cupyrope.rms_norm(q, d["qw"], 1e-6, out=d["q_out"])
+            cupyrope.rms_norm(k, d["kw"], 1e-6, out=d["k_out"])
+            return cupyrope.rope_qk(d["q_out"], d["k_out"], d["pos"])
+
+        return run
+
+    def torch_compiled(d):
+        q, k = _qk_views(torch, d)
+        return lambda: compiled(q, k, d["qw"], d["kw"], d["cos"], d["sin"], d["pos"])
+
+    providers["cupyrope"] = ours
+    providers["cupyrope" + NO_PDL] = launched_plainly(ours)
+    providers["cupyrope rms_norm x2 + rope_qk"] = two_calls
+    providers["torch.compile (float reference)"] = torch_compiled
+    return providers
+
+
+def position_source_providers(torch):
+    """rope_qk on Qwen3-8B's q and k with one position a token, M-RoPE's three rows, and varlen cu_seqlens."""
+    import cupyrope
+
+    def rope_qk(where, **options):
+        def factory(d):
+            q, k = _qk_views(torch, d)
+            arrays = {key: d[value] for key, value in where.items()}
+            return lambda: cupyrope.rope_qk(q, k, out=(d["q_out"], d["k_out"]), **arrays, **options)
+        return factory
+
+    return {"cupyrope positions": rope_qk({"positions": "pos"}),
+            "cupyrope M-RoPE": rope_qk({"positions": "mrope_pos"}, mrope_section=[16, 24, 24]),
+            "cupyrope varlen": rope_qk({"cu_seqlens": "cu_seqlens"})}
+
+
+def qk_case(torch, tokens, op, label=None):
+    """Qwen3-8B's q and k as views of a fused bf16 qkv buffer at `tokens` tokens; op: "qk_norm_rope",
+    "qk_norm_rope_bwd" or "rope_qk_positions" (the positions of sequences of 1024 tokens, as positions, M-RoPE rows
+    that are equal (text) and cu_seqlens)."""
+    import cupyrope
+
+    hq, hk, dim = QWEN3_8B
+
+    def make():
+        qkv = torch.randn(tokens, (hq + 2 * hk) * dim, device="cuda", dtype=torch.bfloat16)
+        pos = torch.arange(tokens, device="cuda") % 1024
+        table = cupyrope.rope_cache(32768, dim, kind="torch")
+        d = {"qkv": qkv, "pos": pos, "qw": 1 + 0.1 * torch.randn(dim, device="cuda", dtype=torch.bfloat16),
+             "kw": 1 + 0.1 * torch.randn(dim, device="cuda", dtype=torch.bfloat16),
+             "q_out": torch.empty(tokens, hq, dim, device="cuda", dtype=torch.bfloat16),
+             "k_out": torch.empty(tokens, hk, dim, device="cuda", dtype=torch.bfloat16),
+             "cos": table[:, : dim // 2], "sin": table[:, dim // 2:],
+             "mrope_pos": pos.expand(3, tokens).contiguous(),
+             "cu_seqlens": torch.arange(0, tokens + 1024, 1024, device="cuda", dtype=torch.int32).clamp(max=tokens)}
+        if op == "qk_norm_rope_bwd":
+            d["dq"], d["dk"] = torch.randn_like(d["q_out"]), torch.randn_like(d["k_out"])
+        return d
+
+    def ref(d):
+        rows = min(tokens, CHECK_ROWS)
+        q, k = (_host(torch, t[:rows]) for t in _qk_views(torch, d))
+        pos = d["pos"][:rows].cpu().numpy()
+        qw, kw = _host(torch, d["qw"]), _host(torch, d["kw"])
+        if op == "qk_norm_rope_bwd":
+            dq, dk = _host(torch, d["dq"][:rows]), _host(torch, d["dk"][:rows])
+            grads = reference.qk_norm_rope_backward(dq, dk, q, k, qw, kw, pos)
+            return np.concatenate(grads[:2], axis=1)
+        if op == "rope_qk_positions":
+            return np.concatenate([reference.rope(q, pos), reference.rope(k, pos)], axis=1)
+        return np.concatenate(reference.qk_norm_rope(q, k, qw, kw, pos), axis=1)
+
+    heads_bytes = tokens * (hq + hk) * dim * 2
+    nbytes = (3 if op == "qk_norm_rope_bwd" else 2) * heads_bytes + tokens * 8
+    return Case(op, label or f"Qwen3-8B q+k T={tokens}", "bfloat16", make, nbytes, ref, tokens * (hq + hk) * dim)
+
+
+def qk_cases(torch, full=False):
+    counts = (1, 16, 64, 256, 1024, 4096, 8192, 16384, 32768) if full else (1, 64, 1024, 8192, 32768)
+    cases = [qk_case(torch, t, "qk_norm_rope") for t in counts]
+    cases += [qk_case(torch, t, "qk_norm_rope_bwd") for t in (8192, 32768)]
+    cases += [qk_case(torch, t, "rope_qk_positions") for t in (8192, 32768)]
+    return cases
+
+
 # --------------------------------------------------------------------------------------------- shapes
 
 
@@ -410,7 +541,11 @@ def check(case, provider, inputs, fn, torch):
     """Run a provider once and compare with the float64 reference (a wrong but fast result cannot win)."""
     out = fn()
     expected = case.reference(inputs)
-    if case.op == "rms_bwd":
+    if case.op.startswith("qk_norm_rope") or case.op == "rope_qk_positions":  # (q, k, ...): their heads side by side
+        rows = expected.shape[0]
+        got = np.concatenate([_host(torch, out[0][:rows]), _host(torch, out[1][:rows])], axis=1)
+        ok = np.allclose(got, expected, rtol=0.02, atol=0.02 * np.abs(expected).max())
+    elif case.op == "rms_bwd":
         got = [_host(torch, out[0][:CHECK_ROWS]), _host(torch, out[1])]
         ok = all(e is None or np.allclose(g, e, rtol=0.05, atol=0.05 * np.abs(e).max()) for g, e in zip(got, expected))
     else:
@@ -442,7 +577,8 @@ def run_case(torch, case, providers, rounds=1):
         try:
             fns = [factory(d) for d in copies]
             check(case, name, copies[0], fns[0], torch)
-            timed[name] = fns, not (case.op == "rms_bwd" and not name.startswith("cupyrope"))
+            autograd = case.op in ("rms_bwd", "qk_norm_rope_bwd") and not name.startswith("cupyrope")
+            timed[name] = fns, not autograd
         except AssertionError as error:
             if name.startswith("cupyrope"):
                 raise
@@ -572,6 +708,11 @@ def main(args) -> int:
     if args.op in ("rmsnorm", "all"):
         for case in rms_cases(torch, args.full):
             results += run_case(torch, case, rms_providers(torch, case.op == "rms_bwd"), args.rounds)
+    if args.op in ("qk_norm_rope", "all"):
+        for case in qk_cases(torch, args.full):
+            providers = (position_source_providers(torch) if case.op == "rope_qk_positions"
+                         else qk_norm_rope_providers(torch, case.op == "qk_norm_rope_bwd"))
+            results += run_case(torch, case, providers, args.rounds)
     rows = rows_of(results)
     if args.json:
         with open(args.json, "w") as f:

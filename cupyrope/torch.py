@@ -8,7 +8,7 @@ CUDA graphs. CPU tensors fall back to the same formulas in plain torch, after th
 the GPU path (the same exceptions), so the modules stay drop-in replacements everywhere.
 """
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -17,8 +17,11 @@ from . import reference as _reference
 from . import rope_scaling as _rope_scaling
 from ._runtime import checks as _checks
 from ._runtime.arrays import describe_host as _host
+from .ops import qk_norm_rope_checks as _qk_norm_checks
 from .ops import rmsnorm_checks as _norm_checks
 from .ops import rope_checks as _rope_checks
+from .ops.qk_norm_rope import qk_norm_rope as _qk_norm_rope
+from .ops.qk_norm_rope import qk_norm_rope_backward as _qk_norm_rope_backward
 from .ops.rmsnorm import fused_add_rms_norm as _fused_add_rms_norm
 from .ops.rmsnorm import rms_norm as _rms_norm
 from .ops.rmsnorm import rms_norm_backward as _rms_norm_backward
@@ -27,8 +30,12 @@ from .ops.rope import rope_cache as _rope_cache
 from .ops.rope import rope_qk as _rope_qk
 from .ops.rope import rope_qk_cos_sin as _rope_qk_cos_sin
 
-__all__ = ["RMSNorm", "RotaryEmbedding", "fused_add_rms_norm", "rms_norm", "rope", "rope_qk", "rope_qk_",
+__all__ = ["QKNormRotaryEmbedding", "RMSNorm", "RotaryEmbedding", "fused_add_rms_norm", "qk_norm_rope",
+           "qk_norm_rope_", "rms_norm", "rope", "rope_qk", "rope_qk_",
            "rope_qk_cos_sin"]
+
+
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")  # a config's M-RoPE keys (RotaryEmbedding.from_hf_config)
 
 
 def _compiling() -> bool:
@@ -46,33 +53,57 @@ def _optional_host(t, name):
     return None if t is None else _host(t, name)
 
 
-def _rope_cpu(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse):
+# Where a call's positions come from: (positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved), as
+# the ops take them (see cupyrope.rope); the torch ops carry the five as arguments of their own.
+def _where(positions, cu_seqlens=None, seqlen_offsets=None, mrope_section=None, mrope_interleaved=False):
+    return (positions, cu_seqlens, seqlen_offsets, None if mrope_section is None else list(mrope_section),
+            mrope_interleaved)
+
+
+def _where_options(where) -> dict:
+    positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved = where
+    return dict(cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets, mrope_section=mrope_section,
+                mrope_interleaved=mrope_interleaved)
+
+
+def _where_hosts(where) -> dict:
+    """The position arguments of a CPU call described for the checks."""
+    positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved = where
+    return dict(cu_seqlens=_optional_host(cu_seqlens, "cu_seqlens"),
+                seqlen_offsets=_optional_host(seqlen_offsets, "seqlen_offsets"), mrope_section=mrope_section,
+                mrope_interleaved=mrope_interleaved)
+
+
+def _rope_cpu(x, where, theta, style, rotary_dim, cos_sin_cache, inverse):
     """rope() on CPU tensors: its checks, then the formula in torch, float32 math, x's dtype out."""
-    rotary_dim, _, _ = _rope_checks.check_rope(_host(x, "x"), _host(positions, "positions"),
-                                               _optional_host(cos_sin_cache, "cos_sin_cache"), None, theta=theta,
-                                               style=style, rotary_dim=rotary_dim, inverse=inverse, impl="auto")
-    return _rope_formula(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
+    rotary_dim, _, source = _rope_checks.check_rope(
+        _host(x, "x"), _optional_host(where[0], "positions"), _optional_host(cos_sin_cache, "cos_sin_cache"), None,
+        theta=theta, style=style, rotary_dim=rotary_dim, inverse=inverse, impl="auto", **_where_hosts(where))
+    return _rope_formula(x, where, source, theta, style, rotary_dim, cos_sin_cache, inverse)
 
 
-def _check_rope_qk_cpu(q, k, positions, theta, style, rotary_dim, cos_sin_cache, inverse) -> int:
-    """rope_qk()'s checks on CPU tensors; returns the rotary dimension."""
-    return _rope_checks.check_rope_qk(_host(q, "q"), _host(k, "k"), _host(positions, "positions"),
-                                      _optional_host(cos_sin_cache, "cos_sin_cache"), theta=theta, style=style,
-                                      rotary_dim=rotary_dim, inverse=inverse, impl="auto")[0]
+def _check_rope_qk_cpu(q, k, where, theta, style, rotary_dim, cos_sin_cache, inverse):
+    """rope_qk()'s checks on CPU tensors; returns the rotary dimension and the PositionSource."""
+    rotary_dim, _, source = _rope_checks.check_rope_qk(
+        _host(q, "q"), _host(k, "k"), _optional_host(where[0], "positions"),
+        _optional_host(cos_sin_cache, "cos_sin_cache"), theta=theta, style=style, rotary_dim=rotary_dim,
+        inverse=inverse, impl="auto", **_where_hosts(where))
+    return rotary_dim, source
 
 
-def _rope_formula(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse):
-    half = rotary_dim // 2
-    pos = positions.reshape(tuple(positions.shape) + (1,) * (x.dim() - 1 - positions.dim()))
-    if cos_sin_cache is None:
-        inv = torch.tensor(_reference.inv_freq(rotary_dim, theta), dtype=torch.float64)
-        angles = pos.to(torch.float64).unsqueeze(-1) * inv
-        cos, sin = angles.cos().float(), angles.sin().float()
-    else:
-        rows = cos_sin_cache.float()[pos.clamp(0, cos_sin_cache.shape[0] - 1)]
-        bad = ((pos < 0) | (pos >= cos_sin_cache.shape[0])).unsqueeze(-1)
-        rows = rows.masked_fill(bad, float("nan"))
-        cos, sin = rows[..., :half], rows[..., half:rotary_dim]
+def _cpu_numpy(t):
+    return None if t is None else t.detach().cpu().numpy()
+
+
+def _rope_formula(x, where, source, theta, style, rotary_dim, cos_sin_cache, inverse):
+    """x rotated on the CPU: each frequency's position (the references' definitions), then cos/sin in float64."""
+    positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved = where
+    freq_positions = _reference._frequency_positions(
+        _cpu_numpy(positions), source, rotary_dim, x.dim() - 1, _cpu_numpy(cu_seqlens), _cpu_numpy(seqlen_offsets),
+        x.shape[0], mrope_section, mrope_interleaved)
+    cache = None if cos_sin_cache is None else cos_sin_cache.detach().float().cpu().numpy()
+    cos, sin = (torch.from_numpy(t.copy()).float() for t in _reference._cos_sin(freq_positions, rotary_dim, theta,
+                                                                               cache))
     return _rotate_cpu(x, cos, sin, style, rotary_dim, inverse)
 
 
@@ -94,35 +125,38 @@ def _rotate_cpu(x, cos, sin, style, rotary_dim, inverse):
     return out.to(x.dtype)
 
 
-def _rope_any(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse):
+def _rope_any(x, where, theta, style, rotary_dim, cos_sin_cache, inverse):
     if not x.is_cuda:
-        return _rope_cpu(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
-    return _rope(_contiguous_last(x), positions, theta=theta, style=style, rotary_dim=rotary_dim,
-                 cos_sin_cache=cos_sin_cache, inverse=inverse)
+        return _rope_cpu(x, where, theta, style, rotary_dim, cos_sin_cache, inverse)
+    return _rope(_contiguous_last(x), where[0], theta=theta, style=style, rotary_dim=rotary_dim,
+                 cos_sin_cache=cos_sin_cache, inverse=inverse, **_where_options(where))
 
 
 @torch.library.custom_op("cupyrope::rope", mutates_args=(), device_types=("cuda", "cpu"))
-def _rope_op(x: Tensor, positions: Tensor, cos_sin_cache: Optional[Tensor], theta: float, style: str,
-             rotary_dim: Optional[int], inverse: bool) -> Tensor:
-    return _rope_any(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
+def _rope_op(x: Tensor, positions: Optional[Tensor], cos_sin_cache: Optional[Tensor], theta: float, style: str,
+             rotary_dim: Optional[int], inverse: bool, cu_seqlens: Optional[Tensor], seqlen_offsets: Optional[Tensor],
+             mrope_section: Optional[List[int]], mrope_interleaved: bool) -> Tensor:
+    where = (positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved)
+    return _rope_any(x, where, theta, style, rotary_dim, cos_sin_cache, inverse)
 
 
 @_rope_op.register_fake
-def _(x, positions, cos_sin_cache, theta, style, rotary_dim, inverse):
+def _(x, positions, cos_sin_cache, theta, style, rotary_dim, inverse, *where):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def _rope_setup(ctx, inputs, output):
-    _, positions, cos_sin_cache, theta, style, rotary_dim, inverse = inputs
-    ctx.save_for_backward(positions, cos_sin_cache)
-    ctx.options = (theta, style, rotary_dim, inverse)
+    _, positions, cos_sin_cache, theta, style, rotary_dim, inverse, cu_seqlens, seqlen_offsets, *mrope = inputs
+    ctx.save_for_backward(positions, cos_sin_cache, cu_seqlens, seqlen_offsets)
+    ctx.options = (theta, style, rotary_dim, inverse, *mrope)
 
 
 def _rope_grad(ctx, grad):
-    positions, cos_sin_cache = ctx.saved_tensors
-    theta, style, rotary_dim, inverse = ctx.options
+    positions, cos_sin_cache, cu_seqlens, seqlen_offsets = ctx.saved_tensors
+    theta, style, rotary_dim, inverse, *mrope = ctx.options
     # The rotation is orthogonal: its gradient is the inverse rotation, by the same kernel.
-    return _rope_op(grad, positions, cos_sin_cache, theta, style, rotary_dim, not inverse), None, None, None, None, None, None
+    return (_rope_op(grad, positions, cos_sin_cache, theta, style, rotary_dim, not inverse, cu_seqlens, seqlen_offsets,
+                     *mrope), *(None,) * 10)
 
 
 _rope_op.register_autograd(_rope_grad, setup_context=_rope_setup)
@@ -130,97 +164,113 @@ _rope_op.register_autograd(_rope_grad, setup_context=_rope_setup)
 
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, positions, cos_sin_cache, theta, style, rotary_dim, inverse):
-        ctx.save_for_backward(positions, cos_sin_cache)
+    def forward(ctx, x, where, cos_sin_cache, theta, style, rotary_dim, inverse):
+        ctx.where = where
+        ctx.save_for_backward(cos_sin_cache)
         ctx.options = (theta, style, rotary_dim, inverse)
-        return _rope_any(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
+        return _rope_any(x, where, theta, style, rotary_dim, cos_sin_cache, inverse)
 
     @staticmethod
     def backward(ctx, grad):
-        positions, cos_sin_cache = ctx.saved_tensors
+        (cos_sin_cache,) = ctx.saved_tensors
         theta, style, rotary_dim, inverse = ctx.options
-        return _rope_any(grad, positions, theta, style, rotary_dim, cos_sin_cache, not inverse), *(None,) * 6
+        return _rope_any(grad, ctx.where, theta, style, rotary_dim, cos_sin_cache, not inverse), *(None,) * 6
 
 
-def rope(x: Tensor, positions: Tensor, *, theta: float = 10000.0, style: str = "neox",
-         rotary_dim: Optional[int] = None, cos_sin_cache: Optional[Tensor] = None, inverse: bool = False) -> Tensor:
-    """Differentiable, torch.compile-able ``cupyrope.rope`` (out of place). Positions and the cache get
-    no gradient; x's gradient is the inverse rotation."""
+def rope(x: Tensor, positions: Optional[Tensor] = None, *, theta: float = 10000.0, style: str = "neox",
+         rotary_dim: Optional[int] = None, cos_sin_cache: Optional[Tensor] = None, inverse: bool = False,
+         cu_seqlens: Optional[Tensor] = None, seqlen_offsets: Optional[Tensor] = None,
+         mrope_section: Optional[list] = None, mrope_interleaved: bool = False) -> Tensor:
+    """Differentiable, torch.compile-able ``cupyrope.rope`` (out of place; M-RoPE and varlen as there).
+    Positions and the cache get no gradient; x's gradient is the inverse rotation."""
+    where = _where(positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved)
     if _compiling():
-        return _rope_op(x, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
+        return _rope_op(x, where[0], cos_sin_cache, theta, style, rotary_dim, inverse, *where[1:])
     if torch.is_grad_enabled() and x.requires_grad:
-        return _RopeFunction.apply(x, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
-    return _rope_any(x, positions, theta, style, rotary_dim, cos_sin_cache, inverse)
+        return _RopeFunction.apply(x, where, cos_sin_cache, theta, style, rotary_dim, inverse)
+    return _rope_any(x, where, theta, style, rotary_dim, cos_sin_cache, inverse)
 
 
-def _rope_qk_new(q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse):
-    return _rope_qk(_contiguous_last(q), _contiguous_last(k), positions, theta=theta, style=style,
-                    rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, inverse=inverse, out="new")
+def _rope_qk_new(q, k, where, cos_sin_cache, theta, style, rotary_dim, inverse):
+    return _rope_qk(_contiguous_last(q), _contiguous_last(k), where[0], theta=theta, style=style,
+                    rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, inverse=inverse, out="new",
+                    **_where_options(where))
 
 
 class _RotateQK(torch.autograd.Function):
     """q and k rotated in one launch forward and one backward: the gradient of a rotation is the
-    inverse rotation. ``rotate(q, k, a, b, *options, inverse)``; a and b (positions and the cache, or
+    inverse rotation. ``rotate(q, k, a, b, *options, inverse)``; a and b (the positions and the cache, or
     cos and sin) get no gradient."""
 
     @staticmethod
     def forward(ctx, rotate, q, k, a, b, *options):
-        ctx.save_for_backward(a, b)
+        ctx.a = a  # a may be a tuple (_where's), which save_for_backward cannot hold; nothing here is modified
+        ctx.save_for_backward(b)
         ctx.rotate, ctx.options = rotate, options
         return rotate(q, k, a, b, *options)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        a, b = ctx.saved_tensors
+        (b,) = ctx.saved_tensors
         *options, inverse = ctx.options
-        return None, *ctx.rotate(grad_q, grad_k, a, b, *options, not inverse), None, None, *(None,) * len(ctx.options)
+        grads = ctx.rotate(grad_q, grad_k, ctx.a, b, *options, not inverse)
+        return None, *grads, None, None, *(None,) * len(ctx.options)
 
 
-def rope_qk(q: Tensor, k: Tensor, positions: Tensor, *, theta: float = 10000.0, style: str = "neox",
-            rotary_dim: Optional[int] = None, cos_sin_cache: Optional[Tensor] = None,
-            inverse: bool = False) -> tuple[Tensor, Tensor]:
-    """Differentiable RoPE of q and k (out of place). On CUDA both are rotated in one launch, forward
-    and backward; under torch.compile and on the CPU each goes through ``rope``."""
+def rope_qk(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, *, theta: float = 10000.0, style: str = "neox",
+            rotary_dim: Optional[int] = None, cos_sin_cache: Optional[Tensor] = None, inverse: bool = False,
+            cu_seqlens: Optional[Tensor] = None, seqlen_offsets: Optional[Tensor] = None,
+            mrope_section: Optional[list] = None, mrope_interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    """Differentiable RoPE of q and k (out of place; M-RoPE and varlen as in cupyrope.rope). On CUDA both are
+    rotated in one launch, forward and backward; under torch.compile and on the CPU each goes through ``rope``."""
+    where = _where(positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved)
+    options = dict(theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, inverse=inverse,
+                   **_where_options(where))
     if _compiling():
-        options = dict(theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, inverse=inverse)
-        return rope(q, positions, **options), rope(k, positions, **options)
+        return rope(q, where[0], **options), rope(k, where[0], **options)
     if not q.is_cuda:
-        _check_rope_qk_cpu(q, k, positions, theta, style, rotary_dim, cos_sin_cache, inverse)  # as the GPU path
-        options = dict(theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, inverse=inverse)
-        return rope(q, positions, **options), rope(k, positions, **options)
+        _check_rope_qk_cpu(q, k, where, theta, style, rotary_dim, cos_sin_cache, inverse)  # as the GPU path
+        return rope(q, where[0], **options), rope(k, where[0], **options)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _RotateQK.apply(_rope_qk_new, q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
-    return _rope_qk_new(q, k, positions, cos_sin_cache, theta, style, rotary_dim, inverse)
+        return _RotateQK.apply(_rope_qk_new, q, k, where, cos_sin_cache, theta, style, rotary_dim, inverse)
+    return _rope_qk_new(q, k, where, cos_sin_cache, theta, style, rotary_dim, inverse)
 
 
 @torch.library.custom_op("cupyrope::rope_qk_", mutates_args=("q", "k"), device_types=("cuda", "cpu"))
-def _rope_qk_inplace_op(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Optional[Tensor], theta: float,
-                        style: str, rotary_dim: Optional[int]) -> None:
-    _rope_qk_inplace_any(q, k, positions, theta, style, rotary_dim, cos_sin_cache)
+def _rope_qk_inplace_op(q: Tensor, k: Tensor, positions: Optional[Tensor], cos_sin_cache: Optional[Tensor],
+                        theta: float, style: str, rotary_dim: Optional[int], cu_seqlens: Optional[Tensor],
+                        seqlen_offsets: Optional[Tensor], mrope_section: Optional[List[int]],
+                        mrope_interleaved: bool) -> None:
+    where = (positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved)
+    _rope_qk_inplace_any(q, k, where, theta, style, rotary_dim, cos_sin_cache)
 
 
-def _rope_qk_inplace_any(q, k, positions, theta, style, rotary_dim, cos_sin_cache):
+def _rope_qk_inplace_any(q, k, where, theta, style, rotary_dim, cos_sin_cache):
     if not q.is_cuda:
-        rotary_dim = _check_rope_qk_cpu(q, k, positions, theta, style, rotary_dim, cos_sin_cache, False)
+        rotary_dim, source = _check_rope_qk_cpu(q, k, where, theta, style, rotary_dim, cos_sin_cache, False)
         _rope_checks.check_qk_outputs(_host(q, "q"), _host(k, "k"), None, None)  # in place: q and k are written
         for t in (q, k):
-            t.copy_(_rope_formula(t, positions, theta, style, rotary_dim, cos_sin_cache, False))
+            t.copy_(_rope_formula(t, where, source, theta, style, rotary_dim, cos_sin_cache, False))
     else:
-        _rope_qk(q, k, positions, theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache)
+        _rope_qk(q, k, where[0], theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache,
+                 **_where_options(where))
 
 
 @_rope_qk_inplace_op.register_fake
-def _(q, k, positions, cos_sin_cache, theta, style, rotary_dim):
+def _(q, k, positions, cos_sin_cache, theta, style, rotary_dim, *where):
     return None
 
 
-def rope_qk_(q: Tensor, k: Tensor, positions: Tensor, *, theta: float = 10000.0, style: str = "neox",
-             rotary_dim: Optional[int] = None, cos_sin_cache: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def rope_qk_(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, *, theta: float = 10000.0,
+             style: str = "neox", rotary_dim: Optional[int] = None, cos_sin_cache: Optional[Tensor] = None,
+             cu_seqlens: Optional[Tensor] = None, seqlen_offsets: Optional[Tensor] = None,
+             mrope_section: Optional[list] = None, mrope_interleaved: bool = False) -> tuple[Tensor, Tensor]:
     """In-place RoPE of q and k in one launch (inference/serving; not differentiable)."""
+    where = _where(positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved)
     if _compiling():
-        _rope_qk_inplace_op(q, k, positions, cos_sin_cache, theta, style, rotary_dim)
+        _rope_qk_inplace_op(q, k, where[0], cos_sin_cache, theta, style, rotary_dim, *where[1:])
     else:
-        _rope_qk_inplace_any(q, k, positions, theta, style, rotary_dim, cos_sin_cache)
+        _rope_qk_inplace_any(q, k, where, theta, style, rotary_dim, cos_sin_cache)
     return q, k
 
 
@@ -426,6 +476,167 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor], ep
     return x, residual
 
 
+# -------------------------------------------------------------------------------------- QK-norm + RoPE
+
+
+def _qk_norm_rope_cpu(q, k, q_weight, k_weight, where, eps, offset, theta, style, rotary_dim, cos_sin_cache):
+    """qk_norm_rope() on CPU tensors: its checks, then RMSNorm per head in fp32, rounded to q's dtype, and the
+    rotation."""
+    rotary_dim, _, source = _qk_norm_checks.check_qk_norm_rope(
+        _host(q, "q"), _host(k, "k"), _optional_host(q_weight, "q_weight"), _optional_host(k_weight, "k_weight"),
+        _optional_host(where[0], "positions"), _optional_host(cos_sin_cache, "cos_sin_cache"), eps=eps,
+        offset=offset, theta=theta, style=style, rotary_dim=rotary_dim, impl="auto", **_where_hosts(where))
+    outputs = []
+    for x, w in ((q, q_weight), (k, k_weight)):
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (w.float() + offset)
+        outputs.append(_rope_formula(normed, where, source, theta, style, rotary_dim, cos_sin_cache, False).to(x.dtype))
+    return tuple(outputs)
+
+
+def _qk_norm_rope_any(q, k, q_weight, k_weight, where, eps, offset, theta, style, rotary_dim, cos_sin_cache):
+    if not q.is_cuda:
+        return _qk_norm_rope_cpu(q, k, q_weight, k_weight, where, eps, offset, theta, style, rotary_dim,
+                                 cos_sin_cache)
+    return _qk_norm_rope(_contiguous_last(q), _contiguous_last(k), q_weight, k_weight, where[0], eps=eps,
+                         offset=offset, theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache,
+                         out="new", **_where_options(where))
+
+
+def _qk_norm_rope_backward_any(dq, dk, q, k, q_weight, k_weight, where, eps, offset, theta, style, rotary_dim,
+                               cos_sin_cache):
+    if not q.is_cuda:  # autograd through the CPU formula
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (q, k, q_weight, k_weight)]
+            outputs = _qk_norm_rope_cpu(*inputs, where, eps, offset, theta, style, rotary_dim, cos_sin_cache)
+            return torch.autograd.grad(outputs, inputs, (dq, dk))
+    return _qk_norm_rope_backward(_contiguous_last(dq), _contiguous_last(dk), _contiguous_last(q), _contiguous_last(k),
+                                  q_weight, k_weight, where[0], eps=eps, offset=offset, theta=theta, style=style,
+                                  rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, **_where_options(where))
+
+
+@torch.library.custom_op("cupyrope::qk_norm_rope", mutates_args=(), device_types=("cuda", "cpu"))
+def _qk_norm_rope_op(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
+                     eps: float, offset: float, theta: float, style: str, rotary_dim: Optional[int],
+                     cos_sin_cache: Optional[Tensor], cu_seqlens: Optional[Tensor], seqlen_offsets: Optional[Tensor],
+                     mrope_section: Optional[List[int]], mrope_interleaved: bool) -> tuple[Tensor, Tensor]:
+    where = (positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved)
+    return _qk_norm_rope_any(q, k, q_weight, k_weight, where, eps, offset, theta, style, rotary_dim, cos_sin_cache)
+
+
+@_qk_norm_rope_op.register_fake
+def _(q, k, *rest):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+
+@torch.library.custom_op("cupyrope::qk_norm_rope_backward", mutates_args=(), device_types=("cuda", "cpu"))
+def _qk_norm_rope_backward_op(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor,
+                              positions: Optional[Tensor], eps: float, offset: float, theta: float, style: str,
+                              rotary_dim: Optional[int], cos_sin_cache: Optional[Tensor],
+                              cu_seqlens: Optional[Tensor], seqlen_offsets: Optional[Tensor],
+                              mrope_section: Optional[List[int]],
+                              mrope_interleaved: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    where = (positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved)
+    grads = _qk_norm_rope_backward_any(dq, dk, q, k, q_weight, k_weight, where, eps, offset, theta, style, rotary_dim,
+                                       cos_sin_cache)
+    return tuple(g.clone() if g._base is not None else g for g in grads)  # ops return no views of their outputs
+
+
+@_qk_norm_rope_backward_op.register_fake
+def _(dq, dk, q, k, q_weight, k_weight, *rest):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format), torch.empty_like(q_weight),
+            torch.empty_like(k_weight))
+
+
+def _qk_norm_rope_setup(ctx, inputs, output):
+    q, k, q_weight, k_weight, positions, *options = inputs
+    ctx.save_for_backward(q, k, q_weight, k_weight, positions)
+    ctx.options = options
+
+
+def _qk_norm_rope_grad(ctx, grad_q, grad_k):
+    q, k, q_weight, k_weight, positions = ctx.saved_tensors
+    grads = _qk_norm_rope_backward_op(grad_q, grad_k, q, k, q_weight, k_weight, positions, *ctx.options)
+    return *grads, *(None,) * 11
+
+
+_qk_norm_rope_op.register_autograd(_qk_norm_rope_grad, setup_context=_qk_norm_rope_setup)
+
+
+class _QKNormRopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, where, *options):
+        ctx.save_for_backward(q, k, q_weight, k_weight)
+        ctx.where, ctx.options = where, options
+        return _qk_norm_rope_any(q, k, q_weight, k_weight, where, *options)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        q, k, q_weight, k_weight = ctx.saved_tensors
+        grads = _qk_norm_rope_backward_any(grad_q, grad_k, q, k, q_weight, k_weight, ctx.where, *ctx.options)
+        return *(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad)), None, *(None,) * 6
+
+
+def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor] = None, *,
+                 eps: float = 1e-6, offset: float = 0.0, theta: float = 10000.0, style: str = "neox",
+                 rotary_dim: Optional[int] = None, cos_sin_cache: Optional[Tensor] = None,
+                 cu_seqlens: Optional[Tensor] = None, seqlen_offsets: Optional[Tensor] = None,
+                 mrope_section: Optional[list] = None, mrope_interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    """Differentiable, torch.compile-able ``cupyrope.qk_norm_rope`` (out of place): one launch forward, one (plus
+    the weights' reduction) backward, with gradients for q, k, q_weight and k_weight (the weights' reduced in a
+    fixed order)."""
+    where = _where(positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved)
+    options = (eps, offset, theta, style, rotary_dim, cos_sin_cache)
+    if _compiling():
+        return _qk_norm_rope_op(q, k, q_weight, k_weight, where[0], *options, *where[1:])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_weight, k_weight)):
+        return _QKNormRopeFunction.apply(q, k, q_weight, k_weight, where, *options)
+    return _qk_norm_rope_any(q, k, q_weight, k_weight, where, *options)
+
+
+@torch.library.custom_op("cupyrope::qk_norm_rope_", mutates_args=("q", "k"), device_types=("cuda", "cpu"))
+def _qk_norm_rope_inplace_op(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
+                             eps: float, offset: float, theta: float, style: str, rotary_dim: Optional[int],
+                             cos_sin_cache: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                             seqlen_offsets: Optional[Tensor], mrope_section: Optional[List[int]],
+                             mrope_interleaved: bool) -> None:
+    where = (positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved)
+    _qk_norm_rope_inplace_any(q, k, q_weight, k_weight, where, eps, offset, theta, style, rotary_dim, cos_sin_cache)
+
+
+def _qk_norm_rope_inplace_any(q, k, q_weight, k_weight, where, eps, offset, theta, style, rotary_dim, cos_sin_cache):
+    if not q.is_cuda:
+        _rope_checks.check_qk_outputs(_host(q, "q"), _host(k, "k"), None, None)  # in place: q and k are written
+        q_out, k_out = _qk_norm_rope_cpu(q, k, q_weight, k_weight, where, eps, offset, theta, style, rotary_dim,
+                                         cos_sin_cache)
+        q.copy_(q_out)
+        k.copy_(k_out)
+    else:
+        _qk_norm_rope(q, k, q_weight, k_weight, where[0], eps=eps, offset=offset, theta=theta, style=style,
+                      rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, **_where_options(where))
+
+
+@_qk_norm_rope_inplace_op.register_fake
+def _(q, k, *rest):
+    return None
+
+
+def qk_norm_rope_(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor] = None, *,
+                  eps: float = 1e-6, offset: float = 0.0, theta: float = 10000.0, style: str = "neox",
+                  rotary_dim: Optional[int] = None, cos_sin_cache: Optional[Tensor] = None,
+                  cu_seqlens: Optional[Tensor] = None, seqlen_offsets: Optional[Tensor] = None,
+                  mrope_section: Optional[list] = None, mrope_interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    """In-place QK-norm + RoPE of q and k in one launch (inference/serving; not differentiable)."""
+    where = _where(positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved)
+    options = (eps, offset, theta, style, rotary_dim, cos_sin_cache)
+    if _compiling():
+        _qk_norm_rope_inplace_op(q, k, q_weight, k_weight, where[0], *options, *where[1:])
+    else:
+        _qk_norm_rope_inplace_any(q, k, q_weight, k_weight, where, *options)
+    return q, k
+
+
 # ------------------------------------------------------------------------------------------- modules
 
 
@@ -461,7 +672,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float = 10000.0, style: str = "neox",
                  rotary_dim: Optional[int] = None, use_cache: Optional[bool] = None, scaling: Optional[dict] = None,
-                 device=None):
+                 mrope_section: Optional[list] = None, mrope_interleaved: bool = False, device=None):
         super().__init__()
         if not _checks.is_int(head_dim) or head_dim < 2:
             raise ValueError(f"head_dim: expected an int >= 2, got {head_dim!r}")
@@ -473,6 +684,9 @@ class RotaryEmbedding(nn.Module):
         self.theta = float(theta)
         self.style = style
         self.rotary_dim = _rope_checks.check_rotary_dim(rotary_dim, head_dim)
+        section = _rope_checks.check_mrope_section(mrope_section, mrope_interleaved, self.rotary_dim)
+        self.mrope_section = None if section is None else list(section)
+        self.mrope_interleaved = bool(mrope_interleaved)
         self.scaling = None if _rope_scaling.check_scaling(scaling, self.theta) == "default" else dict(scaling)
         if self.scaling is not None and use_cache is False:
             raise ValueError("use_cache: scaled RoPE (scaling=...) needs the cos/sin table; leave use_cache unset")
@@ -485,33 +699,75 @@ class RotaryEmbedding(nn.Module):
     @classmethod
     def from_hf_config(cls, config, max_position: Optional[int] = None, device=None) -> "RotaryEmbedding":
         """The RoPE of a Hugging Face model config (transformers 4's rope_theta / rope_scaling /
-        partial_rotary_factor, or 5's rope_parameters), NeoX style (rotate_half, as in transformers).
+        partial_rotary_factor, or 5's rope_parameters), NeoX style (rotate_half, as in transformers), M-RoPE's
+        mrope_section and mrope_interleaved included (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: positions (3, ...) then).
         max_position defaults to the config's max_position_embeddings."""
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         if any(isinstance(value, dict) for value in params.values()):
             raise ValueError("config: per-layer rope_parameters (one dict per layer type) are not supported; "
                              "build one RotaryEmbedding per layer type")
-        if "mrope_section" in params or params.get("rope_type", params.get("type")) == "mrope":
-            raise ValueError("config: multimodal RoPE (mrope_section) takes each frequency's position from one of "
-                             "three rows (time, height, width); RotaryEmbedding takes one position per token. For "
-                             "a loaded model use cupyrope.dropin.patch_transformers, which keeps the model's own "
-                             "cos/sin")
+        mrope = {key: params[key] for key in MROPE_KEYS if key in params}
+        params = {key: value for key, value in params.items() if key not in MROPE_KEYS}
+        if params.get("rope_type", params.get("type")) == "mrope":  # transformers' older name of default M-RoPE
+            params = {key: value for key, value in params.items() if key not in ("rope_type", "type")}
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
         return cls(head_dim, max_position or config.max_position_embeddings, theta=theta,
-                   rotary_dim=int(head_dim * partial), scaling=params or None, device=device)
+                   rotary_dim=int(head_dim * partial), scaling=params or None, device=device, **mrope)
 
-    def forward(self, q: Tensor, k: Tensor, positions: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor]:
-        options = dict(theta=self.theta, style=self.style, rotary_dim=self.rotary_dim, cos_sin_cache=self.cos_sin_cache)
+    def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inplace: bool = False, *,
+                cu_seqlens: Optional[Tensor] = None, seqlen_offsets: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """q, k rotated at positions ((3, ...) with M-RoPE), or at the positions of packed sequences
+        (cu_seqlens, seqlen_offsets)."""
+        options = self.rope_options(cu_seqlens, seqlen_offsets)
         if inplace:
             return rope_qk_(q, k, positions, **options)
         return rope_qk(q, k, positions, **options)
 
+    def rope_options(self, cu_seqlens=None, seqlen_offsets=None) -> dict:
+        """The keyword arguments of this embedding's rope calls."""
+        return dict(theta=self.theta, style=self.style, rotary_dim=self.rotary_dim, cos_sin_cache=self.cos_sin_cache,
+                    mrope_section=self.mrope_section, mrope_interleaved=self.mrope_interleaved, cu_seqlens=cu_seqlens,
+                    seqlen_offsets=seqlen_offsets)
+
     def extra_repr(self) -> str:
         scaling = "" if self.scaling is None else f", scaling={self.scaling}"
+        if self.mrope_section is not None:
+            scaling += f", mrope_section={self.mrope_section}, mrope_interleaved={self.mrope_interleaved}"
         return (f"head_dim={self.head_dim}, max_position={self.max_position}, theta={self.theta}, "
                 f"style={self.style!r}, rotary_dim={self.rotary_dim}{scaling}")
+
+
+class QKNormRotaryEmbedding(nn.Module):
+    """QK-norm + RoPE for an attention layer (Qwen3, Gemma 3, OLMo-style QK-norm): ``forward(q, k, positions)``
+    normalizes each head of q and k over head_dim (weights ``q_norm.weight`` and ``k_norm.weight``, the state-dict
+    keys of transformers' Qwen3 and Gemma 3 attention) and rotates them, in one launch (cupyrope.qk_norm_rope).
+    ``rotary``: the RotaryEmbedding (built from the same arguments, or from_hf_config's); offset=1.0 for Gemma's
+    (1 + w) weights."""
+
+    def __init__(self, head_dim: int, max_position: int, eps: float = 1e-6, offset: float = 0.0, *,
+                 rotary: Optional[RotaryEmbedding] = None, device=None, dtype=None, **rotary_options):
+        super().__init__()
+        self.q_norm = RMSNorm(head_dim, eps, offset, device=device, dtype=dtype)
+        self.k_norm = RMSNorm(head_dim, eps, offset, device=device, dtype=dtype)
+        self.rotary = rotary if rotary is not None else RotaryEmbedding(head_dim, max_position, device=device,
+                                                                         **rotary_options)
+
+    @classmethod
+    def from_hf_config(cls, config, max_position: Optional[int] = None, offset: float = 0.0, device=None,
+                       dtype=None) -> "QKNormRotaryEmbedding":
+        """The QK-norm (eps: the config's rms_norm_eps) and RoPE of a Hugging Face model config."""
+        rotary = RotaryEmbedding.from_hf_config(config, max_position, device=device)
+        return cls(rotary.head_dim, rotary.max_position, getattr(config, "rms_norm_eps", 1e-6), offset, rotary=rotary,
+                   device=device, dtype=dtype)
+
+    def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None, inplace: bool = False, *,
+                cu_seqlens: Optional[Tensor] = None, seqlen_offsets: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        options = dict(self.rotary.rope_options(cu_seqlens, seqlen_offsets), eps=self.q_norm.eps,
+                       offset=self.q_norm.offset)
+        function = qk_norm_rope_ if inplace else qk_norm_rope
+        return function(q, k, self.q_norm.weight, self.k_norm.weight, positions, **options)
 
 
 def rope_cache(max_position: int, rotary_dim: int, theta: float = 10000.0, *, scaling: Optional[dict] = None,

@@ -29,7 +29,7 @@ for step in $STEPS; do
       gpu_tests tests/rmsnorm/test_rmsnorm_backward_gpu.py > "$OUT/suite_rms_bwd.log" 2>&1 &
       timeout 560 python3 -m pytest -q tests/api/test_reliability_gpu.py -p no:cacheprovider > "$OUT/reliability.log" 2>&1 &
       timeout 300 python3 -m cupyrope check > "$OUT/check.log" 2>&1 &
-      timeout 560 bash tools/sanitize.sh "${SANITIZE:-decode or one_cluster or two_pass}" > "$OUT/sanitize.log" 2>&1 &
+      timeout 560 bash tools/sanitize.sh "${SANITIZE:-decode or one_cluster or two_pass or outside_every or mrope_matches or (backward_matches and bfloat16 and cupy)}" > "$OUT/sanitize.log" 2>&1 &
       wait
       for log in "$OUT"/suite_*.log "$OUT/reliability.log"; do echo "$(basename "$log"): $(tail -1 "$log")"; done
       grep -E "FAIL|passed" "$OUT/check.log" | tail -3

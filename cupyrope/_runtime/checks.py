@@ -8,7 +8,7 @@ what was received. Nothing here reads device memory.
 import math
 import numbers
 
-from .arrays import FLOAT_DTYPES, Array
+from .arrays import FLOAT_DTYPES, Array, merge_dims
 
 IMPLS = ("auto", "scalar", "vector")
 
@@ -101,12 +101,18 @@ def extent(array: Array) -> tuple[int, int]:
 
 
 def row_extent(array: Array):
-    """(outer stride in bytes, rows, extent of one outer row): lets interleaved views of one buffer (q and k
-    as column slices of a fused qkv tensor) be told apart from overlapping ones."""
-    if len(array.shape) < 2 or array.shape[0] < 2:
-        return None
-    inner = Array(None, array.kind, 0, array.dtype, array.shape[1:], array.strides[1:], array.device)
-    return array.strides[0] * array.itemsize, array.shape[0], extent(inner)
+    """(row stride in bytes, rows, extent of one row): lets interleaved views of one buffer (q and k as column
+    slices of a fused qkv tensor, (T, H, D) or (B, S, H, D)) be told apart from overlapping ones. The rows are the
+    most leading dimensions that form one evenly strided run."""
+    dims = [(n, (s,)) for n, s in zip(array.shape, array.strides) if n != 1]
+    for k in range(len(dims) - 1, 0, -1):
+        run = merge_dims(dims[:k])
+        if len(run) == 1 and run[0][0] >= 2:
+            rest = dims[k:]
+            inner = Array(None, array.kind, 0, array.dtype, [n for n, _ in rest], [s for _, (s,) in rest],
+                          array.device)
+            return run[0][1][0] * array.itemsize, run[0][0], extent(inner)
+    return None
 
 
 def layout_key(array: Array):

@@ -252,7 +252,17 @@ def test_rotary_embedding_refuses_what_it_cannot_do():
                                 rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6}})
     with pytest.raises(ValueError, match="config: per-layer rope_parameters"):
         ct.RotaryEmbedding.from_hf_config(per_layer)
-    # Qwen2-VL as transformers 4 (rope_scaling type "mrope") and 5 (mrope_section in rope_parameters) spell it.
+    with pytest.raises(ValueError, match=r"mrope_section: expected sections adding up to rotary_dim / 2 = 64"):
+        ct.RotaryEmbedding.from_hf_config(hf_config(5, mrope_section=[16, 24, 16]))
+
+
+def test_rotary_embedding_reads_mrope_configs():
+    """Qwen2-VL as transformers 4 (rope_scaling type "mrope") and 5 (mrope_section in rope_parameters) spell it,
+    and Qwen3-VL's interleaved sections."""
+    pytest.importorskip("torch")
+    ct = pytest.importorskip("cupyrope.torch")
     for config in (hf_config(4, type="mrope", mrope_section=[16, 24, 24]), hf_config(5, mrope_section=[16, 24, 24])):
-        with pytest.raises(ValueError, match=r"config: multimodal RoPE \(mrope_section\).*patch_transformers"):
-            ct.RotaryEmbedding.from_hf_config(config)
+        rotary = ct.RotaryEmbedding.from_hf_config(config)
+        assert rotary.mrope_section == [16, 24, 24] and not rotary.mrope_interleaved and rotary.scaling is None
+    qwen3_vl = ct.RotaryEmbedding.from_hf_config(hf_config(5, mrope_section=[24, 20, 20], mrope_interleaved=True))
+    assert qwen3_vl.mrope_section == [24, 20, 20] and qwen3_vl.mrope_interleaved

@@ -46,7 +46,7 @@ def test_ops_are_registered_with_fake_kernels():
     with FakeTensorMode():
         x = torch.empty(5, 4, 64, device="cuda", dtype=torch.bfloat16)
         pos = torch.empty(5, dtype=torch.int64, device="cuda")
-        y = torch.ops.cupyrope.rope(x, pos, None, 1e4, "neox", None, False)
+        y = torch.ops.cupyrope.rope(x, pos, None, 1e4, "neox", None, False, None, None, None, False)
         assert y.shape == x.shape and y.dtype == x.dtype and y.device.type == "cuda"
         out, rstd = torch.ops.cupyrope.rms_norm(x, torch.empty(64, device="cuda"), 1e-6, 0.0)
         assert out.shape == x.shape and rstd.shape == (5, 4) and rstd.dtype == torch.float32
@@ -86,7 +86,7 @@ def test_one_launch_q_k_gradient_is_the_inverse_rotation(source):
         def rotate(q, k, positions, cache, theta, style, rotary_dim, inverse):
             calls.append(inverse)
             return tuple(ct._rope_cpu(x.float(), positions, theta, style, rotary_dim, cache, inverse) for x in (q, k))
-        args = (pos, None, 1e4, "gptj", None)
+        args = (ct._where(pos), None, 1e4, "gptj", None)
     else:
         def rotate(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
             calls.append(inverse)
