@@ -350,6 +350,8 @@ def qk_norm_rope_providers(torch, backward):
     providers = {}
     compiled = torch.compile(lambda q, k, qw, kw, cos, sin, pos: _torch_qk_norm_rope(torch, q, k, qw, kw, cos, sin, pos))
     if backward:
+        # Graphs whose backward is run again (retain_graph) cannot donate their saved buffers.
+        torch._functorch.config.donated_buffer = False
         def ours(d):
             q, k = _qk_views(torch, d)
             return lambda: cupyrope.qk_norm_rope_backward(d["dq"], d["dk"], q, k, d["qw"], d["kw"], d["pos"])

@@ -1,6 +1,6 @@
 """``python -m cupyrope tune``: a launch profile measured on this GPU (ops/profiles.py).
 
-Each measured choice of the planners (a field of RopeChoices, ForwardChoices, BackwardChoices) has a few candidate
+Each measured choice of the planners (a field of RopeChoices, QkNormRopeChoices, ForwardChoices, BackwardChoices) has a few candidate
 values and a few workloads: the calls, by op, dtype and row size, whose plans the choice changes. Starting from the
 profile this GPU runs with now, the tuner takes the choices one at a time: it times every candidate on the choice's
 workloads and keeps the one with the lowest geometric mean time, where that beats the current value by more than
@@ -119,6 +119,31 @@ def rope_qk_workload(cupy, rng, tokens, dtype="bfloat16", cache=False, q_heads=3
     return Workload(f"rope_qk {dtype} {tokens}x({q_heads}+{kv_heads})x{head_dim} {source}", make)
 
 
+def qk_norm_rope_workload(cupy, rng, tokens, backward=False, q_heads=32, kv_heads=8, head_dim=128):
+    """Qwen3-8B's QK-norm + RoPE (q and k as views of a fused bf16 qkv buffer), or its backward."""
+    import cupyrope
+
+    def make():
+        nbytes = tokens * (q_heads + kv_heads) * head_dim * 2 * (3 if backward else 2)
+        weights = [_random(cupy, (head_dim,), "bfloat16", rng) for _ in range(2)]
+        calls = []
+        for _ in range(copies_for(nbytes)):
+            qkv = _random(cupy, (tokens, (q_heads + 2 * kv_heads) * head_dim), "bfloat16", rng)
+            q = qkv[:, : q_heads * head_dim].reshape(tokens, q_heads, head_dim)
+            k = qkv[:, q_heads * head_dim:(q_heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
+            positions = cupy.asarray(rng.integers(0, 8192, tokens))
+            if backward:
+                dq, dk = _random(cupy, q.shape, "bfloat16", rng), _random(cupy, k.shape, "bfloat16", rng)
+                calls.append(lambda q=q, k=k, p=positions, dq=dq, dk=dk:
+                             cupyrope.qk_norm_rope_backward(dq, dk, q, k, *weights, p))
+            else:
+                calls.append(lambda q=q, k=k, p=positions: cupyrope.qk_norm_rope(q, k, *weights, p))
+        return calls
+
+    return Workload(f"qk_norm_rope{' backward' if backward else ''} bf16 {tokens}x({q_heads}+{kv_heads})x{head_dim}",
+                    make)
+
+
 def rms_workload(cupy, rng, rows, hidden, dtype="bfloat16", op="forward", eager=False):
     import cupyrope
 
@@ -158,12 +183,16 @@ def choices_to_tune(cupy, rng):
     bwd_register = [rms_workload(cupy, rng, rows, hidden, dtype, "backward") for rows, hidden, dtype in
                     [(8192, 2048, "float32"), (8192, 1027, "bfloat16"), (4096, 8191, "float32")]]
     bwd_few = [rms_workload(cupy, rng, rows, 4096, "bfloat16", "backward", eager=True) for rows in (4, 16, 32)]
+    qk_forward = [qk_norm_rope_workload(cupy, rng, tokens) for tokens in (1024, 8192, 32768)]
+    qk_backward = [qk_norm_rope_workload(cupy, rng, tokens, backward=True) for tokens in (1024, 8192, 32768)]
     return [
         ("rope", "items_per_block", (256, 384, 512, 640, 896, 1280), rope_large + rope_mid),
         ("rope", "blocks_per_sm", (1, 2, 3, 4), rope_large + rope_mid),
         ("rope", "direct_max_tokens", (0, 16, 32, 64, 128), rope_small),
         ("rope", "direct_threads", (32, 64, 128, 256), rope_small),
         ("rope", "direct_with_cache", (False, True), rope_small_cached + rope_large[1:2]),
+        ("qk_norm_rope", "forward_threads_per_block", (256, 512, 1024, 2048, 4096), qk_forward),
+        ("qk_norm_rope", "backward_threads_per_block", (256, 512, 1024, 2048), qk_backward),
         ("rms_norm_forward", "small_row_bytes", (0, 2048, 4096, 8192), fwd_short),
         ("rms_norm_forward", "row_cache_max_bytes", (0, 32768, 65536, 98304, 131072), fwd_read_twice),
         ("rms_norm_forward", "split_min_row_bytes", (65536, 98304, 131072, 262144), fwd_long),

@@ -13,8 +13,13 @@
 
 namespace cupyrope {
 
+// Blocks an SM must hold (the register budget): the forward keeps two rows' loads in flight a thread, the backward
+// a row's dy and x (at 64 and 128 registers neither spills).
+constexpr int FORWARD_MIN_BLOCKS = 4;
+constexpr int BACKWARD_MIN_BLOCKS = 2;
+
 template <bool VEC>
-constexpr int MAX_ITEMS = VEC ? 2 : 4;  // qk_norm_rope_plan.py: max_items
+constexpr int MAX_ITEMS = VEC ? 1 : 4;  // qk_norm_rope_plan.py: MAX_ITEMS (registers: see the kernels)
 
 // One head row's items in one thread, in their storage type.
 template <typename T, int STYLE, bool VEC>
@@ -155,7 +160,7 @@ __device__ __forceinline__ float items_squares(const RopeParams& p, const HeadIt
 }
 
 template <typename T, typename W, typename C, typename P, int STYLE, bool VEC, bool CACHE>
-__global__ void __launch_bounds__(BLOCK_THREADS) qk_norm_rope_kernel(const RopeParams p) {
+__global__ void __launch_bounds__(BLOCK_THREADS, FORWARD_MIN_BLOCKS) qk_norm_rope_kernel(const RopeParams p) {
     wait_for_previous_grid();
     using Items = HeadItems<T, STYLE, VEC>;
     constexpr int E = Items::E, EC = Items::EC, F = Items::F, N = Items::N;
@@ -184,11 +189,16 @@ __global__ void __launch_bounds__(BLOCK_THREADS) qk_norm_rope_kernel(const RopeP
     __syncthreads();
     fill_cos_sin<C, P, CACHE>(p, count, bt, inv_freq, cos_sin);
     __syncthreads();
+    // Each pass loads the next pass's row before it computes its own: two rows' loads in flight a thread.
     for (unsigned warp_row = warp_first; warp_row < rows; warp_row += step, row += step) {
         const bool active = row < rows;
         const HeadRow hr = head_row(p, active ? row : 0);
         const Item it = head_of<T>(p, bt.offset[hr.t], hr.h, hr.t);
-        if (active && warp_row != warp_first) x.load(p, static_cast<const T*>(it.in), lane, G);
+        Items next;
+        if (row + step < rows) {
+            const HeadRow nr = head_row(p, row + step);
+            next.load(p, static_cast<const T*>(head_of<T>(p, bt.offset[nr.t], nr.h, nr.t).in), lane, G);
+        }
         const float rstd = row_rstd(p, items_squares(p, x, lane, G, active), G);
         const W* w = static_cast<const W*>(hr.is_q ? p.q_weight : p.k_weight);
 #pragma unroll
@@ -207,6 +217,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS) qk_norm_rope_kernel(const RopeP
             }
             store_head_item<T, STYLE, VEC, E, F, EC>(p, i, v1, v2, static_cast<T*>(it.out));
         }
+        x = next;
     }
 }
 
@@ -231,6 +242,23 @@ __device__ __forceinline__ void backward_item(const RopeParams& p, const HeadIte
     item_weights<W, STYLE, VEC, E, F, EC>(p, w, i, w1, w2);
 }
 
+// The backward's row `row` of the block (if any): dy from q_in / k_in, the forward's input from q_x / k_x.
+template <typename T, int STYLE, bool VEC>
+__device__ __forceinline__ void load_backward_row(const RopeParams& p, unsigned first, unsigned rows, unsigned row,
+                                                  unsigned lane, unsigned G, HeadItems<T, STYLE, VEC>& dy,
+                                                  HeadItems<T, STYLE, VEC>& x) {
+    if (row >= rows) return;
+    const HeadRow hr = head_row(p, row);
+    i64 t[3];
+    token_coords(p, first + hr.t, t);
+    const T* x_row = hr.is_q ? static_cast<const T*>(p.q_x) + offset_of(t, p.q_x_s) + hr.h * p.q_x_s[3]
+                             : static_cast<const T*>(p.k_x) + offset_of(t, p.k_x_s) + (hr.h - p.n_q_heads) * p.k_x_s[3];
+    const T* dy_row = hr.is_q ? static_cast<const T*>(p.q_in) + offset_of(t, p.q_in_s) + hr.h * p.q_in_s[3]
+                              : static_cast<const T*>(p.k_in) + offset_of(t, p.k_in_s) + (hr.h - p.n_q_heads) * p.k_in_s[3];
+    dy.load(p, dy_row, lane, G);
+    x.load(p, x_row, lane, G);
+}
+
 // The backward: dy in q_in / k_in, the forward's inputs in q_x / k_x, dx out in q_out / k_out. Per row:
 // g = the inverse rotation of dy, n = x * rstd, g_n = g * (w + offset), dx = rstd * (g_n - n * mean(g_n * n)),
 // and dw += g * n. The grid is at most the blocks the GPU holds at once; block b takes token chunks b,
@@ -238,7 +266,7 @@ __device__ __forceinline__ void backward_item(const RopeParams& p, const HeadIte
 // one thread only), then into partial[b] in group order; rms_norm_dw adds the partial rows in a fixed order.
 // Deterministic: every addition's order follows from the grid.
 template <typename T, typename W, typename C, typename P, int STYLE, bool VEC, bool CACHE>
-__global__ void __launch_bounds__(BLOCK_THREADS) qk_norm_rope_bwd_kernel(const RopeParams p) {
+__global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_rope_bwd_kernel(const RopeParams p) {
     wait_for_previous_grid();
     using Items = HeadItems<T, STYLE, VEC>;
     constexpr int E = Items::E, EC = Items::EC, F = Items::F, N = Items::N;
@@ -267,54 +295,50 @@ __global__ void __launch_bounds__(BLOCK_THREADS) qk_norm_rope_bwd_kernel(const R
         fill_cos_sin<C, P, CACHE>(p, count, bt, inv_freq, cos_sin);
         __syncthreads();
         unsigned row = threadIdx.x / G;
+        Items dy, x;  // this pass's row; the next pass's loads go out before this one's math
+        load_backward_row(p, first, rows, row, lane, G, dy, x);
         for (unsigned warp_row = warp_first; warp_row < rows; warp_row += step, row += step) {
             const bool active = row < rows;
             const HeadRow hr = head_row(p, active ? row : 0);
-            const Item it = head_of<T>(p, bt.offset[hr.t], hr.h, hr.t);  // dy in, dx out
-            Items dy, x;
-            if (active) {
-                i64 t[3];
-                token_coords(p, first + hr.t, t);
-                const T* x_row = hr.is_q ? static_cast<const T*>(p.q_x) + offset_of(t, p.q_x_s) + hr.h * p.q_x_s[3]
-                                         : static_cast<const T*>(p.k_x) + offset_of(t, p.k_x_s) +
-                                               (hr.h - p.n_q_heads) * p.k_x_s[3];
-                dy.load(p, static_cast<const T*>(it.in), lane, G);
-                x.load(p, x_row, lane, G);
-            }
+            Items next_dy, next_x;
+            load_backward_row(p, first, rows, row + step, lane, G, next_dy, next_x);
             const float rstd = row_rstd(p, items_squares(p, x, lane, G, active), G);
             const W* w = static_cast<const W*>(hr.is_q ? p.q_weight : p.k_weight);
             float* row_sums = my_sums + (hr.is_q ? 0 : p.head_dim);
+            float gw1[N][E], gw2[N][E], n1[N][E], n2[N][E];  // g * (w + offset) and n, item by item
             float dot = 0.f;
 #pragma unroll
             for (int m = 0; m < N; ++m) {
                 const unsigned i = lane + m * G;
                 if (!active || i >= lanes) continue;
-                float g1[E], g2[E], n1[E], n2[E], w1[E], w2[E];
-                backward_item<T, W, STYLE, VEC, E>(p, dy, x, m, i, rstd, w, cos_sin, hr.t, g1, g2, n1, n2, w1, w2);
+                float g1[E], g2[E], w1[E], w2[E];
+                backward_item<T, W, STYLE, VEC, E>(p, dy, x, m, i, rstd, w, cos_sin, hr.t, g1, g2, n1[m], n2[m], w1,
+                                                   w2);
                 i64 first1, first2;
                 item_features<STYLE, E, F, EC>(p, i, first1, first2);
                 const bool rotating = i < (unsigned)p.rot_lanes;
 #pragma unroll
                 for (int j = 0; j < E; ++j) {
-                    if (rotating || j < EC) row_sums[first1 + j] += g1[j] * n1[j];
-                    if (STYLE == NEOX && rotating) row_sums[first2 + j] += g2[j] * n2[j];
-                    dot += g1[j] * w1[j] * n1[j] + g2[j] * w2[j] * n2[j];
+                    if (rotating || j < EC) row_sums[first1 + j] += g1[j] * n1[m][j];
+                    if (STYLE == NEOX && rotating) row_sums[first2 + j] += g2[j] * n2[m][j];
+                    gw1[m][j] = g1[j] * w1[j], gw2[m][j] = g2[j] * w2[j];
+                    dot += gw1[m][j] * n1[m][j] + gw2[m][j] * n2[m][j];
                 }
             }
             const float mean_dot = lanes_sum(dot, (int)G) / (float)p.head_dim;
+            const Item it = head_of<T>(p, bt.offset[hr.t], hr.h, hr.t);  // dx out
 #pragma unroll
             for (int m = 0; m < N; ++m) {
                 const unsigned i = lane + m * G;
                 if (!active || i >= lanes) continue;
-                float g1[E], g2[E], n1[E], n2[E], w1[E], w2[E];
-                backward_item<T, W, STYLE, VEC, E>(p, dy, x, m, i, rstd, w, cos_sin, hr.t, g1, g2, n1, n2, w1, w2);
 #pragma unroll
                 for (int j = 0; j < E; ++j) {
-                    g1[j] = rstd * (g1[j] * w1[j] - n1[j] * mean_dot);
-                    g2[j] = rstd * (g2[j] * w2[j] - n2[j] * mean_dot);
+                    gw1[m][j] = rstd * (gw1[m][j] - n1[m][j] * mean_dot);
+                    gw2[m][j] = rstd * (gw2[m][j] - n2[m][j] * mean_dot);
                 }
-                store_head_item<T, STYLE, VEC, E, F, EC>(p, i, g1, g2, static_cast<T*>(it.out));
+                store_head_item<T, STYLE, VEC, E, F, EC>(p, i, gw1[m], gw2[m], static_cast<T*>(it.out));
             }
+            dy = next_dy, x = next_x;
         }
     }
     __syncthreads();

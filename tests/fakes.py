@@ -8,6 +8,7 @@ import numpy as np
 
 from cupyrope._runtime.device import GpuModel
 from cupyrope.ops.profiles import Profile
+from cupyrope.ops.qk_norm_rope_plan import QkNormRopeChoices
 from cupyrope.ops.rmsnorm_plan_backward import BackwardChoices
 from cupyrope.ops.rmsnorm_plan_forward import ForwardChoices
 from cupyrope.ops.rope_plan import RopeChoices
@@ -74,6 +75,7 @@ H100 = GpuModel("NVIDIA H100 80GB HBM3", "9.0", 132, 2619000, 5120)
 PLANNING_PROFILE = Profile(
     H100, RopeChoices(items_per_block=640, blocks_per_sm=2, direct_max_tokens=64, direct_with_cache=True,
                       direct_threads=64),
+    QkNormRopeChoices(forward_threads_per_block=1024, backward_threads_per_block=1024),
     ForwardChoices(small_row_bytes=4096, row_cache_max_bytes=65536, split_min_row_bytes=131072),
     BackwardChoices(long_row_bytes=8192, one_cluster_max_rows=32), source="tests/fakes.py")
 

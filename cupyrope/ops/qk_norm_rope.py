@@ -80,7 +80,8 @@ def _plan_forward_call(qa, ka, qwa, kwa, pa, ca, qo, ko, sa, soa, mode, _no_cach
 
 
 def _plan_forward(groups, *, weights, n_sm, choices, in_place, **options):
-    return plan_qk_norm_rope(groups, weights, n_sm=n_sm, choices=choices, **options)
+    profile = profiles.profile_for(groups[0][0].device)
+    return plan_qk_norm_rope(groups, weights, n_sm=n_sm, choices=profile.qk_norm_rope, rope_choices=choices, **options)
 
 
 def _plan_backward_call(dqa, dka, qa, ka, qwa, kwa, pa, ca, sa, soa, _no_cache, eps, offset, theta, style, rotary_dim,
@@ -96,8 +97,8 @@ def _plan_backward_call(dqa, dka, qa, ka, qwa, kwa, pa, ca, sa, soa, _no_cache, 
         dq_in, dk_in = (contiguous_like(a, a.shape, a.dtype) for a in (qa, ka))
         device = qa.device
         options = dict(positions=rows, cache=ca, style=style, rotary_dim=rotary_dim, theta=theta, eps=eps,
-                       offset=offset, impl=impl, n_sm=sm_count(device), choices=profiles.profile_for(device).rope,
-                       source=source, x_inputs=(qa, ka))
+                       offset=offset, impl=impl, n_sm=sm_count(device), choices=profiles.profile_for(device).qk_norm_rope,
+                       rope_choices=profiles.profile_for(device).rope, source=source, x_inputs=(qa, ka))
         draft = plan_qk_norm_rope([(dqa, dq_in), (dka, dk_in)], (qwa, kwa), resident_blocks=1, **options)
         kernel = get_kernel(SOURCE, draft.name, device)
         allow_shared_memory(kernel, draft.shared_mem)

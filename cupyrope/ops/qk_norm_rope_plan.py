@@ -6,15 +6,31 @@ block kernel; a head is a row of `group_threads` threads (a power of two up to a
 registers: rotating pairs, then the chunks past rotary_dim (normalized, not rotated).
 """
 
+import dataclasses
+
 from .._runtime.arrays import CTYPE, FLOAT_DTYPES, INDEX_DTYPES, ITEMSIZE
+from .._runtime.choices import choice
 from .rmsnorm_rows import next_pow2
 from .rope_plan import (BLOCK_THREADS, PLAIN, STYLES, NormFields, RopePlan, _vector_blockers,
                         block_tokens, cache_fields, canonical_layout, check_token_count, pack_params)
 
 SOURCE = "qk_norm_rope.cu"
-MAX_ITEMS = {True: 2, False: 4}  # items a thread, 16-byte and scalar (kernels_src/qk_norm_rope.cu: MAX_ITEMS)
+MAX_ITEMS = {True: 1, False: 4}  # items a thread, 16-byte and scalar (kernels_src/qk_norm_rope.cu: MAX_ITEMS)
 STATIC_SHARED_BYTES = 8 * 1024  # the kernels' BlockTokens and inverse frequencies
 SHARED_LIMIT = 48 * 1024  # what a block has without opting in
+
+
+@dataclasses.dataclass(frozen=True)
+class QkNormRopeChoices:
+    """QK-norm + RoPE's measured launch choices: a launch profile's "qk_norm_rope" section (ops/profiles.py).
+
+    forward_threads_per_block, backward_threads_per_block: the head rows' threads (rows x group_threads) a block of
+      the forward, and a token chunk of the backward, aims at: several passes of a block's threads, so each thread
+      has the next pass's row in flight while it computes its own, few enough to spread a call over the SMs.
+    """
+
+    forward_threads_per_block: int = choice(256, 8192)
+    backward_threads_per_block: int = choice(256, 8192)
 
 
 def kernel_name(dtype, weight_dtype, cache_dtype, pos_dtype, style, vectorized, use_cache, backward=False) -> str:
@@ -45,11 +61,12 @@ def head_lanes(head_dim: int, rotary_dim: int, style: str, elems: int, vectorize
 
 
 def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, theta, eps, offset, impl, n_sm,
-                      choices, source=PLAIN, x_inputs=None, resident_blocks=0) -> RopePlan:
+                      choices, rope_choices, source=PLAIN, x_inputs=None, resident_blocks=0) -> RopePlan:
     """groups: [(q input, q output), (k input, k output)] Arrays, checked; weights: (q_weight, k_weight).
     Backward (x_inputs: the forward's q and k): the inputs are the output gradients, the outputs dq and dk; the
     grid is at most resident_blocks (blocks the GPU holds at once), each walking the token chunks, and
-    plan.partial_rows is the partial sums' rows. n_sm and choices: the GPU's SMs and its profile's "rope" section."""
+    plan.partial_rows is the partial sums' rows. n_sm, choices (QkNormRopeChoices) and rope_choices (RopeChoices:
+    blocks_per_sm): the GPU's SMs and its launch profile."""
     backward = x_inputs is not None
     dtype, head_dim = groups[0][0].dtype, groups[0][0].shape[-1]
     tensors = [[inp, out] + ([x_inputs[g]] if backward else []) for g, (inp, out) in enumerate(groups)]
@@ -74,7 +91,9 @@ def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, t
                          f"{32 * MAX_ITEMS[vectorized]} items of a head, here {lanes})")
     n_tokens, n_q_heads, n_heads = layout.n_tokens, layout.heads[0], sum(layout.heads)
     check_token_count(n_tokens, n_heads, lanes)
-    tokens = block_tokens(n_tokens, n_heads * group, rotary_dim, n_sm, choices)
+    threads = choices.backward_threads_per_block if backward else choices.forward_threads_per_block
+    tokens = block_tokens(n_tokens, n_heads * group, rotary_dim, n_sm,
+                          dataclasses.replace(rope_choices, items_per_block=threads))
     shared = tokens * rotary_dim * 4
     if backward:
         sums = BLOCK_THREADS // group * 2 * head_dim * 4

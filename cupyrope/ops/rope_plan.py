@@ -123,7 +123,7 @@ def tensor_strides(layout, n_groups: int) -> list[tuple]:
 
 class RopePlan:
     __slots__ = ("name", "grid", "block", "shared_mem", "tail", "vectorized", "tokens_per_block", "lanes", "extents",
-                 "slot_names", "disjoint", "launch", "out_layouts", "new_output", "partial_rows", "dw_launch", "new_grads")
+                 "slot_names", "disjoint", "launch", "out_layouts", "new_output", "partial_rows", "dw_launch", "new_grads", "new_partial")
 
     def __init__(self, name, grid, block, shared_mem, tail, vectorized, tokens_per_block, lanes):
         self.name = name
