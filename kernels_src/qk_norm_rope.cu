@@ -13,10 +13,11 @@
 
 namespace cupyrope {
 
-// Blocks an SM must hold (the register budget): the forward keeps two rows' loads in flight a thread, the backward
-// a row's dy and x (at 64 and 128 registers neither spills).
+// Blocks an SM must hold (the register budget). The forward keeps two rows' loads in flight a thread (64 registers;
+// 3 blocks: 10% slower on an H200). The backward holds a row's dy and x at 80 registers: 3 blocks an SM with a
+// few spills measured 8% faster than 2 with the next row loaded ahead (117 registers), 4 blocks 10% slower.
 constexpr int FORWARD_MIN_BLOCKS = 4;
-constexpr int BACKWARD_MIN_BLOCKS = 2;
+constexpr int BACKWARD_MIN_BLOCKS = 3;
 
 template <bool VEC>
 constexpr int MAX_ITEMS = VEC ? 1 : 4;  // qk_norm_rope_plan.py: MAX_ITEMS (registers: see the kernels)
@@ -61,27 +62,37 @@ __device__ __forceinline__ void item_features(const RopeParams& p, unsigned i, i
     }
 }
 
-// (w + weight_offset) of the item's features, as v1 and v2 hold them.
-template <typename W, int STYLE, bool VEC, int E, int F, int EC>
-__device__ __forceinline__ void item_weights(const RopeParams& p, const W* w, unsigned i, float (&w1)[E],
+// (w + weight_offset) of the item's features, as v1 and v2 hold them, from the block's copy of a weight
+// (stage_weights).
+template <int STYLE, bool VEC, int E, int F, int EC>
+__device__ __forceinline__ void item_weights(const RopeParams& p, const float* w, unsigned i, float (&w1)[E],
                                              float (&w2)[E]) {
     i64 first1, first2;
     item_features<STYLE, E, F, EC>(p, i, first1, first2);
 #pragma unroll
     for (int j = 0; j < E; ++j) w1[j] = w2[j] = 0.f;
     if (i < (unsigned)p.rot_lanes) {
-        const Pack<W, E> a = load_pack<VEC, E>(w + first1);
+        const Pack<float, E> a = load_pack<VEC, E>(w + first1);
 #pragma unroll
-        for (int j = 0; j < E; ++j) w1[j] = to_float(a.v[j]) + p.weight_offset;
+        for (int j = 0; j < E; ++j) w1[j] = a.v[j];
         if constexpr (STYLE == NEOX) {
-            const Pack<W, E> b = load_pack<VEC, E>(w + first2);
+            const Pack<float, E> b = load_pack<VEC, E>(w + first2);
 #pragma unroll
-            for (int j = 0; j < E; ++j) w2[j] = to_float(b.v[j]) + p.weight_offset;
+            for (int j = 0; j < E; ++j) w2[j] = b.v[j];
         }
     } else {
-        const Pack<W, EC> a = load_pack<VEC, EC>(w + first1);
+        const Pack<float, EC> a = load_pack<VEC, EC>(w + first1);
 #pragma unroll
-        for (int j = 0; j < EC; ++j) w1[j] = to_float(a.v[j]) + p.weight_offset;
+        for (int j = 0; j < EC; ++j) w1[j] = a.v[j];
+    }
+}
+
+// The block's copy of q_weight + weight_offset, then k_weight's, as floats: [2 * head_dim].
+template <typename W>
+__device__ __forceinline__ void stage_weights(const RopeParams& p, float* weights) {
+    for (int j = threadIdx.x; j < 2 * p.head_dim; j += blockDim.x) {
+        const W* w = static_cast<const W*>(j < p.head_dim ? p.q_weight : p.k_weight);
+        weights[j] = to_float(w[j < p.head_dim ? j : j - p.head_dim]) + p.weight_offset;
     }
 }
 
@@ -129,7 +140,7 @@ struct HeadRow {
 
 __device__ __forceinline__ HeadRow head_row(const RopeParams& p, unsigned row) {
     const unsigned n_heads = (unsigned)p.n_heads;
-    const int t = (int)(row / n_heads);
+    const int t = (int)fast_div(row, p.div_lanes);  // qk_norm_rope_plan.py packs n_heads' divisor there
     const unsigned h = row - (unsigned)t * n_heads;
     return {t, h, h < (unsigned)p.n_q_heads};
 }
@@ -166,7 +177,8 @@ __global__ void __launch_bounds__(BLOCK_THREADS, FORWARD_MIN_BLOCKS) qk_norm_rop
     constexpr int E = Items::E, EC = Items::EC, F = Items::F, N = Items::N;
     __shared__ BlockTokens bt;
     __shared__ double inv_freq[CACHE ? 1 : MAX_ROTARY_DIM / 2];
-    extern __shared__ __align__(16) float cos_sin[];  // [tokens_per_block][rot_dim]
+    extern __shared__ __align__(16) float cos_sin[];  // [tokens_per_block][rot_dim], then the weights
+    float* weights = cos_sin + p.tokens_per_block * p.rot_dim;
 
     const unsigned first = blockIdx.x * (unsigned)p.tokens_per_block;
     const int count = (int)min((i64)p.tokens_per_block, p.n_tokens - first);
@@ -186,6 +198,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, FORWARD_MIN_BLOCKS) qk_norm_rop
     }
     if constexpr (!CACHE) fill_inv_freq(p, inv_freq);
     load_block_tokens<P>(p, first, count, bt);
+    stage_weights<W>(p, weights);
     __syncthreads();
     fill_cos_sin<C, P, CACHE>(p, count, bt, inv_freq, cos_sin);
     __syncthreads();
@@ -200,14 +213,14 @@ __global__ void __launch_bounds__(BLOCK_THREADS, FORWARD_MIN_BLOCKS) qk_norm_rop
             next.load(p, static_cast<const T*>(head_of<T>(p, bt.offset[nr.t], nr.h, nr.t).in), lane, G);
         }
         const float rstd = row_rstd(p, items_squares(p, x, lane, G, active), G);
-        const W* w = static_cast<const W*>(hr.is_q ? p.q_weight : p.k_weight);
+        const float* w = weights + (hr.is_q ? 0 : p.head_dim);
 #pragma unroll
         for (int m = 0; m < N; ++m) {
             const unsigned i = lane + m * G;
             if (!active || i >= lanes) continue;
             float v1[E], v2[E], w1[E], w2[E];
             item_floats<T, STYLE, VEC, E, EC>(p, x.x1[m], x.x2[m], i, v1, v2);
-            item_weights<W, STYLE, VEC, E, F, EC>(p, w, i, w1, w2);
+            item_weights<STYLE, VEC, E, F, EC>(p, w, i, w1, w2);
 #pragma unroll
             for (int j = 0; j < E; ++j) v1[j] = v1[j] * rstd * w1[j], v2[j] = v2[j] * rstd * w2[j];
             if (i < (unsigned)p.rot_lanes) {
@@ -223,10 +236,10 @@ __global__ void __launch_bounds__(BLOCK_THREADS, FORWARD_MIN_BLOCKS) qk_norm_rop
 
 // A backward item: g = the inverse rotation of dy (cos_sin holds -sin: the plan sets inverse), n = x * rstd, and
 // (w + offset), as item_floats lays them out.
-template <typename T, typename W, int STYLE, bool VEC, int E>
+template <typename T, int STYLE, bool VEC, int E>
 __device__ __forceinline__ void backward_item(const RopeParams& p, const HeadItems<T, STYLE, VEC>& dy,
                                               const HeadItems<T, STYLE, VEC>& x, int m, unsigned i, float rstd,
-                                              const W* w, const float* cos_sin, int t, float (&g1)[E], float (&g2)[E],
+                                              const float* w, const float* cos_sin, int t, float (&g1)[E], float (&g2)[E],
                                               float (&n1)[E], float (&n2)[E], float (&w1)[E], float (&w2)[E]) {
     using Items = HeadItems<T, STYLE, VEC>;
     constexpr int EC = Items::EC, F = Items::F;
@@ -239,7 +252,7 @@ __device__ __forceinline__ void backward_item(const RopeParams& p, const HeadIte
     item_floats<T, STYLE, VEC, E, EC>(p, x.x1[m], x.x2[m], i, n1, n2);
 #pragma unroll
     for (int j = 0; j < E; ++j) n1[j] *= rstd, n2[j] *= rstd;
-    item_weights<W, STYLE, VEC, E, F, EC>(p, w, i, w1, w2);
+    item_weights<STYLE, VEC, E, F, EC>(p, w, i, w1, w2);
 }
 
 // The backward's row `row` of the block (if any): dy from q_in / k_in, the forward's input from q_x / k_x.
@@ -272,15 +285,17 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
     constexpr int E = Items::E, EC = Items::EC, F = Items::F, N = Items::N;
     __shared__ BlockTokens bt;
     __shared__ double inv_freq[CACHE ? 1 : MAX_ROTARY_DIM / 2];
-    extern __shared__ __align__(16) float dynamic[];  // cos_sin [tokens_per_block][rot_dim], then the sums
+    extern __shared__ __align__(16) float dynamic[];  // cos_sin [tokens_per_block][rot_dim], weights, sums
     float* cos_sin = dynamic;
+    float* weights = cos_sin + p.tokens_per_block * p.rot_dim;
     const unsigned G = (unsigned)p.group_threads, lane = threadIdx.x & (G - 1);
     const unsigned step = blockDim.x / G, groups = step;
     const unsigned lanes = (unsigned)(p.rot_lanes + p.copy_lanes);
     const i64 width = 2 * p.head_dim;  // a group's sums: q's features, then k's
-    float* sums = dynamic + p.tokens_per_block * p.rot_dim;  // [groups][width]
+    float* sums = weights + width;  // [groups][width]
     float* my_sums = sums + (threadIdx.x / G) * width;
     for (i64 j = threadIdx.x; j < groups * width; j += blockDim.x) sums[j] = 0.f;
+    stage_weights<W>(p, weights);
     if constexpr (!CACHE) fill_inv_freq(p, inv_freq);
 
     const unsigned chunks = (unsigned)((p.n_tokens + p.tokens_per_block - 1) / p.tokens_per_block);
@@ -295,15 +310,13 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
         fill_cos_sin<C, P, CACHE>(p, count, bt, inv_freq, cos_sin);
         __syncthreads();
         unsigned row = threadIdx.x / G;
-        Items dy, x;  // this pass's row; the next pass's loads go out before this one's math
-        load_backward_row(p, first, rows, row, lane, G, dy, x);
         for (unsigned warp_row = warp_first; warp_row < rows; warp_row += step, row += step) {
             const bool active = row < rows;
             const HeadRow hr = head_row(p, active ? row : 0);
-            Items next_dy, next_x;
-            load_backward_row(p, first, rows, row + step, lane, G, next_dy, next_x);
+            Items dy, x;
+            load_backward_row(p, first, rows, row, lane, G, dy, x);
             const float rstd = row_rstd(p, items_squares(p, x, lane, G, active), G);
-            const W* w = static_cast<const W*>(hr.is_q ? p.q_weight : p.k_weight);
+            const float* w = weights + (hr.is_q ? 0 : p.head_dim);
             float* row_sums = my_sums + (hr.is_q ? 0 : p.head_dim);
             float gw1[N][E], gw2[N][E], n1[N][E], n2[N][E];  // g * (w + offset) and n, item by item
             float dot = 0.f;
@@ -312,7 +325,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
                 const unsigned i = lane + m * G;
                 if (!active || i >= lanes) continue;
                 float g1[E], g2[E], w1[E], w2[E];
-                backward_item<T, W, STYLE, VEC, E>(p, dy, x, m, i, rstd, w, cos_sin, hr.t, g1, g2, n1[m], n2[m], w1,
+                backward_item<T, STYLE, VEC, E>(p, dy, x, m, i, rstd, w, cos_sin, hr.t, g1, g2, n1[m], n2[m], w1,
                                                    w2);
                 i64 first1, first2;
                 item_features<STYLE, E, F, EC>(p, i, first1, first2);
@@ -338,7 +351,6 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
                 }
                 store_head_item<T, STYLE, VEC, E, F, EC>(p, i, gw1[m], gw2[m], static_cast<T*>(it.out));
             }
-            dy = next_dy, x = next_x;
         }
     }
     __syncthreads();

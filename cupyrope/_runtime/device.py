@@ -75,6 +75,7 @@ def resident_blocks(kernel, threads: int, shared_mem: int, device: int) -> int:
     cupy = import_cupy()
 
     with cupy.cuda.Device(device):
+        cupy.cuda.runtime.setDevice(device)  # binds the device's context in a thread that has none (autograd's)
         return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, shared_mem))
 
 

@@ -94,11 +94,11 @@ def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, t
     threads = choices.backward_threads_per_block if backward else choices.forward_threads_per_block
     tokens = block_tokens(n_tokens, n_heads * group, rotary_dim, n_sm,
                           dataclasses.replace(rope_choices, items_per_block=threads))
-    shared = tokens * rotary_dim * 4
+    staged = 2 * head_dim * 4  # the weights, as floats
     if backward:
-        sums = BLOCK_THREADS // group * 2 * head_dim * 4
-        tokens = max(1, min(tokens, (SHARED_LIMIT - STATIC_SHARED_BYTES - sums) // (rotary_dim * 4)))
-        shared = tokens * rotary_dim * 4 + sums
+        staged += BLOCK_THREADS // group * 2 * head_dim * 4  # the sums
+        tokens = max(1, min(tokens, (SHARED_LIMIT - STATIC_SHARED_BYTES - staged) // (rotary_dim * 4)))
+    shared = tokens * rotary_dim * 4 + staged
     chunks = -(-n_tokens // tokens)
     grid = max(1, min(chunks, resident_blocks)) if backward else max(1, chunks)
     strides = [(*layout.token_strides[i], layout.head_strides[i]) for i in range(len(layout.token_strides))]

@@ -92,11 +92,14 @@ class NormFields:
 def pack_params(layout, strides, source, *, direct, n_tokens, heads, lanes, tokens, cache_fields, rotary_dim,
                 theta, inverse, norm=NormFields()) -> bytes:
     """RopeParams after its pointers. strides: q in, q out, k in, k out (3 token dims, then heads, each); heads:
-    (q heads, all heads); lanes: (rotating, copying) a head."""
+    (q heads, all heads); lanes: (rotating, copying) a head. direct: the direct kernel's divisors (items a token,
+    the inner token dimensions, lanes a head); the qk_norm_rope kernels (norm given) take the heads' in the last."""
     rot_lanes, copy_lanes = lanes
     n_q_heads, n_heads = heads
     per_head = rot_lanes + copy_lanes
     divisors = (n_heads * per_head, layout.token_sizes[2], layout.token_sizes[1], per_head)
+    if norm.head_dim:
+        divisors, direct = (1, 1, 1, n_heads), True
     return _TAIL.pack(
         n_tokens, layout.token_sizes[1], layout.token_sizes[2],
         *layout.pos_strides,

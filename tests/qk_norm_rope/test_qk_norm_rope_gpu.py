@@ -284,11 +284,11 @@ def test_torch_gradients_match_float64_autograd(rng, case):
     out_q, out_k = ct.qk_norm_rope(q, k, qw, kw, positions, eps=1e-6, offset=0.0, **kwargs)
     gq, gk = torch.randn_like(out_q), torch.randn_like(out_k)
     torch.autograd.backward((out_q, out_k), (gq, gk))
-    # float64 autograd of the CPU formula
-    cpu = [t.detach().double().cpu().requires_grad_() for t in (q, k, qw, kw)]
+    # autograd of the CPU formula (float32 math, like the kernels)
+    cpu = [t.detach().cpu().requires_grad_() for t in (q, k, qw, kw)]
     cpu_kwargs = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
     ref_q, ref_k = ct.qk_norm_rope(*cpu, None if positions is None else positions.cpu(), **cpu_kwargs)
-    torch.autograd.backward((ref_q, ref_k), (gq.double().cpu(), gk.double().cpu()))
+    torch.autograd.backward((ref_q, ref_k), (gq.cpu(), gk.cpu()))
     np.testing.assert_allclose(out_q.detach().cpu().numpy(), ref_q.detach().numpy(), rtol=1e-5, atol=1e-5)
     grad_qkv = qkv.grad.cpu().numpy()
     np.testing.assert_allclose(grad_qkv[:, : hq * d].reshape(tokens, hq, d), cpu[0].grad.numpy(), rtol=1e-4, atol=1e-5)
