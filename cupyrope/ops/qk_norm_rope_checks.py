@@ -9,12 +9,13 @@ from .rope_plan import PositionSource
 
 def check_weights(q_weight: Array, k_weight: Array, q: Array) -> None:
     """One weight a head feature for q and for k: (head_dim,), float32 or q's dtype, both the same dtype."""
+    allowed = sorted({"float32", q.dtype})
     for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
         if weight is None:
             raise TypeError(f"{name}: expected an array of shape ({q.shape[-1]},), got None")
         checks.check_same_device(q, weight, "q", name)
-        if weight.dtype not in ("float32", q.dtype):
-            raise TypeError(f"{name}: expected dtype float32 or {q.dtype} (like q), got {weight.dtype}")
+        if weight.dtype not in allowed:
+            raise TypeError(f"{name}: expected dtype {' or '.join(allowed)} (like q), got {weight.dtype}")
         if weight.shape != (q.shape[-1],):
             raise ValueError(f"{name}: expected shape ({q.shape[-1]},) (head_dim), got {weight.shape}")
         checks.check_last_dim_contiguous(weight, name)

@@ -63,6 +63,53 @@ ROPE_CASES = [
     (lambda: cupyrope.rope_cache(10, 64, dtype="float64"), TypeError, "dtype"),
 ]
 
+Q, K = (6, 4, 64), (6, 2, 64)
+
+
+def qk_norm(**kw):
+    """qk_norm_rope on stand-ins: q, k of separate memory, fp32 weights of head_dim 64, positions (6,)."""
+    args = dict(q_weight=A((64,), ptr=2 << 44), k_weight=A((64,), ptr=3 << 44), positions=pos())
+    args.update(kw)
+    return cupyrope.qk_norm_rope(A(Q), A(K, ptr=1 << 44), **args)
+
+
+def cu(values=3, dtype="int32", **kw):
+    return A((values,), dtype, **kw)
+
+
+SOURCE_CASES = [
+    (lambda: cupyrope.rope(A(X), pos(), mrope_section=[8, 12, 12]), ValueError, r"positions: with mrope_section, expected shape \(3, ...\)"),
+    (lambda: cupyrope.rope(A(X), pos((2, 6)), mrope_section=[8, 12, 12]), ValueError, r"positions: with mrope_section, expected shape \(3, ...\)"),
+    (lambda: cupyrope.rope(A(X), pos((3, 6)), mrope_section=[8, 12, 8]), ValueError, "mrope_section: expected sections adding up to rotary_dim / 2 = 32"),
+    (lambda: cupyrope.rope(A(X), pos((3, 6)), mrope_section=[8, 24]), ValueError, "mrope_section: expected three ints"),
+    (lambda: cupyrope.rope(A(X), pos((3, 6)), mrope_section=[8, -4, 28]), ValueError, "mrope_section: expected three ints >= 0"),
+    (lambda: cupyrope.rope(A(X), pos((3, 5)), mrope_section=[8, 12, 12]), ValueError, "positions: shape"),
+    (lambda: cupyrope.rope(A(X), pos(), mrope_interleaved=True), ValueError, "mrope_interleaved: True needs mrope_section"),
+    (lambda: cupyrope.rope(A(X), cu_seqlens=cu(dtype="int64")), TypeError, "cu_seqlens: expected int32"),
+    (lambda: cupyrope.rope(A(X), cu_seqlens=cu(1)), ValueError, r"cu_seqlens: expected shape \(n_seqs \+ 1,\) with n_seqs >= 1"),
+    (lambda: cupyrope.rope(A(X), cu_seqlens=A((3,), "int32", strides=(2,))), ValueError, "cu_seqlens: expected a contiguous array"),
+    (lambda: cupyrope.rope(A(X), pos(), cu_seqlens=cu()), ValueError, "positions: pass either positions or cu_seqlens"),
+    (lambda: cupyrope.rope(A(X), pos((3, 6)), cu_seqlens=cu(), mrope_section=[8, 12, 12]), ValueError, "positions: pass either"),
+    (lambda: cupyrope.rope(A(X), cu_seqlens=cu(), mrope_section=[8, 12, 12]), ValueError, "mrope_section: M-RoPE takes positions"),
+    (lambda: cupyrope.rope(A(X), cu_seqlens=cu(), seqlen_offsets=A((3,), "int32")), ValueError, r"seqlen_offsets: expected shape \(2,\)"),
+    (lambda: cupyrope.rope(A(X), cu_seqlens=cu(), seqlen_offsets=A((2,), "float32")), TypeError, "seqlen_offsets: expected int32 or int64"),
+    (lambda: cupyrope.rope(A(X), pos(), seqlen_offsets=A((2,), "int32")), ValueError, "seqlen_offsets: only with cu_seqlens"),
+    (lambda: cupyrope.rope(A(X), cu_seqlens=cu(device=1)), ValueError, "cu_seqlens: expected a cupy array on cuda:0"),
+    (lambda: cupyrope.rope(A((64,)), cu_seqlens=cu()), ValueError, r"x: with cu_seqlens, expected shape \(tokens, ..., head_dim\)"),
+    (lambda: cupyrope.rope_qk(A(Q), A(K, ptr=1 << 44), cu_seqlens=cu(dtype="float32")), TypeError, "cu_seqlens: expected int32"),
+    (lambda: qk_norm(q_weight=A((32,), ptr=2 << 44)), ValueError, r"q_weight: expected shape \(64,\) \(head_dim\)"),
+    (lambda: qk_norm(k_weight=A((64,), "float16", ptr=3 << 44)), TypeError, r"k_weight: expected dtype float32 \(like q\), got float16"),
+    (lambda: qk_norm(q_weight=None), TypeError, "q_weight: expected a cupy.ndarray or a CUDA torch.Tensor, got NoneType"),
+    (lambda: qk_norm(eps=0.0), ValueError, "eps: expected a finite number > 0"),
+    (lambda: qk_norm(offset=float("inf")), ValueError, "offset"),
+    (lambda: qk_norm(positions=pos((3, 6)), mrope_section=[8, 12, 8]), ValueError, "mrope_section: expected sections adding up"),
+    (lambda: qk_norm(positions=pos(), mrope_section=[8, 12, 12]), ValueError, r"positions: with mrope_section, expected shape \(3, ...\)"),
+    (lambda: qk_norm(style="llama"), ValueError, "style: expected one of"),
+    (lambda: cupyrope.qk_norm_rope(A(Q), A(Q), A((64,), ptr=2 << 44), A((64,), ptr=3 << 44), pos()), ValueError, "k: overlaps q"),
+    (lambda: cupyrope.qk_norm_rope_backward(A(Q, ptr=4 << 44), A((6, 2, 32), ptr=5 << 44), A(Q), A(K, ptr=1 << 44), A((64,), ptr=2 << 44), A((64,), ptr=3 << 44), pos()), ValueError, r"dk: expected shape \(6, 2, 64\)"),
+    (lambda: cupyrope.qk_norm_rope_backward(A(Q, "float16", ptr=4 << 44), A(K, ptr=5 << 44), A(Q), A(K, ptr=1 << 44), A((64,), ptr=2 << 44), A((64,), ptr=3 << 44), pos()), TypeError, "dq: expected dtype float32"),
+]
+
 H = (7, 130)
 NORM_CASES = [
     (lambda: cupyrope.rms_norm(np.ones(H, np.float32)), TypeError, "x: .*NumPy"),
@@ -84,7 +131,7 @@ NORM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("call,error,message", ROPE_CASES + NORM_CASES)
+@pytest.mark.parametrize("call,error,message", ROPE_CASES + SOURCE_CASES + NORM_CASES)
 def test_bad_input_is_rejected_with_a_clear_message(call, error, message):
     with pytest.raises(error, match=message):
         call()
