@@ -13,9 +13,9 @@
 
 namespace cupyrope {
 
-// Blocks an SM must hold (the register budget). The forward keeps two rows' loads in flight a thread (64 registers;
-// 3 blocks: 10% slower on an H200). The backward holds a row's dy and x at 80 registers: 3 blocks an SM with a
-// few spills measured 8% faster than 2 with the next row loaded ahead (117 registers), 4 blocks 10% slower.
+// Blocks an SM must hold (the register budget), measured on an H200. The forward keeps two rows' loads in flight a
+// thread (64 registers; 3 blocks: 10% slower). The backward holds one row's dy and x: 3 blocks an SM (80 registers,
+// a few spills) beat 2 (with or without the next row loaded ahead) by 8-10%, and 4 (more spills) by 10%.
 constexpr int FORWARD_MIN_BLOCKS = 4;
 constexpr int BACKWARD_MIN_BLOCKS = 3;
 
@@ -275,8 +275,9 @@ __device__ __forceinline__ void load_backward_row(const RopeParams& p, unsigned 
 // The backward: dy in q_in / k_in, the forward's inputs in q_x / k_x, dx out in q_out / k_out. Per row:
 // g = the inverse rotation of dy, n = x * rstd, g_n = g * (w + offset), dx = rstd * (g_n - n * mean(g_n * n)),
 // and dw += g * n. The grid is at most the blocks the GPU holds at once; block b takes token chunks b,
-// b + gridDim.x, ... and adds its rows' g * n into shared sums, one per row group and feature (each written by
-// one thread only), then into partial[b] in group order; rms_norm_dw adds the partial rows in a fixed order.
+// b + gridDim.x, ... A thread adds its rows' g * n into shared slots of its own (a column of [SLOTS][blockDim.x]:
+// one per q or k, half of a pair, item and element; a warp's accesses hit 32 banks), then, once, into sums by row
+// group and feature, which go into partial[b] in group order; rms_norm_dw adds the partial rows in a fixed order.
 // Deterministic: every addition's order follows from the grid.
 template <typename T, typename W, typename C, typename P, int STYLE, bool VEC, bool CACHE>
 __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_rope_bwd_kernel(const RopeParams p) {
@@ -292,9 +293,10 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
     const unsigned step = blockDim.x / G, groups = step;
     const unsigned lanes = (unsigned)(p.rot_lanes + p.copy_lanes);
     const i64 width = 2 * p.head_dim;  // a group's sums: q's features, then k's
-    float* sums = weights + width;  // [groups][width]
-    float* my_sums = sums + (threadIdx.x / G) * width;
-    for (i64 j = threadIdx.x; j < groups * width; j += blockDim.x) sums[j] = 0.f;
+    constexpr int HALVES = STYLE == NEOX ? 2 : 1, PER_HEAD = HALVES * N * E, SLOTS = 2 * PER_HEAD;
+    float* slots = weights + width;  // [SLOTS][blockDim.x]; after the rows, the sums [groups][width]
+#pragma unroll
+    for (int k = 0; k < SLOTS; ++k) slots[k * blockDim.x + threadIdx.x] = 0.f;
     stage_weights<W>(p, weights);
     if constexpr (!CACHE) fill_inv_freq(p, inv_freq);
 
@@ -317,7 +319,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
             load_backward_row(p, first, rows, row, lane, G, dy, x);
             const float rstd = row_rstd(p, items_squares(p, x, lane, G, active), G);
             const float* w = weights + (hr.is_q ? 0 : p.head_dim);
-            float* row_sums = my_sums + (hr.is_q ? 0 : p.head_dim);
+            float* my_slots = slots + (hr.is_q ? 0 : PER_HEAD) * blockDim.x + threadIdx.x;
             float gw1[N][E], gw2[N][E], n1[N][E], n2[N][E];  // g * (w + offset) and n, item by item
             float dot = 0.f;
 #pragma unroll
@@ -327,13 +329,10 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
                 float g1[E], g2[E], w1[E], w2[E];
                 backward_item<T, STYLE, VEC, E>(p, dy, x, m, i, rstd, w, cos_sin, hr.t, g1, g2, n1[m], n2[m], w1,
                                                    w2);
-                i64 first1, first2;
-                item_features<STYLE, E, F, EC>(p, i, first1, first2);
-                const bool rotating = i < (unsigned)p.rot_lanes;
 #pragma unroll
-                for (int j = 0; j < E; ++j) {
-                    if (rotating || j < EC) row_sums[first1 + j] += g1[j] * n1[m][j];
-                    if (STYLE == NEOX && rotating) row_sums[first2 + j] += g2[j] * n2[m][j];
+                for (int j = 0; j < E; ++j) {  // g and n are 0 where an item has no feature
+                    my_slots[(m * E + j) * blockDim.x] += g1[j] * n1[m][j];
+                    if constexpr (STYLE == NEOX) my_slots[((N + m) * E + j) * blockDim.x] += g2[j] * n2[m][j];
                     gw1[m][j] = g1[j] * w1[j], gw2[m][j] = g2[j] * w2[j];
                     dot += gw1[m][j] * n1[m][j] + gw2[m][j] * n2[m][j];
                 }
@@ -354,9 +353,32 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
         }
     }
     __syncthreads();
+    float mine[SLOTS];
+#pragma unroll
+    for (int k = 0; k < SLOTS; ++k) mine[k] = slots[k * blockDim.x + threadIdx.x];
+    __syncthreads();
+    float* sums = slots + (threadIdx.x / G) * width;  // this group's row of [groups][width]
+#pragma unroll
+    for (int m = 0; m < N; ++m) {  // every feature of a group is one of its threads' items
+        const unsigned i = lane + m * G;
+        if (i >= lanes) continue;
+        i64 first1, first2;
+        item_features<STYLE, E, F, EC>(p, i, first1, first2);
+        const bool rotating = i < (unsigned)p.rot_lanes;
+#pragma unroll
+        for (int kq = 0; kq < 2; ++kq) {
+#pragma unroll
+            for (int j = 0; j < E; ++j) {
+                if (rotating || j < EC) sums[kq * p.head_dim + first1 + j] = mine[kq * PER_HEAD + m * E + j];
+                if (STYLE == NEOX && rotating)
+                    sums[kq * p.head_dim + first2 + j] = mine[kq * PER_HEAD + (N + m) * E + j];
+            }
+        }
+    }
+    __syncthreads();
     for (i64 col = threadIdx.x; col < width; col += blockDim.x) {
         float total = 0.f;
-        for (unsigned g = 0; g < groups; ++g) total += sums[g * width + col];
+        for (unsigned g = 0; g < groups; ++g) total += slots[g * width + col];
         p.partial[blockIdx.x * width + col] = total;
     }
 }

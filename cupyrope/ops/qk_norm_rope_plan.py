@@ -95,8 +95,10 @@ def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, t
     tokens = block_tokens(n_tokens, n_heads * group, rotary_dim, n_sm,
                           dataclasses.replace(rope_choices, items_per_block=threads))
     staged = 2 * head_dim * 4  # the weights, as floats
-    if backward:
-        staged += BLOCK_THREADS // group * 2 * head_dim * 4  # the sums
+    if backward:  # each thread's weight-gradient slots, then the sums by row group and feature in the same place
+        halves = 2 if style == "neox" else 1
+        slots = 2 * halves * MAX_ITEMS[vectorized] * elems * BLOCK_THREADS
+        staged += 4 * max(slots, BLOCK_THREADS // group * 2 * head_dim)
         tokens = max(1, min(tokens, (SHARED_LIMIT - STATIC_SHARED_BYTES - staged) // (rotary_dim * 4)))
     shared = tokens * rotary_dim * 4 + staged
     chunks = -(-n_tokens // tokens)

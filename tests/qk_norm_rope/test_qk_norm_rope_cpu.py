@@ -133,7 +133,7 @@ def test_qwen3_fused_qkv_plans_16_byte_rows_of_8_threads():
     p = plan([(q, q), (k, k)], weights, arr((32768,), "int64", ptr=BASE + 2**38))
     assert p.name == "cupyrope::qk_norm_rope_kernel<__nv_bfloat16, __nv_bfloat16, float, long long, 0, true, false>"
     assert p.lanes == (8, 0) and p.block == (256, 1)
-    assert p.tokens_per_block == 1024 // (40 * 8)  # the profile's threads a block, over 40 heads of 8 threads
+    assert p.tokens_per_block == 1024 // (40 * 8)  # the (test) profile's threads a block, over 40 heads of 8 threads
     assert p.shared_mem == p.tokens_per_block * 128 * 4 + 2 * 128 * 4  # cos/sin rows, then both weights as floats
     f = fields(p)
     assert (f["n_tokens"], f["head_dim"], f["group_threads"], f["inverse"]) == (32768, 128, 8, 0)
