@@ -299,6 +299,14 @@ __device__ __forceinline__ Item head_of(const RopeParams& p, const i64 (&offset)
     return {in, out, t};
 }
 
+// (a, b) rotated by (c, s), each rounding explicit: a compiler free to fuse either product would round the same pair
+// differently in different kernels (the block and direct kernels must agree bit for bit: batch invariance).
+__device__ __forceinline__ void rotate_pair(float& a, float& b, float c, float s) {
+    const float x = a, y = b;
+    a = __fmaf_rn(x, c, -__fmul_rn(y, s));
+    b = __fmaf_rn(y, c, __fmul_rn(x, s));
+}
+
 // Rotates one item's pairs by (c, s): v1 holds features f0.. (NEOX: v2 those at f0 + half); GPTJ: v1 holds the
 // pairs of frequencies f0.. interleaved.
 template <int STYLE, int E, int F>
@@ -306,18 +314,10 @@ __device__ __forceinline__ void rotate_floats(float (&v1)[E], float (&v2)[E], co
                                               const Pack<float, F>& s) {
     if constexpr (STYLE == NEOX) {
 #pragma unroll
-        for (int i = 0; i < E; ++i) {
-            const float a = v1[i], b = v2[i];
-            v1[i] = a * c.v[i] - b * s.v[i];
-            v2[i] = b * c.v[i] + a * s.v[i];
-        }
+        for (int i = 0; i < E; ++i) rotate_pair(v1[i], v2[i], c.v[i], s.v[i]);
     } else {
 #pragma unroll
-        for (int i = 0; i < F; ++i) {
-            const float even = v1[2 * i], odd = v1[2 * i + 1];
-            v1[2 * i] = even * c.v[i] - odd * s.v[i];
-            v1[2 * i + 1] = odd * c.v[i] + even * s.v[i];
-        }
+        for (int i = 0; i < F; ++i) rotate_pair(v1[2 * i], v1[2 * i + 1], c.v[i], s.v[i]);
     }
 }
 
