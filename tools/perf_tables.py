@@ -1,9 +1,10 @@
 """The tables of docs/performance.md, from the JSON files of benchmark runs (no GPU needed).
 
 Usage: python tools/perf_tables.py RUN.json [RUN.json ...]
-(written by `python -m cupyrope bench [--full] [--op rope|rmsnorm] --json ...`; a file may hold either op or both).
-Prints markdown: the RoPE cases, the RMSNorm headline shapes, the [4, S, H] grids where the run has them (bold: the
-fastest), and every case where a peer is faster than cupyrope's fastest provider in GPU time.
+(written by `python -m cupyrope bench [--full] [--op rope|rmsnorm|qk_norm_rope] --json ...`; a file may hold any of
+the ops). Prints markdown: the RoPE cases, the RMSNorm headline shapes, the [4, S, H] grids where the run has them
+(bold: the fastest), the QK-norm + RoPE cases, and every case where a peer is faster than cupyrope's fastest provider
+in GPU time.
 """
 
 import collections
@@ -85,6 +86,21 @@ def grid(cases, op):
     print()
 
 
+QK_OPS = ("qk_norm_rope", "qk_norm_rope_bwd", "rope_qk_positions")
+
+
+def qk_table(data, cases):
+    """Every QK-norm + RoPE and position-source case, each provider on a row."""
+    print("| op | case | provider | GPU µs | eager µs | % of copy BW |")
+    print("|---|---|---|---|---|---|")
+    for (op, label), providers in cases.items():
+        if op not in QK_OPS:
+            continue
+        for i, (name, r) in enumerate(providers.items()):
+            first = f"{op} | {label}" if i == 0 else " | "
+            print(f"| {first} | {name} | {us(r['gpu_us'])} | {us(r['eager_us'])} | {percent(r, data['copy_gbps'])} |")
+
+
 def peers_ahead(cases, plain=False):
     """Cases where a peer's GPU time beats cupyrope's fastest provider (the drop-in counts as cupyrope's); plain:
     cupyrope's providers that launch plainly (no PDL) only, where the benchmark has them."""
@@ -95,8 +111,9 @@ def peers_ahead(cases, plain=False):
             if not mine:
                 continue
         ours = min(mine)
-        theirs = min((r["gpu_us"], p) for p, r in providers.items() if not p.startswith("cupyrope"))
-        if theirs < ours:
+        peers = [(r["gpu_us"], p) for p, r in providers.items() if not p.startswith("cupyrope")]
+        if peers and min(peers) < ours:
+            theirs = min(peers)
             print(f"- {op} {label}: {theirs[1]} {theirs[0]:.3f} µs against {ours[1]} {ours[0]:.3f}")
 
 
@@ -112,6 +129,9 @@ def main(paths):
             print()
             grid(cases, "rms_fwd")
             grid(cases, "rms_bwd")
+        if any(op in QK_OPS for op, _ in cases):
+            qk_table(data, cases)
+            print()
         print("Peers ahead in GPU time:")
         peers_ahead(cases)
         print("\nPeers ahead of cupyrope launched plainly (no PDL):")
