@@ -16,7 +16,7 @@ from torch import Tensor
 from . import torch as ct
 from .ops.rope import rope_ as _rope_inplace
 
-__all__ = ["apply_rotary_pos_emb", "rotary_embedding"]
+__all__ = ["apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb", "rotary_embedding"]
 
 COS_LAYOUTS = ("halves", "interleaved")
 
@@ -92,6 +92,24 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positio
         cos, sin = cos.contiguous(), sin.contiguous()
     freq_step = 1 if cos_layout == "halves" else 2
     return ct.rope_qk_cos_sin(q, k, cos, sin, rotary_dim=rotary_dim, freq_step=freq_step, style=style)
+
+
+def apply_multimodal_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, mrope_section,
+                                    unsqueeze_dim: int = 1):
+    """transformers 4's Qwen2-VL / Qwen2.5-VL ``apply_multimodal_rotary_pos_emb``: ``cos``/``sin`` (3, batch, seq,
+    rotary_dim) hold the time, height and width rows, and frequency section i (of ``mrope_section``, repeated for
+    the two halves) takes row i % 3. The sections are gathered into one per-token cos and sin (a copy of one head's
+    size), then rotated as ``apply_rotary_pos_emb`` does: one launch for q and k, out of place, differentiable."""
+    if not isinstance(cos, Tensor) or cos.dim() < 2 or cos.shape[0] != 3:
+        raise ValueError(f"cos: expected shape (3, ..., rotary_dim) (the time, height and width rows), got "
+                         f"{tuple(cos.shape) if isinstance(cos, Tensor) else type(cos).__name__}")
+    sections = list(mrope_section) * 2
+    if sum(sections) != cos.shape[-1]:
+        raise ValueError(f"mrope_section: expected sections adding up to rotary_dim / 2 = {cos.shape[-1] // 2}, got "
+                         f"{list(mrope_section)}")
+    cos, sin = (torch.cat([part[i % 3] for i, part in enumerate(t.split(sections, dim=-1))], dim=-1)
+                for t in (cos, sin))
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
 def rotary_embedding(positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int,

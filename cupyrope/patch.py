@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import torch as ct
-from .dropin import apply_rotary_pos_emb
+from .dropin import apply_multimodal_rotary_pos_emb, apply_rotary_pos_emb
 
 __all__ = ["patch_transformers"]
 
@@ -21,7 +21,8 @@ def patch_transformers(model: torch.nn.Module, *, rope: bool = True, rms_norm: b
     """Swap cupyrope into a loaded Hugging Face model, in place: each ``*RMSNorm`` submodule becomes a
     ``cupyrope.torch.RMSNorm`` sharing its weight, and the ``apply_rotary_pos_emb`` of each modeling
     module the model uses becomes ``apply_rotary_pos_emb`` above (for every model of that type in the
-    process, as Liger's patches do).
+    process, as Liger's patches do), and transformers 4's ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL) the
+    drop-in of that name.
 
     Nothing is swapped on trust: each candidate is first run on small random CPU inputs next to its
     replacement (RMSNorm: which of ``weight`` or ``1 + weight`` it scales by, with its own eps; RoPE: the
@@ -33,6 +34,7 @@ def patch_transformers(model: torch.nn.Module, *, rope: bool = True, rms_norm: b
         _swap_rms_norms(model, report)
     if rope:
         _patch_rope_functions(model, report)
+        _patch_multimodal_rope_functions(model, report)
     return report
 
 
@@ -90,12 +92,7 @@ def _close(got: Tensor, expected: Tensor) -> bool:
 
 
 def _patch_rope_functions(model, report) -> None:
-    modeling_modules = {}
-    for module in model.modules():
-        source = sys.modules.get(type(module).__module__)
-        if callable(getattr(source, "apply_rotary_pos_emb", None)):
-            modeling_modules[source.__name__] = source
-    for name, source in modeling_modules.items():
+    for name, source in _modeling_modules(model, "apply_rotary_pos_emb").items():
         original = source.apply_rotary_pos_emb
         if getattr(original, "func", None) is apply_rotary_pos_emb:
             continue  # patched already
@@ -110,6 +107,54 @@ def _patch_rope_functions(model, report) -> None:
             continue
         source.apply_rotary_pos_emb = functools.partial(apply_rotary_pos_emb, style=styles.pop(), cos_layout=layouts[0])
         report["rope"].append(name)
+
+
+def _patch_multimodal_rope_functions(model, report) -> None:
+    """transformers 4's ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL, Qwen2.5-VL), swapped where it gives the
+    drop-in's results on random inputs with the model's mrope_section."""
+    for name, source in _modeling_modules(model, "apply_multimodal_rotary_pos_emb").items():
+        original = source.apply_multimodal_rotary_pos_emb
+        if original is apply_multimodal_rotary_pos_emb:
+            continue  # patched already
+        try:
+            section = _mrope_section(getattr(model, "config", None))
+            g = torch.Generator().manual_seed(0)
+            rotary_dim = 2 * sum(section)
+            angles = torch.rand(3, 1, 16, rotary_dim // 2, generator=g) * 6.0
+            cos, sin = (torch.cat([t, t], -1) for t in (angles.cos(), angles.sin()))  # transformers' two halves
+            q, k = torch.randn(1, 4, 16, rotary_dim, generator=g), torch.randn(1, 2, 16, rotary_dim, generator=g)
+            try:
+                expected = original(q, k, cos, sin, section)
+            except Exception as error:
+                raise _Skip(f"it fails on (q, k, cos, sin, mrope_section) ({type(error).__name__})") from None
+            got = apply_multimodal_rotary_pos_emb(q, k, cos, sin, section)
+            if not (isinstance(expected, tuple) and len(expected) == 2 and all(map(_close, got, expected))):
+                raise _Skip("its results differ from cupyrope's M-RoPE (contiguous sections)")
+        except _Skip as why:
+            report["skipped"].append((f"{name}.apply_multimodal_rotary_pos_emb", str(why)))
+            continue
+        source.apply_multimodal_rotary_pos_emb = apply_multimodal_rotary_pos_emb
+        report["rope"].append(name)
+
+
+def _modeling_modules(model, function: str) -> dict:
+    """{name: module} of the modeling modules of the model's submodules that define ``function``."""
+    found = {}
+    for module in model.modules():
+        source = sys.modules.get(type(module).__module__)
+        if callable(getattr(source, function, None)):
+            found[source.__name__] = source
+    return found
+
+
+def _mrope_section(config) -> list:
+    """The model config's M-RoPE sections (its text config's rope_scaling or rope_parameters), or _Skip."""
+    for c in (config, getattr(config, "text_config", None)):
+        for key in ("rope_scaling", "rope_parameters"):
+            params = getattr(c, key, None) or {}
+            if isinstance(params, dict) and params.get("mrope_section"):
+                return list(params["mrope_section"])
+    raise _Skip("no mrope_section in the model's config")
 
 
 def _cos_sin_of(module, x, positions, layer_types) -> list[tuple[Tensor, Tensor]]:

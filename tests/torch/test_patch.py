@@ -273,3 +273,52 @@ def test_patch_transformers_on_gpu(name):
     # Two layers of fp32 ops whose summation orders differ (the kernels' reductions against torch's):
     # the kernels' own accuracy is tested op by op; here the model must agree to a few fp32 roundings.
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4 * float(before.abs().max()))
+
+
+def _hf4_multimodal(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """transformers 4's Qwen2-VL apply_multimodal_rotary_pos_emb."""
+    mrope_section = mrope_section * 2
+    cos = torch.cat([m[i % 3] for i, m in enumerate(cos.split(mrope_section, dim=-1))], dim=-1).unsqueeze(unsqueeze_dim)
+    sin = torch.cat([m[i % 3] for i, m in enumerate(sin.split(mrope_section, dim=-1))], dim=-1).unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _with_multimodal(module, model, function, section=(2, 3, 3)):
+    module.apply_multimodal_rotary_pos_emb = function
+    model.config = types.SimpleNamespace(rope_scaling={"type": "mrope", "mrope_section": list(section)})
+    return model
+
+
+def test_multimodal_dropin_is_transformers_4s(gen):
+    dropin = pytest.importorskip("cupyrope.dropin")
+    angles = torch.rand(3, 2, 7, 8, generator=gen) * 6
+    cos, sin = (torch.cat([t, t], -1) for t in (angles.cos(), angles.sin()))
+    q, k = torch.randn(2, 4, 7, 16, generator=gen), torch.randn(2, 2, 7, 16, generator=gen)
+    for got, expected in zip(dropin.apply_multimodal_rotary_pos_emb(q, k, cos, sin, [2, 3, 3]),
+                             _hf4_multimodal(q, k, cos, sin, [2, 3, 3])):
+        assert_close(got, expected, "float32")
+    with pytest.raises(ValueError, match=r"mrope_section: expected sections adding up to rotary_dim / 2 = 8"):
+        dropin.apply_multimodal_rotary_pos_emb(q, k, cos, sin, [2, 3, 2])
+
+
+def test_patch_transformers_swaps_a_matching_multimodal_rope(fake_model):
+    module, model = fake_model()
+    _with_multimodal(module, model, _hf4_multimodal)
+    report = patch.patch_transformers(model)
+    assert module.__name__ in report["rope"]
+    assert module.apply_multimodal_rotary_pos_emb is patch.apply_multimodal_rotary_pos_emb
+
+
+def test_patch_transformers_leaves_a_multimodal_rope_it_cannot_match(fake_model):
+    def interleaved(q, k, cos, sin, mrope_section, unsqueeze_dim=1):  # another assignment of the sections
+        return _hf4_multimodal(q, k, cos.flip(0), sin.flip(0), mrope_section, unsqueeze_dim)
+
+    module, model = fake_model()
+    _with_multimodal(module, model, interleaved)
+    report = patch.patch_transformers(model)
+    assert module.apply_multimodal_rotary_pos_emb is interleaved
+    assert any(name.endswith("apply_multimodal_rotary_pos_emb") and "differ" in why for name, why in report["skipped"])
+    module2, model2 = fake_model()
+    module2.apply_multimodal_rotary_pos_emb = _hf4_multimodal  # no mrope_section in a config
+    report = patch.patch_transformers(model2)
+    assert any("no mrope_section" in why for _, why in report["skipped"])
