@@ -1,7 +1,7 @@
 """python -m cupyrope check: every op on this GPU against the float64 references, over the paths the
 planners pick -- fp32/fp16/bf16; RoPE's direct and block kernels, one pair or 16 bytes a thread,
 in-kernel, cached and per-token (transformers') cos/sin, both styles, partial rotary, q and k in one
-launch; RMSNorm rows of 61 to 65536 elements (element-wise, shifted, vectorized, staged, read twice
+launch, M-RoPE and varlen positions; QK-norm + RoPE forward and backward; RMSNorm rows of 61 to 65536 elements (element-wise, shifted, vectorized, staged, read twice
 from shared memory, split over a cluster; small backward calls in one cluster), forward, fused add,
 backward -- with the test suite's tolerances (fp32 1e-5 relative, fp16/bf16 one rounding of the output).
 Outputs that can be passed in are filled with NaN first. On a GPU the test suite has not run on, run
@@ -90,6 +90,54 @@ def _rope_cos_sin_cases(xp, ops, rng, dtype, tables):
             yield f"rope_qk_cos_sin {dtype} {style} freq_step {freq_step} ({name})", xp.host(got), expected, dtype, 1.0
 
 
+def _position_source_cases(xp, ops, rng):
+    """rope with M-RoPE's three position rows (both assignments) and with varlen cu_seqlens (and offsets)."""
+    for dtype in DTYPES:
+        x = _random(rng, (40, 3, 128), dtype)
+        rows = rng.integers(0, 8192, (3, 40))
+        for interleaved, section in ((False, [16, 24, 24]), (True, [24, 20, 20])):
+            options = dict(mrope_section=section, mrope_interleaved=interleaved)
+            got = ops.rope(xp.asarray(x, dtype), xp.asarray(rows, "int64"), out=xp.nan(x.shape, dtype), **options)
+            yield (f"rope {dtype} M-RoPE {'interleaved' if interleaved else 'sections'}", xp.host(got),
+                   reference.rope(x, rows, **options), dtype, 1.0)
+        cu_seqlens, offsets = np.array([0, 7, 7, 33, 40], np.int32), rng.integers(0, 4096, 4)
+        got = ops.rope(xp.asarray(x, dtype), cu_seqlens=xp.asarray(cu_seqlens, "int32"),
+                       seqlen_offsets=xp.asarray(offsets, "int64"), out=xp.nan(x.shape, dtype))
+        expected = reference.rope(x, cu_seqlens=cu_seqlens, seqlen_offsets=offsets)
+        yield f"rope {dtype} varlen", xp.host(got), expected, dtype, 1.0
+
+
+def _qk_norm_rope_cases(xp, ops, rng):
+    """qk_norm_rope (Qwen3's head_dim 128 with 4 + 2 heads; partial rotary, GPT-J) and its backward."""
+    for dtype in DTYPES:
+        for style, rotary_dim, tokens in (("neox", None, 1), ("neox", None, 300), ("gptj", 64, 37)):
+            q, k = _random(rng, (tokens, 4, 128), dtype), _random(rng, (tokens, 2, 128), dtype)
+            qw, kw = (round_to(1 + 0.5 * rng.standard_normal(128), dtype) for _ in range(2))
+            positions = rng.integers(0, 32768, tokens)
+            options = dict(eps=1e-6, offset=0.5, style=style, rotary_dim=rotary_dim)
+            args = (xp.asarray(qw, dtype), xp.asarray(kw, dtype), xp.asarray(positions, "int64"))
+            outs = ops.qk_norm_rope(xp.asarray(q, dtype), xp.asarray(k, dtype), *args,
+                                    out=(xp.nan(q.shape, dtype), xp.nan(k.shape, dtype)), **options)
+            expected = reference.qk_norm_rope(q, k, qw, kw, positions, **options)
+            label = f"{dtype} {tokens} tokens {style}"
+            for name, got, ref in zip("qk", outs, expected):
+                yield f"qk_norm_rope {label} ({name})", xp.host(got), ref, dtype, 4.0
+            dq, dk = _random(rng, q.shape, dtype), _random(rng, k.shape, dtype)
+            grads = ops.qk_norm_rope_backward(xp.asarray(dq, dtype), xp.asarray(dk, dtype), xp.asarray(q, dtype),
+                                              xp.asarray(k, dtype), *args, **options)
+            expected = reference.qk_norm_rope_backward(dq, dk, q, k, qw, kw, positions, **options)
+            for name, got, ref, x, dy, w in (("dq", grads[0], expected[0], q, dq, qw),
+                                             ("dk", grads[1], expected[1], k, dk, kw)):
+                rstd = 1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+                yield (f"qk_norm_rope_backward {label} ({name})", xp.host(got), ref, dtype,
+                       4.0 * float(np.abs(dy).max() * np.abs(w + 0.5).max() * rstd.max()))
+            for name, got, ref, x, dy in (("dq_weight", grads[2], expected[2], q, dq),
+                                          ("dk_weight", grads[3], expected[3], k, dk)):
+                rstd = 1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+                terms = float((np.abs(dy).max() * np.abs(x) * rstd).reshape(-1, 128).sum(0).max())
+                yield f"qk_norm_rope_backward {label} ({name})", xp.host(got), ref, dtype, 4.0 * terms
+
+
 def _rms_norm_cases(xp, ops, rng):
     for dtype in DTYPES:
         # (5, 12 and 29 rows: one launch of one cluster of 8 or 16 blocks on sm_90+)
@@ -122,6 +170,8 @@ def _rms_norm_cases(xp, ops, rng):
 def cases(xp, ops, rng):
     """(name, output, float64 reference, dtype, scale) of every check."""
     yield from _rope_cases(xp, ops, rng)
+    yield from _position_source_cases(xp, ops, rng)
+    yield from _qk_norm_rope_cases(xp, ops, rng)
     yield from _rms_norm_cases(xp, ops, rng)
 
 

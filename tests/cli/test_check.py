@@ -37,9 +37,27 @@ def reference_ops(rope_style=None, skip_rows=0):
         return reference.rope(f64(x), np.asarray(positions), style=rope_style or style, rotary_dim=rotary_dim,
                               cos_sin_cache=f64(cos_sin_cache), inverse=inverse).astype(x.dtype)
 
-    def rope(x, positions, *, out, impl="auto", **options):
-        out[...] = rotate(x, positions, **options)
+    def rope(x, positions=None, *, out, impl="auto", cu_seqlens=None, seqlen_offsets=None, mrope_section=None,
+             mrope_interleaved=False, **options):
+        if cu_seqlens is None and mrope_section is None:
+            out[...] = rotate(x, positions, **options)
+        else:
+            out[...] = reference.rope(f64(x), positions, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
+                                      mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+                                      style=rope_style or options.get("style", "neox")).astype(x.dtype)
         return out
+
+    def qk_norm_rope(q, k, q_weight, k_weight, positions, *, out, style="neox", **options):
+        results = reference.qk_norm_rope(f64(q), f64(k), f64(q_weight), f64(k_weight), positions,
+                                         style=rope_style or style, **options)
+        for o, r in zip(out, results):
+            o[...] = r.astype(o.dtype)
+        return out
+
+    def qk_norm_rope_backward(dq, dk, q, k, q_weight, k_weight, positions, *, style="neox", **options):
+        grads = reference.qk_norm_rope_backward(f64(dq), f64(dk), f64(q), f64(k), f64(q_weight), f64(k_weight),
+                                                positions, style=rope_style or style, **options)
+        return tuple(g.astype(like.dtype) for g, like in zip(grads, (q, k, q_weight, k_weight)))
 
     def rope_qk(q, k, positions, impl="auto", **options):
         q[...], k[...] = rotate(q, positions, **options), rotate(k, positions, **options)
@@ -67,7 +85,8 @@ def reference_ops(rope_style=None, skip_rows=0):
         return dx.astype(x.dtype), dw.astype(w.dtype)
 
     return SimpleNamespace(rope=rope, rope_qk=rope_qk, rope_qk_cos_sin=rope_qk_cos_sin, rms_norm=rms_norm,
-                           fused_add_rms_norm=fused_add_rms_norm, rms_norm_backward=rms_norm_backward)
+                           fused_add_rms_norm=fused_add_rms_norm, rms_norm_backward=rms_norm_backward,
+                           qk_norm_rope=qk_norm_rope, qk_norm_rope_backward=qk_norm_rope_backward)
 
 
 def test_correct_ops_pass_every_check(capsys):
@@ -78,7 +97,9 @@ def test_correct_ops_pass_every_check(capsys):
     for what in ("rope float16 300 tokens gptj cache scalar", "rope bfloat16 decode 16-byte items",
                  "rope_qk float32 partial inverse (k)", "rope_qk_cos_sin bfloat16 gptj freq_step 2 (q)",
                  "rope_qk_cos_sin float16 neox freq_step 1 (k)", "rms_norm_backward bfloat16 [300, 1027] (dweight)",
-                 "fused_add_rms_norm float16 [64, 16384] (residual)"):
+                 "fused_add_rms_norm float16 [64, 16384] (residual)", "rope bfloat16 M-RoPE interleaved",
+                 "rope float16 varlen", "qk_norm_rope bfloat16 300 tokens neox (q)",
+                 "qk_norm_rope_backward float32 37 tokens gptj (dk_weight)"):
         assert any(line.startswith(f"ok   {what}:") for line in lines), what
     assert len(lines) > 100
 
