@@ -56,7 +56,7 @@ ROPE_CASES = [
     (lambda: cupyrope.rope_qk_cos_sin(A(X, "float16"), A(X, "float16", ptr=1 << 44), A((6, 1, 64), "bfloat16", ptr=2 << 44), A((6, 1, 64), "bfloat16", ptr=3 << 44)), TypeError, r"cos: expected dtype float16 or float32 \(like q\), got bfloat16"),
     (lambda: cupyrope.rope_qk_cos_sin(A(X), A(X, ptr=1 << 44), A((6, 1, 64), ptr=2 << 44), np.zeros((6, 1, 64))), TypeError, "sin: .*NumPy"),
     (lambda: cupyrope.rope_qk_cos_sin(A(X), A(X, ptr=1 << 44), A((6, 1, 64), ptr=2 << 44), None), TypeError, "sin: expected a cupy.ndarray or a CUDA torch.Tensor, got NoneType"),
-    (lambda: cupyrope.rope_qk(A(X), A(X, ptr=1 << 44), None), TypeError, "positions: expected an integer array \(int32 or int64\), got None"),
+    (lambda: cupyrope.rope_qk(A(X), A(X, ptr=1 << 44), None), TypeError, r"positions: expected an integer array \(int32 or int64\), got None"),
     (lambda: cupyrope.rope_qk_cos_sin(A(X), A(X, ptr=1 << 44), A((6, 1, 64), device=1), A((6, 1, 64), device=1)), ValueError, "cos: expected a cupy array on cuda:0"),
     (lambda: cupyrope.rope_cache(0, 64), ValueError, "max_position"),
     (lambda: cupyrope.rope_cache(10, 63), ValueError, "rotary_dim"),
