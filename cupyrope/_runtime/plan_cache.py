@@ -155,7 +155,25 @@ def _aligned_pointers_6(a):
     return None if (p0 | p1 | p2 | p3 | p4 | p5) & 15 else (p0, p1, p2, p3, p4, p5)
 
 
-_ALIGNED_POINTERS = {3: _aligned_pointers_3, 4: _aligned_pointers_4, 6: _aligned_pointers_6}
+def _aligned_pointers_8(a):
+    p0, p1, p2 = a[0].data_ptr(), 0 if a[1] is None else a[1].data_ptr(), 0 if a[2] is None else a[2].data_ptr()
+    p3, p4, p5 = (0 if a[3] is None else a[3].data_ptr(), 0 if a[4] is None else a[4].data_ptr(),
+                  0 if a[5] is None else a[5].data_ptr())
+    p6, p7 = 0 if a[6] is None else a[6].data_ptr(), 0 if a[7] is None else a[7].data_ptr()
+    return None if (p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7) & 15 else (p0, p1, p2, p3, p4, p5, p6, p7)
+
+
+def _aligned_pointers_10(a):
+    p0, p1, p2 = a[0].data_ptr(), 0 if a[1] is None else a[1].data_ptr(), 0 if a[2] is None else a[2].data_ptr()
+    p3, p4, p5 = (0 if a[3] is None else a[3].data_ptr(), 0 if a[4] is None else a[4].data_ptr(),
+                  0 if a[5] is None else a[5].data_ptr())
+    p6, p7 = 0 if a[6] is None else a[6].data_ptr(), 0 if a[7] is None else a[7].data_ptr()
+    p8, p9 = 0 if a[8] is None else a[8].data_ptr(), 0 if a[9] is None else a[9].data_ptr()
+    return None if (p0 | p1 | p2 | p3 | p4 | p5 | p6 | p7 | p8 | p9) & 15 else (p0, p1, p2, p3, p4, p5, p6, p7, p8, p9)
+
+
+_ALIGNED_POINTERS = {3: _aligned_pointers_3, 4: _aligned_pointers_4, 6: _aligned_pointers_6, 8: _aligned_pointers_8,
+                     10: _aligned_pointers_10}
 
 
 def _picker(arrays: tuple):

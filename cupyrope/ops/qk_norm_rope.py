@@ -15,7 +15,7 @@ from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import profiles, qk_norm_rope_checks
 from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name
 from .qk_norm_rope_plan import SOURCE, plan_qk_norm_rope
-from .rope import _launch_qk, _plan_qk, _qk_outputs, _section_key
+from .rope import _absent, _launch_qk, _plan_qk, _qk_outputs, _section_key
 from .rope_plan import BLOCK_THREADS
 
 POINTERS = 12  # RopeParams' (kernels_src/rope_common.cuh)
@@ -38,7 +38,7 @@ def qk_norm_rope(q, k, q_weight, k_weight, positions=None, *, eps=1e-6, offset=0
     plan, (q_ptr, k_ptr, qw_ptr, kw_ptr, p_ptr, c_ptr, qo_ptr, ko_ptr, s_ptr, so_ptr) = _forward_plans.find(
         (q, k, q_weight, k_weight, positions, cos_sin_cache, q_out, k_out, cu_seqlens, seqlen_offsets),
         (mode, cos_sin_cache is None, eps, offset, theta, style, rotary_dim, impl, _section_key(mrope_section),
-         mrope_interleaved))
+         mrope_interleaved, _absent(positions, cu_seqlens, seqlen_offsets)))
     return _launch_qk(plan, (q_ptr, k_ptr, p_ptr or s_ptr, c_ptr, qo_ptr, ko_ptr, so_ptr), q, k, mode, out, qw_ptr,
                       kw_ptr, 0, 0, 0)
 
@@ -52,7 +52,7 @@ def qk_norm_rope_backward(dq, dk, q, k, q_weight, k_weight, positions=None, *, e
     plan, (dq_ptr, dk_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, p_ptr, c_ptr, s_ptr, so_ptr) = _backward_plans.find(
         (dq, dk, q, k, q_weight, k_weight, positions, cos_sin_cache, cu_seqlens, seqlen_offsets),
         (cos_sin_cache is None, eps, offset, theta, style, rotary_dim, impl, _section_key(mrope_section),
-         mrope_interleaved))
+         mrope_interleaved, _absent(positions, cu_seqlens, seqlen_offsets)))
     new_dq, new_dk, new_dweights = plan.new_grads
     (dq_in, dqi_ptr), (dk_in, dki_ptr), (dweights, dw_ptr) = new_dq(q), new_dk(k), new_dweights(q_weight)
     if not plan.grid:
@@ -70,7 +70,7 @@ def qk_norm_rope_backward(dq, dk, q, k, q_weight, k_weight, positions=None, *, e
 
 
 def _plan_forward_call(qa, ka, qwa, kwa, pa, ca, qo, ko, sa, soa, mode, _no_cache, eps, offset, theta, style,
-                       rotary_dim, impl, section, interleaved):
+                       rotary_dim, impl, section, interleaved, _absent_arrays):
     rotary_dim, rows, source = qk_norm_rope_checks.check_qk_norm_rope(
         qa, ka, qwa, kwa, pa, ca, eps=eps, offset=offset, theta=theta, style=style, rotary_dim=rotary_dim, impl=impl,
         cu_seqlens=sa, seqlen_offsets=soa, mrope_section=section, mrope_interleaved=interleaved)
@@ -85,7 +85,7 @@ def _plan_forward(groups, *, weights, n_sm, choices, in_place, **options):
 
 
 def _plan_backward_call(dqa, dka, qa, ka, qwa, kwa, pa, ca, sa, soa, _no_cache, eps, offset, theta, style, rotary_dim,
-                        impl, section, interleaved):
+                        impl, section, interleaved, _absent_arrays):
     rotary_dim, rows, source = qk_norm_rope_checks.check_qk_norm_rope(
         qa, ka, qwa, kwa, pa, ca, eps=eps, offset=offset, theta=theta, style=style, rotary_dim=rotary_dim, impl=impl,
         cu_seqlens=sa, seqlen_offsets=soa, mrope_section=section, mrope_interleaved=interleaved)

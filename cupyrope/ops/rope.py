@@ -42,11 +42,17 @@ def rope(x, positions=None, *, theta=10000.0, style="neox", rotary_dim=None, cos
     plan, (x_ptr, p_ptr, c_ptr, o_ptr, s_ptr, so_ptr) = _rope_plans.find(
         (x, positions, cos_sin_cache, out if mode == OUT else None, cu_seqlens, seqlen_offsets),
         (mode, cos_sin_cache is None, theta, style, rotary_dim, inverse, impl, _section_key(mrope_section),
-         mrope_interleaved))
+         mrope_interleaved, _absent(positions, cu_seqlens, seqlen_offsets)))
     out, o_ptr = checks.output_of(plan, mode, x, out, x_ptr, o_ptr)
     if plan.grid:
         plan.launch(x_ptr, o_ptr, x_ptr, o_ptr, p_ptr or s_ptr, c_ptr, so_ptr)
     return out
+
+
+def _absent(*arrays) -> int:
+    """Which of a call's position arrays are None, as bits: an option of its plan, so that a recalled call (whose
+    guard checks only the arrays present) is one with the same arrays present."""
+    return sum(1 << i for i, a in enumerate(arrays) if a is None)
 
 
 def _section_key(section):
@@ -70,7 +76,7 @@ def rope_qk(q, k, positions=None, *, theta=10000.0, style="neox", rotary_dim=Non
     plan, (q_ptr, k_ptr, p_ptr, c_ptr, qo_ptr, ko_ptr, s_ptr, so_ptr) = _rope_qk_plans.find(
         (q, k, positions, cos_sin_cache, q_out, k_out, cu_seqlens, seqlen_offsets),
         (mode, cos_sin_cache is None, theta, style, rotary_dim, inverse, impl, _section_key(mrope_section),
-         mrope_interleaved))
+         mrope_interleaved, _absent(positions, cu_seqlens, seqlen_offsets)))
     return _launch_qk(plan, (q_ptr, k_ptr, p_ptr or s_ptr, c_ptr, qo_ptr, ko_ptr, so_ptr), q, k, mode, out)
 
 
@@ -131,7 +137,7 @@ def _launch_qk(plan, pointers, q, k, mode, out, *norm_pointers):
 
 
 def _plan_rope_call(xa, pa, ca, oa, sa, soa, mode, _no_cache, theta, style, rotary_dim, inverse, impl, section=None,
-                    interleaved=False):
+                    interleaved=False, _absent_arrays=None):
     rotary_dim, rows, source = rope_checks.check_rope(
         xa, pa, ca, oa, theta=theta, style=style, rotary_dim=rotary_dim, inverse=inverse, impl=impl, cu_seqlens=sa,
         seqlen_offsets=soa, mrope_section=section, mrope_interleaved=interleaved)
@@ -150,7 +156,7 @@ def _plan_rope_call(xa, pa, ca, oa, sa, soa, mode, _no_cache, theta, style, rota
 
 
 def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, sa, soa, mode, _no_cache, theta, style, rotary_dim, inverse, impl,
-                       section=None, interleaved=False):
+                       section=None, interleaved=False, _absent_arrays=None):
     rotary_dim, rows, source = rope_checks.check_rope_qk(
         qa, ka, pa, ca, theta=theta, style=style, rotary_dim=rotary_dim, inverse=inverse, impl=impl, cu_seqlens=sa,
         seqlen_offsets=soa, mrope_section=section, mrope_interleaved=interleaved)

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch", reason="recall serves torch tensors only")
 import cupyrope  # noqa: E402
 from cupyrope._runtime import launch, plan_cache  # noqa: E402
 from cupyrope._runtime.plan_cache import RecentCalls  # noqa: E402
-from cupyrope.ops import rmsnorm, rope  # noqa: E402
+from cupyrope.ops import qk_norm_rope, rmsnorm, rope  # noqa: E402
 from fakes import stand_in_for_the_gpu  # noqa: E402
 
 
@@ -105,12 +105,15 @@ def _calls():
     x, w, w32 = torch.randn(4, 4096, dtype=bf16), torch.randn(4096, dtype=bf16), torch.randn(4096)
     residual, y, x_rows = torch.randn_like(x), torch.empty_like(x), torch.randn(4, 4104, dtype=bf16)[:, :4096]
     dy, rstd = torch.randn_like(x), torch.rand(4) + 0.5
+    mrope3, cu, offsets = torch.zeros(3, 1, dtype=torch.int64), torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([4, 9])
+    qw, kw, qw32 = torch.randn(128, dtype=bf16), torch.randn(128, dtype=bf16), torch.randn(128)
     # Like q and x but 2 bytes past a 16-byte boundary: only the pointer tells them apart.
     q_moved = torch.randn(1 + q.numel(), dtype=bf16)[1:].view(q.shape)
     x_moved = torch.randn(1 + x.numel(), dtype=bf16)[1:].view(x.shape)
     arrays = dict(q=q, k=k, pos=pos, q_slice=q_slice, k_slice=k_slice, q_off=q_off, q_odd=q_odd, pos3=pos3, k3=k3,
                   cache=cache, cache16=cache16, cos=cos, sin=sin, x=x, w=w, w32=w32, residual=residual, y=y,
-                  x_rows=x_rows, q_moved=q_moved, x_moved=x_moved, dy=dy, rstd=rstd)
+                  x_rows=x_rows, q_moved=q_moved, x_moved=x_moved, dy=dy, rstd=rstd, mrope3=mrope3, cu=cu,
+                  offsets=offsets, qw=qw, kw=kw, qw32=qw32)
     calls = [
         lambda: cupyrope.rope_qk(q, k, pos),
         lambda: cupyrope.rope_qk(q_moved, k, pos, cos_sin_cache=cache),  # vector with q, scalar here
@@ -125,6 +128,18 @@ def _calls():
         lambda: cupyrope.rope_qk(q.float(), k.float(), pos),  # new tensors every time
         lambda: cupyrope.rope_qk(q, k, pos.int()),
         lambda: cupyrope.rope_qk(q, q, pos),  # overlapping: refused
+        lambda: cupyrope.rope_qk(q, k, mrope3, mrope_section=[16, 24, 24]),
+        lambda: cupyrope.rope_qk(q, k, mrope3, mrope_section=[24, 20, 20], mrope_interleaved=True),
+        lambda: cupyrope.rope_qk(q_slice, k_slice, cu_seqlens=cu),
+        lambda: cupyrope.rope_qk(q_slice, k_slice, cu_seqlens=cu, seqlen_offsets=offsets),
+        lambda: cupyrope.rope_qk(q, k, mrope3),  # (3, 1) positions for (1, H, D): refused
+        lambda: cupyrope.qk_norm_rope(q, k, qw, kw, pos),
+        lambda: cupyrope.qk_norm_rope(q, k, qw, kw, pos, out="new"),
+        lambda: cupyrope.qk_norm_rope(q, k, qw, kw, pos, eps=1e-5, offset=1.0),
+        lambda: cupyrope.qk_norm_rope(q_slice, k_slice, qw, kw, pos3, cos_sin_cache=cache),
+        lambda: cupyrope.qk_norm_rope(q_slice, k_slice, qw, kw, cu_seqlens=cu),
+        lambda: cupyrope.qk_norm_rope(q, k, qw32, qw32, pos),
+        lambda: cupyrope.qk_norm_rope(q, k, qw, qw32, pos),  # weights of two dtypes: refused
         lambda: cupyrope.rope_qk_cos_sin(q, k, cos, sin),
         lambda: cupyrope.rope_qk_cos_sin(q, k, cos, sin, out="new"),
         lambda: cupyrope.rope(q, pos),
@@ -177,7 +192,8 @@ def _run(calls, log):
 
 
 OP_PLANS = ((rope, "_rope_plans"), (rope, "_rope_qk_plans"), (rope, "_rope_cos_sin_plans"),
-            (rmsnorm, "_forward_plans"), (rmsnorm, "_fused_add_plans"), (rmsnorm, "_backward_plans"))
+            (qk_norm_rope, "_forward_plans"), (rmsnorm, "_forward_plans"), (rmsnorm, "_fused_add_plans"),
+            (rmsnorm, "_backward_plans"))
 
 
 def _fresh_plans(monkeypatch, recall: bool):
@@ -193,7 +209,7 @@ def test_recalled_calls_launch_what_fingerprints_launch(monkeypatch):
     log = _launch_log(monkeypatch, {array.data_ptr(): name for name, array in reversed(arrays.items())})
     _fresh_plans(monkeypatch, recall=False)
     fingerprinted = _run(calls, log)
-    assert sum(isinstance(o, str) for o in fingerprinted) == 9  # the three refused calls, each three times
+    assert sum(isinstance(o, str) for o in fingerprinted) == 15  # the five refused calls, each three times
     _fresh_plans(monkeypatch, recall=True)
     recalled = _run(calls, log)
     assert recalled == fingerprinted
