@@ -218,17 +218,15 @@ def qk_norm_rope_backward(dq, dk, q, k, q_weight, k_weight, positions=None, *, e
 
 
 def _check_qk_norm_rope(q, k, q_weight, k_weight, positions, eps, offset, rope_options):
-    if "inverse" in rope_options:
+    """qk_norm_rope's argument checks on host arrays; rope_options: rope()'s keywords (inverse is not one)."""
+    options = {"theta": 10000.0, "style": "neox", "rotary_dim": None, **rope_options}
+    if "inverse" in options:
         raise TypeError("qk_norm_rope() got an unexpected keyword argument 'inverse'")
-    descriptions = [_float64(a, name)[1] for a, name in ((q, "q"), (k, "k"), (q_weight, "q_weight"),
-                                                        (k_weight, "k_weight"))]
-    options = dict(rope_options)
-    (_, _, _), (pa, cua, soa) = _arrays(positions, options.pop("cu_seqlens", None), options.pop("seqlen_offsets", None))
-    cache = options.pop("cos_sin_cache", None)
-    qk_norm_rope_checks.check_qk_norm_rope(*descriptions, pa, _optional_float64(cache, "cos_sin_cache")[1], eps=eps,
-                                           offset=offset, impl="auto", cu_seqlens=cua, seqlen_offsets=soa,
-                                           dtypes=_FLOAT64, **{"theta": 10000.0, "style": "neox", "rotary_dim": None,
-                                                                **options})
+    _, (pa, cua, soa) = _arrays(positions, options.pop("cu_seqlens", None), options.pop("seqlen_offsets", None))
+    cache = _optional_float64(options.pop("cos_sin_cache", None), "cos_sin_cache")[1]
+    arrays = [_float64(a, name)[1] for a, name in ((q, "q"), (k, "k"), (q_weight, "q_weight"), (k_weight, "k_weight"))]
+    qk_norm_rope_checks.check_qk_norm_rope(*arrays, pa, cache, eps=eps, offset=offset, impl="auto", cu_seqlens=cua,
+                                           seqlen_offsets=soa, dtypes=_FLOAT64, **options)
 
 
 def rms_norm(x, weight=None, eps=1e-6, offset=0.0, return_rstd=False):

@@ -5,21 +5,20 @@ arguments (qk_norm_rope_checks.py) and planning (qk_norm_rope_plan.py), then lau
 q+k call machinery (outputs, overlap checks) is RoPE's (rope.py).
 """
 
-import struct
-
 from .._runtime.arrays import allocator, contiguous_like
 from .._runtime.compile import allow_shared_memory, get_kernel
 from .._runtime.device import resident_blocks, sm_count
 from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import profiles, qk_norm_rope_checks
+from .rmsnorm import DW_TAIL
 from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name
-from .qk_norm_rope_plan import SOURCE, plan_qk_norm_rope
+from .rmsnorm_plan_backward import SOURCE as DWEIGHT_SOURCE
+from .qk_norm_rope_plan import SOURCE, cap_backward_grid, plan_qk_norm_rope
 from .rope import _absent, _launch_qk, _plan_qk, _qk_outputs, _section_key
 from .rope_plan import BLOCK_THREADS
 
 POINTERS = 12  # RopeParams' (kernels_src/rope_common.cuh)
-DW_TAIL = struct.Struct("<2q")  # rms_norm_dw's DweightParams after its two pointers
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, positions=None, *, eps=1e-6, offset=0.0, theta=10000.0, style="neox",
@@ -74,12 +73,14 @@ def _plan_forward_call(qa, ka, qwa, kwa, pa, ca, qo, ko, sa, soa, mode, _no_cach
     rotary_dim, rows, source = qk_norm_rope_checks.check_qk_norm_rope(
         qa, ka, qwa, kwa, pa, ca, eps=eps, offset=offset, theta=theta, style=style, rotary_dim=rotary_dim, impl=impl,
         cu_seqlens=sa, seqlen_offsets=soa, mrope_section=section, mrope_interleaved=interleaved)
-    return _plan_qk(qa, ka, qo, ko, mode, (pa, ca), ("positions", "cos_sin_cache"), False, plan=_plan_forward,
-                    kernels=(SOURCE, POINTERS), weights=(qwa, kwa), positions=rows, cache=ca, style=style, rotary_dim=rotary_dim, theta=theta,
-                    eps=eps, offset=offset, impl=impl, source=source)
+    return _plan_qk(qa, ka, qo, ko, mode, (pa, ca), ("positions", "cos_sin_cache"), False, planner=_plan_forward,
+                    kernels=(SOURCE, POINTERS), weights=(qwa, kwa), positions=rows, cache=ca, style=style,
+                    rotary_dim=rotary_dim, theta=theta, eps=eps, offset=offset, impl=impl, source=source)
 
 
 def _plan_forward(groups, *, weights, n_sm, choices, in_place, **options):
+    """plan_qk_norm_rope as _plan_qk calls a planner (choices: the profile's "rope" section; every call writes the
+    whole head, in place or not)."""
     profile = profiles.profile_for(groups[0][0].device)
     return plan_qk_norm_rope(groups, weights, n_sm=n_sm, choices=profile.qk_norm_rope, rope_choices=choices, **options)
 
@@ -96,16 +97,16 @@ def _plan_backward_call(dqa, dka, qa, ka, qwa, kwa, pa, ca, sa, soa, _no_cache, 
     else:
         dq_in, dk_in = (contiguous_like(a, a.shape, a.dtype) for a in (qa, ka))
         device = qa.device
-        options = dict(positions=rows, cache=ca, style=style, rotary_dim=rotary_dim, theta=theta, eps=eps,
-                       offset=offset, impl=impl, n_sm=sm_count(device), choices=profiles.profile_for(device).qk_norm_rope,
-                       rope_choices=profiles.profile_for(device).rope, source=source, x_inputs=(qa, ka))
-        draft = plan_qk_norm_rope([(dqa, dq_in), (dka, dk_in)], (qwa, kwa), resident_blocks=1, **options)
-        kernel = get_kernel(SOURCE, draft.name, device)
-        allow_shared_memory(kernel, draft.shared_mem)
-        resident = sm_count(device) * resident_blocks(kernel, BLOCK_THREADS, draft.shared_mem, device)
-        plan = plan_qk_norm_rope([(dqa, dq_in), (dka, dk_in)], (qwa, kwa), resident_blocks=resident, **options)
+        profile = profiles.profile_for(device)
+        plan = plan_qk_norm_rope([(dqa, dq_in), (dka, dk_in)], (qwa, kwa), positions=rows, cache=ca, style=style,
+                                 rotary_dim=rotary_dim, theta=theta, eps=eps, offset=offset, impl=impl,
+                                 n_sm=sm_count(device), choices=profile.qk_norm_rope, rope_choices=profile.rope,
+                                 source=source, x_inputs=(qa, ka))
+        kernel = get_kernel(SOURCE, plan.name, device)
+        allow_shared_memory(kernel, plan.shared_mem)
+        cap_backward_grid(plan, sm_count(device) * resident_blocks(kernel, BLOCK_THREADS, plan.shared_mem, device))
         plan.launch = Launch(kernel, plan.grid, plan.block, POINTERS, plan.tail, device, qa.kind, plan.shared_mem)
-        dw_kernel = get_kernel("rmsnorm_bwd.cu", dweight_kernel_name(qwa.dtype), device)
+        dw_kernel = get_kernel(DWEIGHT_SOURCE, dweight_kernel_name(qwa.dtype), device)  # rms_norm_dw
         plan.dw_launch = Launch(dw_kernel, -(-2 * head_dim // 32), (32, DW_SPLIT), 2,
                                 DW_TAIL.pack(plan.partial_rows, 2 * head_dim), device, qa.kind)
         plan.new_partial = allocator(qa, (plan.partial_rows, 2 * head_dim), "float32")

@@ -10,14 +10,14 @@ import dataclasses
 
 from .._runtime.arrays import CTYPE, FLOAT_DTYPES, INDEX_DTYPES, ITEMSIZE
 from .._runtime.choices import choice
+from .._runtime.compile import DEFAULT_SHARED_LIMIT
 from .rmsnorm_rows import next_pow2
-from .rope_plan import (BLOCK_THREADS, PLAIN, STYLES, NormFields, RopePlan, _vector_blockers,
-                        block_tokens, cache_fields, canonical_layout, check_token_count, pack_params)
+from .rope_plan import (BLOCK_THREADS, PLAIN, STYLES, NormFields, RopePlan, _vector_blockers, block_tokens,
+                        cache_fields, canonical_layout, check_token_count, pack_params, rotating_lanes)
 
 SOURCE = "qk_norm_rope.cu"
 MAX_ITEMS = {True: 1, False: 4}  # items a thread, 16-byte and scalar (kernels_src/qk_norm_rope.cu: MAX_ITEMS)
 STATIC_SHARED_BYTES = 8 * 1024  # the kernels' BlockTokens and inverse frequencies
-SHARED_LIMIT = 48 * 1024  # what a block has without opting in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,20 +53,12 @@ def variants():
                                                           cache is not None, backward)
 
 
-def head_lanes(head_dim: int, rotary_dim: int, style: str, elems: int, vectorized: bool) -> tuple[int, int]:
-    """(rotating items, copy items) of a head: pairs of `elems`-element chunks (NeoX) or interleaved chunks
-    (GPT-J), then the features past rotary_dim in chunks (one element at a time when scalar)."""
-    rot_lanes = rotary_dim // 2 // elems if style == "neox" else rotary_dim // elems
-    return rot_lanes, (head_dim - rotary_dim) // (elems if vectorized else 1)
-
-
 def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, theta, eps, offset, impl, n_sm,
-                      choices, rope_choices, source=PLAIN, x_inputs=None, resident_blocks=0) -> RopePlan:
+                      choices, rope_choices, source=PLAIN, x_inputs=None) -> RopePlan:
     """groups: [(q input, q output), (k input, k output)] Arrays, checked; weights: (q_weight, k_weight).
     Backward (x_inputs: the forward's q and k): the inputs are the output gradients, the outputs dq and dk; the
-    grid is at most resident_blocks (blocks the GPU holds at once), each walking the token chunks, and
-    plan.partial_rows is the partial sums' rows. n_sm, choices (QkNormRopeChoices) and rope_choices (RopeChoices:
-    blocks_per_sm): the GPU's SMs and its launch profile."""
+    grid is one block a token chunk until cap_backward_grid fits it to the GPU. n_sm, choices (QkNormRopeChoices)
+    and rope_choices (RopeChoices: blocks_per_sm): the GPU's SMs and its launch profile."""
     backward = x_inputs is not None
     dtype, head_dim = groups[0][0].dtype, groups[0][0].shape[-1]
     tensors = [[inp, out] + ([x_inputs[g]] if backward else []) for g, (inp, out) in enumerate(groups)]
@@ -82,7 +74,8 @@ def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, t
         raise ValueError("impl: 'vector' is not possible here: " + "; ".join(blockers))
     vectorized = impl != "scalar" and not blockers
     elems = 16 // ITEMSIZE[dtype] if vectorized else (2 if style == "gptj" else 1)
-    rot_lanes, copy_lanes = head_lanes(head_dim, rotary_dim, style, elems, vectorized)
+    # The rotating items, then the features past rotary_dim (normalized, not rotated) in chunks or one by one.
+    rot_lanes, copy_lanes = rotating_lanes(rotary_dim, style, elems), (head_dim - rotary_dim) // (elems if vectorized else 1)
     lanes = rot_lanes + copy_lanes
     group = min(32, next_pow2(lanes))
     if -(-lanes // group) > MAX_ITEMS[vectorized]:
@@ -92,17 +85,15 @@ def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, t
     n_tokens, n_q_heads, n_heads = layout.n_tokens, layout.heads[0], sum(layout.heads)
     check_token_count(n_tokens, n_heads, lanes)
     threads = choices.backward_threads_per_block if backward else choices.forward_threads_per_block
-    tokens = block_tokens(n_tokens, n_heads * group, rotary_dim, n_sm,
-                          dataclasses.replace(rope_choices, items_per_block=threads))
+    tokens = block_tokens(n_tokens, n_heads * group, rotary_dim, n_sm, threads, rope_choices.blocks_per_sm)
     staged = 2 * head_dim * 4  # the weights, as floats
     if backward:  # each thread's weight-gradient slots, then the sums by row group and feature in the same place
         halves = 2 if style == "neox" else 1
         slots = 2 * halves * MAX_ITEMS[vectorized] * elems * BLOCK_THREADS
         staged += 4 * max(slots, BLOCK_THREADS // group * 2 * head_dim)
-        tokens = max(1, min(tokens, (SHARED_LIMIT - STATIC_SHARED_BYTES - staged) // (rotary_dim * 4)))
+        tokens = max(1, min(tokens, (DEFAULT_SHARED_LIMIT - STATIC_SHARED_BYTES - staged) // (rotary_dim * 4)))
     shared = tokens * rotary_dim * 4 + staged
-    chunks = -(-n_tokens // tokens)
-    grid = max(1, min(chunks, resident_blocks)) if backward else max(1, chunks)
+    grid = max(1, -(-n_tokens // tokens))
     strides = [(*layout.token_strides[i], layout.head_strides[i]) for i in range(len(layout.token_strides))]
     if backward:  # q in, q out, q x, k in, k out, k x
         strides, x_strides = [strides[0], strides[1], strides[3], strides[4]], (strides[2], strides[5])
@@ -110,7 +101,9 @@ def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, t
         x_strides = ((0,) * 4, (0,) * 4)
     norm = NormFields(head_dim=head_dim, group_threads=group, eps=float(eps), weight_offset=float(offset),
                       x_strides=x_strides)
-    tail = pack_params(layout, strides, source, direct=False, n_tokens=n_tokens, heads=(n_q_heads, n_heads),
+    # The kernels divide a block's row index by the head count (fast_div, in div_lanes); nothing else.
+    tail = pack_params(layout, strides, source, divisors=(0, 0, 0, n_heads), n_tokens=n_tokens,
+                       heads=(n_q_heads, n_heads),
                        lanes=(rot_lanes, copy_lanes), tokens=tokens,
                        cache_fields=cache_fields(positions, cache, 0), rotary_dim=rotary_dim, theta=theta,
                        inverse=backward, norm=norm)
@@ -119,4 +112,10 @@ def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, t
     plan = RopePlan(name, grid, BLOCK_THREADS, shared, tail, vectorized, tokens, (rot_lanes, copy_lanes))
     plan.partial_rows = grid if backward else 0
     return plan
+
+
+def cap_backward_grid(plan, resident_blocks: int) -> None:
+    """A backward plan's grid: at most the blocks the GPU holds at once (each walks the token chunks b, b + grid,
+    ...), one partial row of weight-gradient sums each."""
+    plan.grid = plan.partial_rows = max(1, min(plan.grid, resident_blocks))
 

@@ -172,13 +172,12 @@ def _plan_rope_cos_sin_call(qa, ka, cos, sin, qo, ko, mode, rotary_dim, freq_ste
                     freq_stride=freq_step * cos.strides[-1])
 
 
-def _plan_qk(qa, ka, qo, ko, mode, sources, source_names, check_reads, plan=plan_rope, kernels=(SOURCE, ROPE_POINTERS),
-             **options):
-    """The plan of a checked q+k call (options: those of ``plan``, the planner; kernels: its kernels' source file
-    and pointers). New outputs (plan.new_output: their allocators) overlap nothing; otherwise the outputs (q and k
-    in place) are checked here and the pairs that must not share memory (sources: the cos/sin source's two arrays)
-    are set for the per-call checks."""
-    planner = plan
+def _plan_qk(qa, ka, qo, ko, mode, sources, source_names, check_reads, planner=plan_rope,
+             kernels=(SOURCE, ROPE_POINTERS), **options):
+    """The plan of a checked q+k call (options: the planner's; kernels: its kernels' source file and pointers). New
+    outputs (plan.new_output: their allocators) overlap nothing; otherwise the outputs (q and k in place) are
+    checked here and the pairs that must not share memory (sources: the cos/sin source's two arrays) are set for
+    the per-call checks."""
     if mode == NEW:
         qo, ko = (contiguous_like(a, a.shape, a.dtype) for a in (qa, ka))
     elif mode == IN_PLACE:

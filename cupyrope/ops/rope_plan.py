@@ -89,22 +89,18 @@ class NormFields:
     x_strides: tuple = ((0,) * 4, (0,) * 4)  # backward: q_x's and k_x's strides (3 token dims, heads)
 
 
-def pack_params(layout, strides, source, *, direct, n_tokens, heads, lanes, tokens, cache_fields, rotary_dim,
+def pack_params(layout, strides, source, *, divisors, n_tokens, heads, lanes, tokens, cache_fields, rotary_dim,
                 theta, inverse, norm=NormFields()) -> bytes:
     """RopeParams after its pointers. strides: q in, q out, k in, k out (3 token dims, then heads, each); heads:
-    (q heads, all heads); lanes: (rotating, copying) a head. direct: the direct kernel's divisors (items a token,
-    the inner token dimensions, lanes a head); the qk_norm_rope kernels (norm given) take the heads' in the last."""
+    (q heads, all heads); lanes: (rotating, copying) a head; divisors: the four fast_div divisors (div_token_items,
+    div_n2, div_n1, div_lanes) as plain numbers, 0 where the kernel does not divide by it."""
     rot_lanes, copy_lanes = lanes
     n_q_heads, n_heads = heads
-    per_head = rot_lanes + copy_lanes
-    divisors = (n_heads * per_head, layout.token_sizes[2], layout.token_sizes[1], per_head)
-    if norm.head_dim:
-        divisors, direct = (1, 1, 1, n_heads), True
     return _TAIL.pack(
         n_tokens, layout.token_sizes[1], layout.token_sizes[2],
         *layout.pos_strides,
         *source.fields(),
-        *(fast_divisor(d) if direct else 0 for d in divisors),
+        *(fast_divisor(d) if d else 0 for d in divisors),
         *(s for tensor in strides for s in tensor),
         *(s for tensor in norm.x_strides for s in tensor),
         *cache_fields,
@@ -113,6 +109,12 @@ def pack_params(layout, strides, source, *, direct, n_tokens, heads, lanes, toke
         -2.0 * math.log(theta) / rotary_dim, int(bool(inverse)),
         norm.head_dim, norm.group_threads, norm.eps, norm.weight_offset,
     )  # fmt: skip
+
+
+def rotating_lanes(rotary_dim: int, style: str, elems: int) -> int:
+    """Rotating items a head: NeoX pairs of `elems`-element chunks (one from each half), or GPT-J chunks of
+    interleaved pairs."""
+    return rotary_dim // 2 // elems if style == "neox" else rotary_dim // elems
 
 
 def tensor_strides(layout, n_groups: int) -> list[tuple]:
@@ -240,20 +242,23 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
     freqs = elems if style == "neox" else elems // 2  # frequencies an item rotates (the kernels' F)
     if direct and vectorized and cache is not None and positions.dtype != TOKEN_ROWS:
         direct = _cache_in_packs(cache, freqs)  # else the block kernel, which reads any cache
-    rot_lanes = rotary_dim // 2 // elems if style == "neox" else rotary_dim // elems
+    rot_lanes = rotating_lanes(rotary_dim, style, elems)
     copy_lanes = (head_dim - rotary_dim) // (elems if vectorized else 1) if copies else 0
+    lanes = rot_lanes + copy_lanes
     check_token_count(n_tokens, n_heads, max(rot_lanes, copy_lanes, 1))
     if direct:  # items (token, head, lane), lanes rotating then copying; one thread each, or one per
         # frequency of a 16-byte item when the kernel computes the cos/sin
         per_item = freqs if vectorized and cache is None else 1
         tokens, block = 0, choices.direct_threads
-        grid = -(-n_tokens * n_heads * (rot_lanes + copy_lanes) * per_item // block)
+        grid = -(-n_tokens * n_heads * lanes * per_item // block)
     else:
         # Tokens per block: enough items to keep every thread busy, few enough to spread over the SMs.
-        tokens = block_tokens(n_tokens, n_heads * (rot_lanes + copy_lanes), rotary_dim, n_sm, choices)
+        tokens = block_tokens(n_tokens, n_heads * lanes, rotary_dim, n_sm, choices.items_per_block,
+                              choices.blocks_per_sm)
         grid, block = max(1, -(-n_tokens // tokens)), BLOCK_THREADS
     use_cache = cache is not None
-    tail = pack_params(layout, tensor_strides(layout, len(groups)), source, direct=direct, n_tokens=n_tokens,
+    divisors = (n_heads * lanes, layout.token_sizes[2], layout.token_sizes[1], lanes) if direct else (0, 0, 0, 0)
+    tail = pack_params(layout, tensor_strides(layout, len(groups)), source, divisors=divisors, n_tokens=n_tokens,
                        heads=(n_q_heads, n_heads), lanes=(rot_lanes, copy_lanes), tokens=tokens,
                        cache_fields=cache_fields(positions, cache, freq_stride), rotary_dim=rotary_dim, theta=theta,
                        inverse=inverse)
@@ -269,12 +274,12 @@ def check_token_count(n_tokens: int, n_heads: int, lanes: int) -> None:
         raise ValueError(f"x: {n_tokens} tokens x {n_heads} heads is too many for one call; split it")
 
 
-def block_tokens(n_tokens: int, items_per_token: int, rotary_dim: int, n_sm: int, choices) -> int:
-    """Tokens a block of a block kernel takes: about choices.items_per_block items (threads' work), few enough to
-    spread the call over the SMs, and as many cos/sin rows as its shared memory holds."""
-    tokens = max(1, choices.items_per_block // max(1, items_per_token))
-    return min(tokens, MAX_BLOCK_TOKENS, COS_SIN_FLOATS // rotary_dim,
-               max(1, n_tokens // (n_sm * choices.blocks_per_sm)))
+def block_tokens(n_tokens: int, items_per_token: int, rotary_dim: int, n_sm: int, items_per_block: int,
+                 blocks_per_sm: int) -> int:
+    """Tokens a block of a block kernel takes: about items_per_block items (threads' work), few enough to give
+    each SM blocks_per_sm blocks, and as many cos/sin rows as its shared memory holds."""
+    tokens = max(1, items_per_block // max(1, items_per_token))
+    return min(tokens, MAX_BLOCK_TOKENS, COS_SIN_FLOATS // rotary_dim, max(1, n_tokens // (n_sm * blocks_per_sm)))
 
 
 def cache_fields(positions, cache, freq_stride) -> tuple[int, int]:

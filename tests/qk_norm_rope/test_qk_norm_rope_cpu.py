@@ -7,7 +7,7 @@ from helpers import PLAN_BASE as BASE
 from helpers import planned_array as arr
 
 from cupyrope import reference
-from cupyrope.ops.qk_norm_rope_plan import plan_qk_norm_rope
+from cupyrope.ops.qk_norm_rope_plan import cap_backward_grid, plan_qk_norm_rope
 from cupyrope.ops.rope_plan import _TAIL, PositionSource
 from fakes import PLANNING_PROFILE
 
@@ -164,7 +164,9 @@ def test_backward_grid_is_one_wave_and_sums_fit():
     q, k = qwen3_views(32768)
     dq, dk = arr((32768, 32, 128), ptr=BASE + 2**40), arr((32768, 8, 128), ptr=BASE + 2**41)
     weights = (arr((128,), ptr=BASE + 2**36), arr((128,), ptr=BASE + 2**37))
-    p = plan([(dq, dq), (dk, dk)], weights, arr((32768,), "int64"), x_inputs=(q, k), resident_blocks=396)
+    p = plan([(dq, dq), (dk, dk)], weights, arr((32768,), "int64"), x_inputs=(q, k))
+    assert p.grid == -(-32768 // p.tokens_per_block)  # one block a token chunk, until fitted to the GPU
+    cap_backward_grid(p, 396)
     assert "qk_norm_rope_bwd_kernel<" in p.name and p.grid == 396 and p.partial_rows == 396
     assert p.shared_mem <= 48 * 1024 - 8 * 1024
     f = fields(p)
