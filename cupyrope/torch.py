@@ -67,11 +67,10 @@ def _where_options(where) -> dict:
 
 
 def _where_hosts(where) -> dict:
-    """The position arguments of a CPU call described for the checks."""
-    positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved = where
-    return dict(cu_seqlens=_optional_host(cu_seqlens, "cu_seqlens"),
-                seqlen_offsets=_optional_host(seqlen_offsets, "seqlen_offsets"), mrope_section=mrope_section,
-                mrope_interleaved=mrope_interleaved)
+    """_where_options of a CPU call with its arrays described for the checks."""
+    options = _where_options(where)
+    return {**options, "cu_seqlens": _optional_host(options["cu_seqlens"], "cu_seqlens"),
+            "seqlen_offsets": _optional_host(options["seqlen_offsets"], "seqlen_offsets")}
 
 
 def _rope_cpu(x, where, theta, style, rotary_dim, cos_sin_cache, inverse):
