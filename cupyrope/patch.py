@@ -4,6 +4,7 @@ replacement computes what the model's own code does."""
 import copy
 import functools
 import sys
+import types
 
 import torch
 from torch import Tensor
@@ -17,19 +18,25 @@ class _Skip(Exception):
     """Why one module or function of a model is left as it is."""
 
 
-def patch_transformers(model: torch.nn.Module, *, rope: bool = True, rms_norm: bool = True) -> dict:
+def patch_transformers(model: torch.nn.Module, *, rope: bool = True, rms_norm: bool = True,
+                       qk_norm_rope: bool = True) -> dict:
     """Swap cupyrope into a loaded Hugging Face model, in place: each ``*RMSNorm`` submodule becomes a
     ``cupyrope.torch.RMSNorm`` sharing its weight, and the ``apply_rotary_pos_emb`` of each modeling
     module the model uses becomes ``apply_rotary_pos_emb`` above (for every model of that type in the
     process, as Liger's patches do), and transformers 4's ``apply_multimodal_rotary_pos_emb`` (Qwen2-VL) the
-    drop-in of that name.
+    drop-in of that name. With ``qk_norm_rope``, attention layers with per-head q_norm and k_norm (Qwen3,
+    Gemma 3) run their norms and rotation as one ``cupyrope.torch.qk_norm_rope`` launch, with positions from the
+    layer's ``position_ids`` and cos/sin from the config (``RotaryEmbedding.from_hf_config`` of its layer type).
 
     Nothing is swapped on trust: each candidate is first run on small random CPU inputs next to its
     replacement (RMSNorm: which of ``weight`` or ``1 + weight`` it scales by, with its own eps; RoPE: the
-    model's own rotary embedding gives cos/sin, whose layout and rotation style must be matched), and
-    left alone when they disagree. Returns ``{"rms_norm": [module names], "rope": [modeling modules],
+    model's own rotary embedding gives cos/sin, whose layout and rotation style must be matched; QK-norm
+    attention: the layer's whole forward, fed the model's own cos/sin), and left alone when they disagree.
+    Returns ``{"rms_norm": [module names], "rope": [modeling modules], "qk_norm_rope": [attention module names],
     "skipped": [(name, reason)]}``."""
-    report = {"rms_norm": [], "rope": [], "skipped": []}
+    report = {"rms_norm": [], "rope": [], "qk_norm_rope": [], "skipped": []}
+    if qk_norm_rope:  # first: it reads the norms as the model has them
+        _patch_qk_norm_attention(model, report)
     if rms_norm:
         _swap_rms_norms(model, report)
     if rope:
@@ -232,3 +239,126 @@ def _matching_style(original, cos, sin, layout) -> str:
     if len(styles) != 1:
         raise _Skip(f"its results match {'both' if styles else 'neither'} of cupyrope's rotation styles")
     return styles[0]
+
+
+# ------------------------------------------------------------------------------------------ QK-norm attention
+
+QK_NORM_ATTENTION_PARTS = ("q_norm", "k_norm", "q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "config",
+                           "layer_idx", "scaling")
+
+
+def _qk_norm_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                               past_key_values=None, **kwargs):
+    """transformers' Qwen3 / Gemma 3 attention forward, with q_norm, k_norm and the rotation as one
+    cupyrope.torch.qk_norm_rope launch. Without position_ids (the fused kernel's positions), the model's own
+    forward."""
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+    source = sys.modules[type(self).__module__]
+    tokens = hidden_states.shape[:-1]
+    heads = (*tokens, -1, self.head_dim)
+    eps, offset = self.cupyrope_qk_norm
+    q, k = ct.qk_norm_rope(self.q_proj(hidden_states).view(heads), self.k_proj(hidden_states).view(heads),
+                           self.q_norm.weight, self.k_norm.weight, positions.expand(tokens), eps=eps, offset=offset,
+                           **self.cupyrope_rotary.rope_options())
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    v = self.v_proj(hidden_states).view(heads).transpose(1, 2)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+    attention = source.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                             source.eager_attention_forward)
+    out, weights = attention(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+                             scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None), **kwargs)
+    return self.o_proj(out.reshape(*tokens, -1).contiguous()), weights
+
+
+def _patch_qk_norm_attention(model, report) -> None:
+    checked = {}  # (class, layer type, norms' eps and offset): the rotary embedding its check passed with, or why not
+    for name, attention in model.named_modules():
+        if not all(hasattr(attention, part) for part in QK_NORM_ATTENTION_PARTS) or "forward" in vars(attention):
+            continue
+        layer_type = getattr(attention, "layer_type", None)
+        try:
+            eps, offset = _qk_norms(attention)
+            key = (type(attention), layer_type, eps, offset)
+            if key not in checked:
+                try:
+                    checked[key] = _checked_qk_norm_attention(model, attention, layer_type, eps, offset)
+                except _Skip as why:
+                    checked[key] = why
+            if isinstance(checked[key], _Skip):
+                raise checked[key]
+        except _Skip as why:
+            report["skipped"].append((name, str(why)))
+            continue
+        device = attention.q_proj.weight.device
+        attention.cupyrope_rotary = checked[key].to(device)  # a submodule: moves with the model (no state_dict keys)
+        attention.cupyrope_qk_norm = (eps, offset)
+        attention.forward = types.MethodType(_qk_norm_attention_forward, attention)
+        report["qk_norm_rope"].append(name)
+
+
+def _qk_norms(attention) -> tuple[float, float]:
+    """(eps, offset) of the layer's q_norm and k_norm (the same for both: one kernel call), or _Skip."""
+    behaviours = set()
+    for norm in (attention.q_norm, attention.k_norm):
+        if isinstance(norm, ct.RMSNorm):
+            behaviours.add((float(norm.eps), float(norm.offset)))
+        elif type(norm).__name__.endswith("RMSNorm"):
+            behaviours.add(_rms_norm_behaviour(norm))
+        else:
+            raise _Skip(f"its q_norm / k_norm is a {type(norm).__name__}, not an RMSNorm")
+    if len(behaviours) != 1:
+        raise _Skip("its q_norm and k_norm differ in eps or offset")
+    return behaviours.pop()
+
+
+def _model_rotary(model, attention, layer_type):
+    """The model's rotary embedding module for the layer (of the attention's modeling module), or _Skip."""
+    for module in model.modules():
+        if type(module).__module__ == type(attention).__module__ and type(module).__name__.endswith("RotaryEmbedding"):
+            if layer_type in (getattr(module, "layer_types", None) or [layer_type]):
+                return module
+    raise _Skip("no *RotaryEmbedding module of its modeling module in the model to read cos/sin from")
+
+
+def _checked_qk_norm_attention(model, attention, layer_type, eps, offset):
+    """cupyrope's RoPE for the layer (from its config and layer type), after checking that the fused forward gives
+    the layer's own output on random CPU inputs (fp32, the model's cos/sin, random norm weights); _Skip if not."""
+    try:
+        rotary = ct.RotaryEmbedding.from_hf_config(attention.config, layer_type=layer_type)
+    except (ValueError, TypeError, AttributeError) as error:
+        raise _Skip(f"cupyrope cannot build its RoPE from the config ({error})") from None
+    if rotary.mrope_section is not None:
+        raise _Skip("M-RoPE: its layers receive text positions, not the three position rows its cos/sin come from")
+    try:
+        probe = copy.deepcopy(attention).to(device="cpu", dtype=torch.float32)
+    except Exception as error:
+        raise _Skip(f"cannot be copied to the CPU to check it ({type(error).__name__})") from None
+    g = torch.Generator().manual_seed(0)
+    hidden = probe.q_proj.weight.shape[1]
+    states = torch.randn(2, 6, hidden, generator=g)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [40, 41, 42, 43, 44, 45]])
+    with torch.no_grad():
+        for norm in (probe.q_norm, probe.k_norm):
+            norm.weight.copy_(torch.randn(norm.weight.shape, generator=g) * 0.5)
+        rotary_module = _model_rotary(model, attention, layer_type)
+        device = next(iter(rotary_module.buffers()), torch.zeros(0)).device
+        args = (torch.zeros(1, device=device), positions.to(device))
+        try:
+            per_type = getattr(rotary_module, "layer_types", None) is not None
+            cos_sin = rotary_module(*args, layer_type) if per_type else rotary_module(*args)
+            cos_sin = tuple(c.float().cpu() for c in cos_sin)
+            expected = probe(states, cos_sin, None, position_ids=positions)[0]
+        except Exception as error:
+            raise _Skip(f"its forward fails on random inputs ({type(error).__name__})") from None
+        probe.cupyrope_rotary, probe.cupyrope_qk_norm = rotary, (eps, offset)
+        try:
+            got = _qk_norm_attention_forward(probe, states, cos_sin, None, position_ids=positions)[0]
+        except Exception as error:
+            raise _Skip(f"the fused forward fails on its inputs ({type(error).__name__}: {error})") from None
+    scale = float(expected.abs().max())
+    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * scale):
+        raise _Skip("its forward differs from cupyrope's qk_norm_rope with the config's RoPE")
+    return rotary

@@ -17,6 +17,7 @@ from . import reference as _reference
 from . import rope_scaling as _rope_scaling
 from ._runtime import checks as _checks
 from ._runtime.arrays import describe_host as _host
+from ._runtime.arrays import merge_dims
 from .ops import qk_norm_rope_checks as _qk_norm_checks
 from .ops import rmsnorm_checks as _norm_checks
 from .ops import rope_checks as _rope_checks
@@ -351,29 +352,73 @@ def _rms_norm_backward_cpu(dy, x, weight, rstd, eps, offset):
     return dx.to(x.dtype), dw
 
 
-def _rows_in_one_run(t: Tensor) -> Tensor:
-    """t, or a contiguous copy where its rows are not one evenly strided run (the kernels take one row
-    stride): e.g. q after transformers' view(...).transpose(1, 2), which Gemma 3's q_norm receives."""
-    if t.is_contiguous() or t.numel() == 0:
-        return t
-    t = _contiguous_last(t)
-    try:
-        t.view(-1, t.shape[-1])  # possible exactly when the leading dimensions merge into one stride
-        return t
-    except RuntimeError:
-        return t.contiguous()
+def _row_order(t: Tensor) -> Optional[List[int]]:
+    """The order of t's leading dimensions that puts its rows in memory order (largest stride first), or None where
+    they are in it. E.g. q after transformers' view(...).transpose(1, 2), which Gemma 3's q_norm receives, is one
+    strided run of rows in that order. RMSNorm treats rows alike, so the torch layer reorders them (views) and
+    orders the outputs back."""
+    lead = list(range(t.dim() - 1))
+    order = sorted(lead, key=lambda d: -t.stride(d))  # stable: equal strides keep their order
+    return None if order == lead else order
 
 
-def _rms_norm_any(x, weight, eps, offset):
+def _in_row_order(t: Tensor, order, rows_only: bool = False) -> Tensor:
+    """t's dimensions in `order`, the last one last (rows_only: t has only the leading ones, as rstd)."""
+    return t if order is None else t.permute(order if rows_only else [*order, t.dim() - 1])
+
+
+def _from_row_order(t: Tensor, order, rows_only: bool = False) -> Tensor:
+    """_in_row_order undone."""
+    if order is None:
+        return t
+    back = sorted(range(len(order)), key=order.__getitem__)
+    return t.permute(back if rows_only else [*back, t.dim() - 1])
+
+
+def _in_two_runs(*tensors: Tensor) -> List[Tensor]:
+    """The tensors (of one shape), or contiguous copies where their rows together are more than two evenly strided
+    runs (the kernels' row_start takes one or two)."""
+    tensors = [_contiguous_last(t) for t in tensors]
+    first = tensors[0]
+    if all(t.is_contiguous() for t in tensors) or first.numel() == 0:
+        return tensors
+    dims = [(n, tuple(t.stride(j) for t in tensors)) for j, n in enumerate(first.shape[:-1]) if n != 1]
+    if len(merge_dims(dims)) <= 2 and first.numel() // first.shape[-1] < _norm_checks.MAX_TWO_RUN_ROWS:
+        return tensors
+    return [t.contiguous() for t in tensors]
+
+
+def _rms_norm_any(x, weight, eps, offset, return_rstd=True):
+    """(y, rstd) as rms_norm's op returns them (rstd None where not return_rstd), on either device. Rows are taken
+    in memory order; the outputs are new memory whose rows lie in x's order."""
+    order = _row_order(x)
+    xo = _in_row_order(x, order)
     if not x.is_cuda:
-        return _rms_norm_cpu(x, weight, eps, offset)
-    return _rms_norm(_rows_in_one_run(x), weight, eps, offset=offset, return_rstd=True)
+        y, rstd = _rms_norm_cpu(xo, weight, eps, offset)
+    elif return_rstd:
+        y, rstd = _rms_norm(*_in_two_runs(xo), weight, eps, offset=offset, return_rstd=True)
+    else:
+        y, rstd = _rms_norm(*_in_two_runs(xo), weight, eps, offset=offset), None
+    return _from_row_order(y, order), (None if rstd is None else _from_row_order(rstd, order, rows_only=True))
 
 
 def _rms_norm_backward_any(dy, x, weight, rstd, eps, offset):
+    order = _row_order(x)  # the forward's: rstd is laid out in it
+    dy, x, rstd = _in_row_order(dy, order), _in_row_order(x, order), _in_row_order(rstd, order, rows_only=True)
     if not x.is_cuda:
-        return _rms_norm_backward_cpu(dy, x, weight, rstd, eps, offset)
-    return _rms_norm_backward(_rows_in_one_run(dy), _rows_in_one_run(x), weight, rstd, eps, offset)
+        dx, dw = _rms_norm_backward_cpu(_contiguous_last(dy), x, weight, rstd, eps, offset)
+    else:
+        dx, dw = _rms_norm_backward(*_in_two_runs(dy, x), weight, rstd.contiguous(), eps, offset)
+    return _from_row_order(dx, order), dw
+
+
+def _new_rows_like(x: Tensor, drop_last: bool = False, dtype=None) -> Tensor:
+    """New memory shaped like x (drop_last: like its rows, as rstd), laid out as _rms_norm_any lays out its
+    outputs."""
+    order = _row_order(x)
+    shape = list(_in_row_order(x, order).shape)
+    new = torch.empty(shape[:-1] if drop_last else shape, dtype=dtype or x.dtype, device=x.device)
+    return _from_row_order(new, order, rows_only=drop_last)
 
 
 @torch.library.custom_op("cupyrope::rms_norm", mutates_args=(), device_types=("cuda", "cpu"))
@@ -383,8 +428,7 @@ def _rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float, offset: float)
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps, offset):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape[:-1], dtype=torch.float32,
-                                                                            device=x.device)
+    return _new_rows_like(x), _new_rows_like(x, drop_last=True, dtype=torch.float32)
 
 
 @torch.library.custom_op("cupyrope::rms_norm_backward", mutates_args=(), device_types=("cuda", "cpu"))
@@ -398,7 +442,7 @@ def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd:
 @_rms_norm_backward_op.register_fake
 def _(dy, x, weight, rstd, eps, offset):
     dw = x.new_empty(0) if weight is None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw
+    return _new_rows_like(x), dw
 
 
 def _rms_setup(ctx, inputs, output):
@@ -440,9 +484,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, offs
         return _rms_norm_op(x, weight, eps, offset)[0]
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return _RMSNormFunction.apply(x, weight, eps, offset)
-    if not x.is_cuda:
-        return _rms_norm_cpu(x, weight, eps, offset)[0]
-    return _rms_norm(_rows_in_one_run(x), weight, eps, offset=offset)  # no rstd: one output fewer
+    return _rms_norm_any(x, weight, eps, offset, return_rstd=False)[0]  # no rstd: one output fewer
 
 
 @torch.library.custom_op("cupyrope::fused_add_rms_norm_", mutates_args=("x", "residual"), device_types=("cuda", "cpu"))
@@ -696,15 +738,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     @classmethod
-    def from_hf_config(cls, config, max_position: Optional[int] = None, device=None) -> "RotaryEmbedding":
+    def from_hf_config(cls, config, max_position: Optional[int] = None, device=None,
+                       layer_type: Optional[str] = None) -> "RotaryEmbedding":
         """The RoPE of a Hugging Face model config (transformers 4's rope_theta / rope_scaling /
         partial_rotary_factor, or 5's rope_parameters), NeoX style (rotate_half, as in transformers), M-RoPE's
         mrope_section and mrope_interleaved included (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: positions (3, ...) then).
-        max_position defaults to the config's max_position_embeddings."""
+        max_position defaults to the config's max_position_embeddings. layer_type: for configs with one
+        rope_parameters dict per layer type (Gemma 3: "sliding_attention", "full_attention"), which one."""
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         if any(isinstance(value, dict) for value in params.values()):
-            raise ValueError("config: per-layer rope_parameters (one dict per layer type) are not supported; "
-                             "build one RotaryEmbedding per layer type")
+            if layer_type not in params:
+                raise ValueError(f"layer_type: the config has rope_parameters per layer type; expected one of "
+                                 f"{sorted(params)}, got {layer_type!r}")
+            params = params[layer_type]
         mrope = {key: params[key] for key in MROPE_KEYS if key in params}
         params = {key: value for key, value in params.items() if key not in MROPE_KEYS}
         if params.get("rope_type", params.get("type")) == "mrope":  # transformers' older name of default M-RoPE
@@ -755,9 +801,10 @@ class QKNormRotaryEmbedding(nn.Module):
 
     @classmethod
     def from_hf_config(cls, config, max_position: Optional[int] = None, offset: float = 0.0, device=None,
-                       dtype=None) -> "QKNormRotaryEmbedding":
-        """The QK-norm (eps: the config's rms_norm_eps) and RoPE of a Hugging Face model config."""
-        rotary = RotaryEmbedding.from_hf_config(config, max_position, device=device)
+                       dtype=None, layer_type: Optional[str] = None) -> "QKNormRotaryEmbedding":
+        """The QK-norm (eps: the config's rms_norm_eps) and RoPE of a Hugging Face model config (layer_type: see
+        RotaryEmbedding.from_hf_config)."""
+        rotary = RotaryEmbedding.from_hf_config(config, max_position, device=device, layer_type=layer_type)
         return cls(rotary.head_dim, rotary.max_position, getattr(config, "rms_norm_eps", 1e-6), offset, rotary=rotary,
                    device=device, dtype=dtype)
 

@@ -249,9 +249,16 @@ def test_rotary_embedding_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="scaling: rope_type 'dynamic'"):
         ct.RotaryEmbedding.from_hf_config(hf_config(4, type="dynamic", factor=2.0))
     per_layer = SimpleNamespace(hidden_size=1024, num_attention_heads=8, max_position_embeddings=4096,
-                                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6}})
-    with pytest.raises(ValueError, match="config: per-layer rope_parameters"):
+                                rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                    "factor": 8.0},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match=r"layer_type: .* one of \['full_attention', 'sliding_attention'\], got None"):
         ct.RotaryEmbedding.from_hf_config(per_layer)
+    # Gemma 3's: one RotaryEmbedding per layer type.
+    sliding = ct.RotaryEmbedding.from_hf_config(per_layer, layer_type="sliding_attention")
+    assert sliding.theta == 1e4 and sliding.scaling is None and sliding.cos_sin_cache is None
+    full = ct.RotaryEmbedding.from_hf_config(per_layer, layer_type="full_attention")
+    assert full.theta == 1e6 and full.scaling["factor"] == 8.0 and full.cos_sin_cache.shape == (4096, 128)
     with pytest.raises(ValueError, match=r"mrope_section: expected sections adding up to rotary_dim / 2 = 64"):
         ct.RotaryEmbedding.from_hf_config(hf_config(5, mrope_section=[16, 24, 16]))
 

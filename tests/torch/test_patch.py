@@ -82,10 +82,52 @@ def _fake_modeling(apply_fn=None):
             q, k = sys.modules[module.__name__].apply_rotary_pos_emb(q, k, cos, sin)
             return torch.cat((q.flatten(1), k.flatten(1)), -1)
 
-    for cls in (FakeRMSNorm, FakeGemmaRMSNorm, FakeLayerRMSNorm, FakeRotaryEmbedding, FakeAttentionModel):
+    def eager_attention_forward(attention, q, k, v, mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+        return out.transpose(1, 2), None
+
+    class FakeQKNormAttention(nn.Module):  # transformers' Qwen3Attention, in substance
+        def __init__(self, hidden=64, heads=4, kv_heads=2, head_dim=16, norm=FakeRMSNorm, rope_first=False):
+            super().__init__()
+            self.config = types.SimpleNamespace(
+                head_dim=head_dim, hidden_size=hidden, num_attention_heads=heads, max_position_embeddings=128,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, _attn_implementation="eager")
+            self.head_dim, self.layer_idx, self.scaling, self.attention_dropout = head_dim, 0, head_dim**-0.5, 0.0
+            self.rope_first = rope_first  # a layer that rotates before its norms: not what qk_norm_rope computes
+            self.q_proj, self.o_proj = nn.Linear(hidden, heads * head_dim), nn.Linear(heads * head_dim, hidden)
+            self.k_proj, self.v_proj = nn.Linear(hidden, kv_heads * head_dim), nn.Linear(hidden, kv_heads * head_dim)
+            self.q_norm, self.k_norm = norm(head_dim, eps=1e-6), norm(head_dim, eps=1e-6)
+
+        def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+            shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+            q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+            k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+            v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+            if self.rope_first:
+                q, k = sys.modules[module.__name__].apply_rotary_pos_emb(q, k, *position_embeddings)
+            q, k = self.q_norm(q), self.k_norm(k)
+            if not self.rope_first:
+                q, k = sys.modules[module.__name__].apply_rotary_pos_emb(q, k, *position_embeddings)
+            out, weights = eager_attention_forward(self, q, k, v, attention_mask, scaling=self.scaling)
+            return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
+
+    class FakeQKNormModel(nn.Module):
+        def __init__(self, **options):
+            super().__init__()
+            self.rotary_emb, self.self_attn = FakeRotaryEmbedding(16), FakeQKNormAttention(**options)
+
+        def forward(self, x, position_ids):
+            return self.self_attn(x, self.rotary_emb(x, position_ids), None, position_ids=position_ids)[0]
+
+    for cls in (FakeRMSNorm, FakeGemmaRMSNorm, FakeLayerRMSNorm, FakeRotaryEmbedding, FakeAttentionModel,
+                FakeQKNormAttention, FakeQKNormModel):
         cls.__module__ = module.__name__
         setattr(module, cls.__name__, cls)
     module.apply_rotary_pos_emb = apply_fn or apply_rotary_pos_emb
+    module.eager_attention_forward = eager_attention_forward
+    module.ALL_ATTENTION_FUNCTIONS = types.SimpleNamespace(get_interface=lambda name, default: default)
     return module
 
 
@@ -93,10 +135,10 @@ def _fake_modeling(apply_fn=None):
 def fake_model(gen):
     created = []
 
-    def make(apply_fn=None):
+    def make(apply_fn=None, model="FakeAttentionModel", **options):
         module = _fake_modeling(apply_fn)
         created.append(module.__name__)
-        model = module.FakeAttentionModel()
+        model = getattr(module, model)(**options)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(torch.randn(p.shape, generator=gen))
@@ -184,6 +226,47 @@ def test_patch_transformers_leaves_hooked_modules(fake_model):
     assert ("norm", "has forward hooks (e.g. accelerate's offloading), which a new module would lose") in report["skipped"]
 
 
+def test_patch_transformers_fuses_a_checked_qk_norm_attention(fake_model, gen):
+    """A Qwen3-shaped attention: q_norm, k_norm and the rotation become one qk_norm_rope call, with the layer's
+    norm weights (shared) and the config's RoPE; outputs and gradients as before, the state dict's keys too."""
+    module, model = fake_model(model="FakeQKNormModel")
+    keys = list(model.state_dict())
+    x, position_ids = torch.randn(2, 7, 64, generator=gen), torch.arange(3, 10)[None]  # (1, S): expanded
+    grads = []
+    for patched in (False, True):
+        if patched:
+            report = patch.patch_transformers(model)
+            assert report["qk_norm_rope"] == ["self_attn"], report
+            assert "forward" in vars(model.self_attn) and model.self_attn.cupyrope_qk_norm == (1e-6, 0.0)
+        xg = x.clone().requires_grad_()
+        model.zero_grad()
+        out = model(xg, position_ids)
+        out.square().sum().backward()
+        grads.append((out.detach(), xg.grad, model.self_attn.q_norm.weight.grad.clone(),
+                      model.self_attn.k_proj.weight.grad.clone()))
+    for before, after in zip(*grads):  # fp32 roundings, relative to each tensor's largest values
+        torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5 * float(before.abs().max()))
+    assert list(model.state_dict()) == keys
+    with torch.no_grad():  # no position_ids: the layer's own forward
+        cos_sin = model.rotary_emb(x, position_ids)
+        own = grads[0][0]
+        torch.testing.assert_close(model.self_attn(x, cos_sin, None)[0], own, rtol=1e-4, atol=1e-5 * float(own.abs().max()))
+    assert patch.patch_transformers(model)["qk_norm_rope"] == []  # idempotent
+
+
+@pytest.mark.parametrize("options,reason", [
+    ({"rope_first": True}, "its forward differs from cupyrope's qk_norm_rope with the config's RoPE"),
+    ({"norm": "FakeLayerRMSNorm"}, "computes neither x / rms(x) * weight nor x / rms(x) * (1 + weight) with its eps"),
+])
+def test_patch_transformers_leaves_a_qk_norm_attention_it_cannot_match(fake_model, options, reason):
+    module, _ = fake_model()
+    options = {key: getattr(module, value) if key == "norm" else value for key, value in options.items()}
+    _, model = fake_model(model="FakeQKNormModel", **options)
+    report = patch.patch_transformers(model, rope=False, rms_norm=False)
+    assert report["qk_norm_rope"] == [] and report["skipped"] == [("self_attn", reason)]
+    assert "forward" not in vars(model.self_attn)
+
+
 # Real transformers models, where transformers is installed (CPU; the GPU test below repeats it in bf16).
 
 TINY_MODELS = {
@@ -248,13 +331,50 @@ def _patched_outputs(model, inputs):
     return before, after, report
 
 
+QK_NORM_MODELS = ("qwen3", "gemma3")  # their attention layers fuse q_norm, k_norm and the rotation
+
+
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_patch_transformers_on_real_models(name):
     model = tiny_model(name)
     before, after, report = _patched_outputs(model, model_inputs(name))
-    assert report["rope"] == [type(model).__module__] and report["skipped"] == []
+    skipped = [reason for _, reason in report["skipped"]]
+    if name == "qwen3-vl-interleaved-mrope":  # its layers get text positions only
+        assert skipped == ["M-RoPE: its layers receive text positions, not the three position rows its cos/sin "
+                           "come from"] * 2
+    else:
+        assert skipped == []
+    assert report["rope"] == [type(model).__module__]
+    assert len(report["qk_norm_rope"]) == (2 if name in QK_NORM_MODELS else 0)
     assert len(report["rms_norm"]) >= (0 if name == "cohere" else 5)  # Cohere's norm is a LayerNorm
     assert_close(after, before, "float32")
+
+
+@pytest.mark.parametrize("name", QK_NORM_MODELS)
+def test_patched_qk_norm_models_train_and_generate_alike(name):
+    """The fused attention in training (gradients of every parameter) and in greedy decoding with the KV cache."""
+    source = sys.modules[type(tiny_model(name)).__module__]
+    original = source.apply_rotary_pos_emb
+    inputs = model_inputs(name)
+    models = [tiny_model(name), tiny_model(name)]
+    try:
+        report = patch.patch_transformers(models[1])
+        assert len(report["qk_norm_rope"]) == 2
+        results = []
+        for model in models:
+            model.train()
+            model(**inputs, labels=inputs["input_ids"]).loss.backward()
+            model.eval()
+            with torch.no_grad():
+                tokens = model.generate(inputs["input_ids"][:, :12], max_new_tokens=6, do_sample=False)
+            results.append(({n: p.grad for n, p in model.named_parameters()}, tokens))
+    finally:
+        source.apply_rotary_pos_emb = original
+    (grads, tokens), (patched_grads, patched_tokens) = results
+    assert torch.equal(patched_tokens, tokens)
+    for n, g in grads.items():
+        scale = float(g.abs().max()) or 1.0
+        torch.testing.assert_close(patched_grads[n], g, rtol=1e-4, atol=1e-5 * scale, msg=n)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -265,11 +385,12 @@ def gpu(test):
 
 
 @gpu
-@pytest.mark.parametrize("name", ["llama", "gemma3", "cohere", "qwen3-vl-interleaved-mrope"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "cohere", "qwen3-vl-interleaved-mrope"])
 def test_patch_transformers_on_gpu(name):
     model = tiny_model(name, dtype=torch.float32, device="cuda")
     before, after, report = _patched_outputs(model, model_inputs(name, "cuda"))
     assert report["rope"] == [type(model).__module__]
+    assert len(report["qk_norm_rope"]) == (2 if name in QK_NORM_MODELS else 0)
     # Two layers of fp32 ops whose summation orders differ (the kernels' reductions against torch's):
     # the kernels' own accuracy is tested op by op; here the model must agree to a few fp32 roundings.
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4 * float(before.abs().max()))

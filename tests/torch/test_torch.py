@@ -119,6 +119,45 @@ def test_modules_are_drop_in_on_cpu():
     torch.testing.assert_close(gemma(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
+def test_norm_rows_in_memory_order_need_no_copy():
+    """Per-head norms: q's heads after view(B, S, H, D).transpose(1, 2) (Gemma 3's q_norm) are taken in memory order,
+    one strided run; heads of a fused qkv view are two runs, which the kernels take as they are; only rows over more
+    runs are copied."""
+    heads = torch.randn(2, 40, 4, 16).transpose(1, 2)
+    order = ct._row_order(heads)
+    assert order == [0, 2, 1] and ct._in_row_order(heads, order).is_contiguous()
+    assert ct._row_order(torch.randn(3, 5, 8)) is None
+    qkv = torch.randn(30, (8 + 2 * 2) * 16)
+    q = qkv[:, : 8 * 16].view(30, 8, 16)
+    assert ct._row_order(q) is None and ct._in_two_runs(q)[0] is q
+    gaps = torch.randn(2, 6, 4, 16)[:, :5, :3]  # B, S and H strides merge nowhere
+    assert ct._in_two_runs(gaps)[0].is_contiguous()
+
+
+@pytest.mark.parametrize("layout", ["transposed", "fused"])
+def test_rms_norm_of_head_views_on_cpu(layout):
+    """The CPU path takes the same rows: outputs laid out in x's row order, gradients against float64 autograd, and
+    the op's fake outputs (torch.compile) strided as the real ones (opcheck)."""
+    from torch.library import opcheck
+
+    torch.manual_seed(0)
+    base = torch.randn(2, 40, 6 * 16)
+    x = base.view(2, 40, 6, 16).transpose(1, 2) if layout == "transposed" else base.view(2, 40, 6, 16)[:, :, :4]
+    x = x.detach().requires_grad_()
+    w = torch.randn(16, requires_grad=True)
+    y = ct.rms_norm(x, w, 1e-6, offset=1.0)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * (w64 + 1.0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y64.backward(g.double())
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-4)
+    assert ct._row_order(y) == ct._row_order(x)
+    opcheck(torch.ops.cupyrope.rms_norm.default, (x.detach(), w.detach(), 1e-6, 1.0))
+
+
 def test_every_op_traces_on_cpu_tensors_too():
     """torch.compile(fullgraph) of each function on CPU tensors: every op has a CPU kernel (the same
     formulas as the eager CPU fallback), so a model compiles wherever it runs."""
@@ -233,6 +272,10 @@ def test_opcheck():
     opcheck(torch.ops.cupyrope.rope.default, (x, mrope, None, 1e4, "neox", None, False, None, None, [8, 12, 12], True))
     w = torch.randn(64, device="cuda", requires_grad=True)
     opcheck(torch.ops.cupyrope.rms_norm.default, (x, w, 1e-6, 0.0))
+    heads = torch.randn(2, 9, 4 * 64, device="cuda").view(2, 9, 4, 64).transpose(1, 2).requires_grad_()
+    opcheck(torch.ops.cupyrope.rms_norm.default, (heads, w, 1e-6, 0.0))  # rows in memory order, outputs in x's
+    fused = torch.randn(9, 8 * 64, device="cuda")[:, : 4 * 64].view(9, 4, 64).requires_grad_()
+    opcheck(torch.ops.cupyrope.rms_norm.default, (fused, w, 1e-6, 0.0))  # two runs, no copy
     q, k = torch.randn(9, 4, 64, device="cuda"), torch.randn(9, 2, 64, device="cuda")
     opcheck(torch.ops.cupyrope.rope_qk_.default, (q, k, pos, None, 1e4, "neox", None, None, None, None, False))
     qw = torch.randn(64, device="cuda", requires_grad=True)
@@ -275,8 +318,8 @@ class Block(torch.nn.Module):
 
 @gpu
 def test_rms_norm_of_transposed_heads_forward_and_backward():
-    """Gemma 3 / Qwen3 q_norm: the heads of view(B, S, H, D).transpose(1, 2), whose rows are not one
-    evenly strided run (the module copies them; the gradient flows back through the transpose)."""
+    """Gemma 3's q_norm: the heads of view(B, S, H, D).transpose(1, 2), taken in memory order with no copy (the
+    gradient flows back through the transpose); its outputs' fake strides match (opcheck)."""
     torch.manual_seed(0)
     norm = ct.RMSNorm(16, 1e-6, offset=1.0).cuda()
     torch.nn.init.normal_(norm.weight)
