@@ -375,17 +375,16 @@ def _from_row_order(t: Tensor, order, rows_only: bool = False) -> Tensor:
     return t.permute(back if rows_only else [*back, t.dim() - 1])
 
 
-def _in_two_runs(*tensors: Tensor) -> List[Tensor]:
-    """The tensors (of one shape), or contiguous copies where their rows together are more than two evenly strided
-    runs (the kernels' row_start takes one or two)."""
+def _in_one_run(*tensors: Tensor) -> List[Tensor]:
+    """The tensors (of one shape), or contiguous copies where their rows together are not one evenly strided run (the
+    kernels take one row stride an array): e.g. q's heads as a (T, H, D) view of a fused qkv tensor, which
+    cupyrope.qk_norm_rope normalizes in place with no copy."""
     tensors = [_contiguous_last(t) for t in tensors]
     first = tensors[0]
     if all(t.is_contiguous() for t in tensors) or first.numel() == 0:
         return tensors
     dims = [(n, tuple(t.stride(j) for t in tensors)) for j, n in enumerate(first.shape[:-1]) if n != 1]
-    if len(merge_dims(dims)) <= 2 and first.numel() // first.shape[-1] < _norm_checks.MAX_TWO_RUN_ROWS:
-        return tensors
-    return [t.contiguous() for t in tensors]
+    return tensors if len(merge_dims(dims)) <= 1 else [t.contiguous() for t in tensors]
 
 
 def _rms_norm_any(x, weight, eps, offset, return_rstd=True):
@@ -396,9 +395,9 @@ def _rms_norm_any(x, weight, eps, offset, return_rstd=True):
     if not x.is_cuda:
         y, rstd = _rms_norm_cpu(xo, weight, eps, offset)
     elif return_rstd:
-        y, rstd = _rms_norm(*_in_two_runs(xo), weight, eps, offset=offset, return_rstd=True)
+        y, rstd = _rms_norm(*_in_one_run(xo), weight, eps, offset=offset, return_rstd=True)
     else:
-        y, rstd = _rms_norm(*_in_two_runs(xo), weight, eps, offset=offset), None
+        y, rstd = _rms_norm(*_in_one_run(xo), weight, eps, offset=offset), None
     return _from_row_order(y, order), (None if rstd is None else _from_row_order(rstd, order, rows_only=True))
 
 
@@ -408,7 +407,7 @@ def _rms_norm_backward_any(dy, x, weight, rstd, eps, offset):
     if not x.is_cuda:
         dx, dw = _rms_norm_backward_cpu(_contiguous_last(dy), x, weight, rstd, eps, offset)
     else:
-        dx, dw = _rms_norm_backward(*_in_two_runs(dy, x), weight, rstd.contiguous(), eps, offset)
+        dx, dw = _rms_norm_backward(*_in_one_run(dy, x), weight, rstd.contiguous(), eps, offset)
     return _from_row_order(dx, order), dw
 
 

@@ -18,13 +18,6 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
     return __float2bfloat16_rn(v);
 }
 
-// n / d for n < 2^31 with d's (magic, shift) from _runtime/launch.py's fast_divisor: a multiply, an add and a
-// shift where a 32-bit division by a run-time value costs ~20 dependent instructions (RoPE's direct kernel does
-// its index math before its first load).
-__device__ __forceinline__ unsigned fast_div(unsigned n, i64 divisor) {
-    return (__umulhi(n, (unsigned)divisor) + n) >> (unsigned)(divisor >> 32);
-}
-
 // N contiguous elements moved as one access (16 bytes at most per instruction).
 template <typename T, int N>
 struct alignas((N * sizeof(T)) < 16 ? (N * sizeof(T)) : 16) Pack {

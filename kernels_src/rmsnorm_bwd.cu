@@ -26,8 +26,7 @@ struct NormBwdParams {  // mirrored by rmsnorm.py's BWD_TAIL
     void* dx;
     float* partial;      // [gridDim.x (clusters: gridDim.x / CLUSTER), hidden]; unused without weight
     i64 rows, hidden;
-    i64 dy_stride[2], x_stride[2], dx_stride[2];  // rows' strides and inner_rows: see row_start
-    i64 inner_rows, inner_div;
+    i64 dy_stride, x_stride, dx_stride;
     i64 shared_acc;  // 1: dynamic shared memory holds [blockDim.y, hidden] floats of dweight sums
     float offset;
     float inv_hidden;  // 1 / hidden, as in NormParams
@@ -77,8 +76,8 @@ template <typename T, bool VEC, int NPT, bool SHIFT, int E>
 __device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, int first, int step, Pack<T, E> (&dyv)[NPT],
                                              Pack<T, E> (&xv)[NPT]) {
     if (row >= p.rows) return;
-    const T* dy_row = static_cast<const T*>(p.dy) + row_start(p, row, p.dy_stride);
-    const T* x_row = static_cast<const T*>(p.x) + row_start(p, row, p.x_stride);
+    const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
+    const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
     const int hidden = (int)p.hidden;  // rows in registers: see first_column
 #pragma unroll
     for (int i = 0; i < NPT; ++i) {
@@ -109,7 +108,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
     const bool acc_shifted = SHIFT && NPT == 0 && p.shared_acc;
     const i64 acc_row = acc_shifted ? chunks_span<true, E>(p.hidden) : p.hidden;
     const int acc_shift = acc_shifted ? row_shift<SHIFT, E>(static_cast<const T*>(p.x) +
-                                                            row_start(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, p.x_stride))
+                                                            ((i64)blockIdx.x * blockDim.y + threadIdx.y) * p.x_stride)
                                       : 0;
     float* const my_acc = p.shared_acc ? dw_acc + threadIdx.y * acc_row : my_partial;
     Pack<float, E> dw[SLOTS];  // NPT > 0: a thread owns the same columns in every row it visits
@@ -128,7 +127,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
     Pack<T, E> dyv[SLOTS], xv[SLOTS];
     const i64 first_row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     // A thread's columns are the same in every row it visits (SHIFT: one shift per rows slot, see above).
-    const int first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + row_start(p, first_row, p.x_stride), lane);
+    const int first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + first_row * p.x_stride, lane);
     if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, first_row, first, step, dyv, xv);
     // SHIFT reads the weight element by element (8 loads a 16-bit chunk): once, kept in registers.
     constexpr bool WEIGHT_ONCE = SHIFT;
@@ -144,9 +143,9 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
     for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += rows_per_pass) {
         const i64 row = base + threadIdx.y;
         const bool active = row < p.rows;
-        const T* dy_row = static_cast<const T*>(p.dy) + row_start(p, row, p.dy_stride);
-        const T* x_row = static_cast<const T*>(p.x) + row_start(p, row, p.x_stride);
-        T* dx_row = static_cast<T*>(p.dx) + row_start(p, row, p.dx_stride);
+        const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
+        const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+        T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
         float dot = 0.f;
         if constexpr (NPT > 0) {
             if constexpr (!PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row, first, step, dyv, xv);
@@ -292,8 +291,8 @@ template <typename T, int NPT, bool SHIFT>
 __device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged, i64 row, int stage, int first) {
     constexpr int E = 16 / sizeof(T);
     if (row < p.rows) {
-        const T* dy_row = static_cast<const T*>(p.dy) + row_start(p, row, p.dy_stride);
-        const T* x_row = static_cast<const T*>(p.x) + row_start(p, row, p.x_stride);
+        const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
+        const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             // Aligned rows: their own expression (see staged_column).
@@ -379,7 +378,7 @@ __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* 
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
     const i64 row_step = gridDim.x;
-    first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + row_start(p, (i64)blockIdx.x, p.x_stride), lane);
+    first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + (i64)blockIdx.x * p.x_stride, lane);
     constexpr bool HOLD = SHIFT || LEAN;  // the weights stay in registers for all rows
     Pack<W, E> wv[HOLD ? NPT : 1];
 #pragma unroll
@@ -418,7 +417,7 @@ __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* 
         stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
         stage = stage + 1 == STAGES ? 0 : stage + 1;
         const float coef = row_coef(p, rstd, row_sum<LANES_JUMP>(dot, width, scratch));
-        T* dx_row = static_cast<T*>(p.dx) + row_start(p, row, p.dx_stride);
+        T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
@@ -520,7 +519,7 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]; SHIFT: then the weight
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
-    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + row_start(p, first_row, p.x_stride));
+    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + first_row * p.x_stride);
     const int first = SHIFT ? lane * E - shift : 0;  // aligned rows: their own expressions (see staged_column)
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, first_row + s * row_step, s, first);
@@ -561,7 +560,7 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
         const float row_dot = cluster_sum<SPLIT>(row_sum<LANES_JUMP>(dot, width, scratch), cluster_slots[parity]);
         parity ^= 1;
         const float coef = row_coef(p, rstd, row_dot);
-        T* dx_row = static_cast<T*>(p.dx) + row_start(p, row, p.dx_stride);
+        T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
@@ -648,7 +647,7 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(walks_classes(SHIFT, SPLIT
 #if CUPYROPE_CLUSTERS
     constexpr int E = 16 / sizeof(T);
     constexpr bool WALK = walks_classes(SHIFT, SPLIT);
-    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + row_start(p, blockIdx.x / SPLIT, p.x_stride));  // not WALK
+    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + blockIdx.x / SPLIT * p.x_stride);  // not WALK
     i64 offset;
     const i64 length = WALK ? cluster_columns<E, SPLIT>(p.hidden, offset) : cluster_part<E, SPLIT, SHIFT>(p.hidden, offset, shift);
     NormBwdParams mine = p;  // the block's part of the rows; inv_hidden stays the whole row's

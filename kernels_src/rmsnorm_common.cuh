@@ -63,17 +63,6 @@ template <bool HELD, typename P> __device__ __forceinline__ P* row_base(P* row) 
     return row;
 }
 
-// Where row `row` of an array starts, in elements from its first: stride[0] apart for one evenly strided run of rows
-// (inner_rows == 1); rows over two runs (q's heads as a (T, H, D) view of a fused qkv tensor: inner_rows = H) are
-// (row / inner_rows, row % inner_rows), stride[0] and stride[1] apart. inner_div is inner_rows' fast_div divisor
-// (the planner keeps such rows below 2^30).
-template <typename P>
-__device__ __forceinline__ i64 row_start(const P& p, i64 row, const i64 (&stride)[2]) {
-    if (p.inner_rows == 1) return row * stride[0];
-    const i64 outer = fast_div((unsigned)row, p.inner_div);
-    return outer * stride[0] + (row - outer * p.inner_rows) * stride[1];
-}
-
 // Rows held in registers (NPT > 0) have at most 1024 threads x 8 slots x 8 elements, so their
 // column indices are ints (I = int): 64-bit indices cost a dozen extra instructions a chunk (wide
 // multiplies and compares, recomputed under each chunk's predicate), which every warp runs after its

@@ -13,8 +13,7 @@ struct NormParams {  // mirrored by rmsnorm.py's FWD_TAIL (after the pointers)
     const void* weight;  // may be null: no weight
     float* rstd;         // may be null: not returned
     i64 rows, hidden;
-    i64 x_stride[2], y_stride[2], residual_stride[2];  // rows' strides and inner_rows: see row_start
-    i64 inner_rows, inner_div;
+    i64 x_stride, y_stride, residual_stride;
     float eps, offset;
     float inv_hidden;  // 1 / hidden, rounded to float: a multiply instead of a division on the row's critical path
 };
@@ -179,8 +178,8 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
     // Rows held as words (see half_of): a branch of its own, so that the words are what the loads produce and the
     // loop holds (the Pack path below with only its output converting from word_of(v[i], k) kept 54-56 registers).
     if constexpr (sizeof(T) == 2 && VEC && NPT >= 2 && !ADD) {
-        const T* const x_row = row_base<true>(static_cast<const T*>(p.x) + row_start(p, row, p.x_stride));
-        T* const y_row = row_base<true>(static_cast<T*>(p.y) + row_start(p, row, p.y_stride));
+        const T* const x_row = row_base<true>(static_cast<const T*>(p.x) + row * p.x_stride);
+        T* const y_row = row_base<true>(static_cast<T*>(p.y) + row * p.y_stride);
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         unsigned words[NPT][4] = {};  // chunks outside the row stay 0 and add nothing to the sum
         // EARLY: the weight's chunks held as loaded words too (held as Packs: 64 instead of 56 registers
@@ -243,9 +242,9 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         // to 19% faster). Elsewhere they changed nothing or were slower: 1% for the 2-chunk fused add, 11-14% for
         // the fp32 fused add of 4+ chunks.
         constexpr bool HELD = !VEC || (ADD && NPT >= 2 && (SHIFT || (NPT >= 4 && sizeof(T) == 2)));
-        const T* const x_row = row_base<HELD>(static_cast<const T*>(p.x) + row_start(p, row, p.x_stride));
-        T* const y_row = row_base<HELD>(static_cast<T*>(p.y) + row_start(p, row, p.y_stride));
-        T* const res_row = ADD ? row_base<HELD>(static_cast<T*>(p.residual) + row_start(p, row, p.residual_stride)) : nullptr;
+        const T* const x_row = row_base<HELD>(static_cast<const T*>(p.x) + row * p.x_stride);
+        T* const y_row = row_base<HELD>(static_cast<T*>(p.y) + row * p.y_stride);
+        T* const res_row = ADD ? row_base<HELD>(static_cast<T*>(p.residual) + row * p.residual_stride) : nullptr;
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         Pack<T, E> v[NPT];
         Pack<W, E> w[NPT];
@@ -293,9 +292,9 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         // pass in the row cache, where the launch gave the block's rows (row_cache_bytes in the planner: each
         // row slot's chunks from c * E, chunks_span); else it is read back.
         extern __shared__ __align__(16) unsigned char row_cache_bytes[];
-        const T* const x_row = static_cast<const T*>(p.x) + row_start(p, row, p.x_stride);
-        T* const y_row = static_cast<T*>(p.y) + row_start(p, row, p.y_stride);
-        T* const res_row = ADD ? static_cast<T*>(p.residual) + row_start(p, row, p.residual_stride) : nullptr;
+        const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+        T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
+        T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
         const int shift = row_shift<SHIFT, E>(x_row);
         const i64 first = (i64)lane * E - shift, cache_row = chunks_span<SHIFT, E>(p.hidden);
         T* const row_cache = reinterpret_cast<T*>(row_cache_bytes) + threadIdx.y * cache_row + shift;
@@ -397,7 +396,7 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT, ADD>::threa
     for (i64 row = blockIdx.x / SPLIT; row < p.rows; row += gridDim.x / SPLIT, parity ^= 1) {
         if constexpr (SHIFT) {
             NormParams row_part = p;
-            const int shift = row_shift<true, 16 / sizeof(T)>(static_cast<const T*>(p.x) + row_start(p, row, p.x_stride));
+            const int shift = row_shift<true, 16 / sizeof(T)>(static_cast<const T*>(p.x) + row * p.x_stride);
             narrow_to_part<T, W, ADD, SPLIT, true>(row_part, shift);
             norm_row<T, W, true, NPT, ADD, true, SPLIT>(row_part, row, cluster_slots[parity]);
         } else {

@@ -73,6 +73,13 @@ struct RopeParams {  // mirrored by rope_plan.py's _TAIL (all 8-byte fields but 
     float eps, weight_offset;     // qk_norm_rope: y = x * rsqrt(mean(x^2) + eps) * (w + weight_offset)
 };
 
+// n / d for n < 2^31 with d's (magic, shift) from rope_plan.py's fast_divisor: a multiply, an add and a
+// shift where a 32-bit division by a run-time value costs ~20 dependent instructions. The direct
+// kernel's index math comes before its first load.
+__device__ __forceinline__ unsigned fast_div(unsigned n, i64 divisor) {
+    return (__umulhi(n, (unsigned)divisor) + n) >> (unsigned)(divisor >> 32);
+}
+
 // cos/sin of pos * inv_freq (inv_freq = theta^(-2f/rot_dim) in double), equal to the exact values to
 // fp32 rounding at any position up to 2^24: angle and range reduction in double (2*pi split in two
 // parts), then fp32 sincosf on the reduced angle plus a first-order correction for the part of it

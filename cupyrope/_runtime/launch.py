@@ -171,13 +171,3 @@ class Launch:
             raise RuntimeError(f"cupyrope: kernel launch failed (grid={self.grid}, block={self.block}): {error}") from None
         _runtime.setDevice(self.device)
         self._launch(stream, params, config, config_address)
-
-
-def fast_divisor(d: int) -> int:
-    """(magic | shift << 32) such that n // d == (mulhi32(n, magic) + n) >> shift for every
-    0 <= n < 2^31 (kernels_src/common.cuh: fast_div; the round-up method of Granlund and Montgomery)."""
-    if not 1 <= d < 2**31:
-        raise ValueError(f"divisor {d} out of range")
-    shift = (d - 1).bit_length()  # ceil(log2(d))
-    magic = (2**32 * (2**shift - d)) // d + 1
-    return magic | shift << 32

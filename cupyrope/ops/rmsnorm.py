@@ -15,14 +15,14 @@ from .._runtime.device import sm_count
 from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import profiles, rmsnorm_checks
-from .rmsnorm_checks import row_layout, rows
+from .rmsnorm_checks import row_strides, rows
 from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name, plan_backward_for_device
 from .rmsnorm_plan_forward import plan_forward_for_device, row_cache_bytes
 from .rmsnorm_rows import kernel_for, shared_limit
 
 # Mirror NormParams, NormBwdParams and DweightParams in kernels_src: pointers, then these.
-FWD_TAIL = struct.Struct("<10q3f")  # rows, hidden, RowLayout.fields(3), then _scalars()
-BWD_TAIL = struct.Struct("<11q2f")  # rows, hidden, RowLayout.fields(3), shared_acc, offset, 1 / hidden
+FWD_TAIL = struct.Struct("<5q3f")  # rows, hidden, three row strides, then _scalars()
+BWD_TAIL = struct.Struct("<6q2f")  # rows, hidden, three row strides, shared_acc, offset, 1 / hidden
 DW_TAIL = struct.Struct("<2q")
 
 
@@ -102,12 +102,12 @@ def _plan_forward_call(xa, wa, oa, mode, _no_weight, eps, offset, return_rstd, i
     if xa.size:
         ya = xa if mode == IN_PLACE else oa if mode == OUT else contiguous_like(xa, xa.shape, xa.dtype)
         n_rows, hidden = rows(xa.shape), xa.shape[-1]
-        layout = row_layout([xa, ya], ["x", "out"])
-        plan = plan_forward_for_device(xa, ya, None, wa, layout, n_rows, hidden, impl, xa.device,
+        strides = row_strides([xa, ya], ["x", "out"])
+        plan = plan_forward_for_device(xa, ya, None, wa, strides, n_rows, hidden, impl, xa.device,
                                       profiles.profile_for(xa.device).rms_norm_forward)
         if mode == OUT:
             plan.out_layouts = checks.out_layouts(xa, oa)
-        tail = FWD_TAIL.pack(n_rows, hidden, *layout.fields(3), *_scalars(eps, offset, hidden))
+        tail = FWD_TAIL.pack(n_rows, hidden, strides[0], strides[1], 0, *_scalars(eps, offset, hidden))
         plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, 5, tail, xa.device, xa.kind,
                              plan.shared_mem)
     else:
@@ -122,11 +122,12 @@ def _plan_fused_add_call(xa, ra, wa, _no_weight, eps, offset, impl):
     if not xa.size:
         return EmptyPlan()
     n_rows, hidden = rows(xa.shape), xa.shape[-1]
-    layout = row_layout([xa, ra], ["x", "residual"]).pick(0, 0, 1)  # x, y = x, residual
+    strides = row_strides([xa, ra], ["x", "residual"])
     choices = profiles.profile_for(xa.device).rms_norm_forward
-    plan = plan_forward_for_device(xa, xa, ra, wa, layout, n_rows, hidden, impl, xa.device, choices)
+    plan = plan_forward_for_device(xa, xa, ra, wa, (strides[0], strides[0], strides[1]), n_rows, hidden, impl,
+                                   xa.device, choices)
     plan.shared_mem = row_cache_bytes(plan, hidden, xa.dtype, shared_limit(xa.device), choices)
-    tail = FWD_TAIL.pack(n_rows, hidden, *layout.fields(3), *_scalars(eps, offset, hidden))
+    tail = FWD_TAIL.pack(n_rows, hidden, strides[0], strides[0], strides[1], *_scalars(eps, offset, hidden))
     plan.extents = (checks.layout_key(xa), checks.layout_key(ra))
     plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, 5, tail, xa.device, xa.kind,
                          plan.shared_mem)
@@ -138,11 +139,11 @@ def _plan_backward_call(da, xa, wa, ra, _no_weight, _no_rstd, eps, offset, impl)
     n_rows, hidden = rows(xa.shape), xa.shape[-1]
     if xa.size:
         dxa = contiguous_like(xa, xa.shape, xa.dtype)
-        layout = row_layout([da, xa, dxa], ["dy", "x", "dx"])
-        plan, kernel = plan_backward_for_device(da, xa, dxa, wa, layout, n_rows, hidden, sm_count(xa.device), impl,
+        strides = row_strides([da, xa, dxa], ["dy", "x", "dx"])
+        plan, kernel = plan_backward_for_device(da, xa, dxa, wa, strides, n_rows, hidden, sm_count(xa.device), impl,
                                                 shared_limit(xa.device), xa.device,
                                                 profiles.profile_for(xa.device).rms_norm_backward)
-        tail = BWD_TAIL.pack(n_rows, hidden, *layout.fields(3), int(plan.shared_acc),
+        tail = BWD_TAIL.pack(n_rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc),
                              float(offset), 1 / hidden)
         plan.launch = Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
         if wa is not None and not plan.one_cluster:

@@ -5,9 +5,6 @@ import math
 
 from .._runtime import checks
 from .._runtime.arrays import FLOAT_DTYPES, Array, is_contiguous, merge_dims
-from .rmsnorm_rows import RowLayout
-
-MAX_TWO_RUN_ROWS = 2**30  # rows over two runs: the kernels split row indices by fast_div (below 2^31)
 
 
 def check_options(eps, offset, impl) -> None:
@@ -66,23 +63,15 @@ def check_backward(dy: Array, x: Array, weight: Array | None, rstd: Array | None
             raise ValueError(f"rstd: expected a contiguous array, got strides {rstd.strides}")
 
 
-def row_layout(arrays, names) -> RowLayout:
-    """Where each array's rows start (all dimensions but the last): one evenly strided run of rows, or two (q's
-    heads as a (T, H, D) view of a fused qkv tensor, over fewer than 2^30 rows: the kernels' fast_div), or a
-    ValueError saying so."""
-    shape = arrays[0].shape
-    dims = [(n, tuple(a.strides[j] for a in arrays)) for j, n in enumerate(shape[:-1]) if n != 1]
+def row_strides(arrays, names) -> tuple:
+    """One row stride per array (the kernels take rows as one strided run), or a ValueError saying so."""
+    lead = arrays[0].shape[:-1]
+    dims = [(n, tuple(a.strides[j] for a in arrays)) for j, n in enumerate(lead) if n != 1]
     merged = merge_dims(dims)
-    if not merged:
-        return RowLayout(tuple(shape[-1] for _ in arrays))
-    if len(merged) == 1:
-        return RowLayout(merged[0][1])
-    if len(merged) == 2 and rows(shape) < MAX_TWO_RUN_ROWS:
-        (_, outer), (inner_rows, inner) = merged
-        return RowLayout(outer, inner, inner_rows)
-    raise ValueError(f"{names[0]}: its rows (all dimensions but the last) must form one or two evenly strided runs "
-                     f"(two: fewer than 2^30 rows), got strides {arrays[0].strides} for shape {shape}; pass a "
-                     f"contiguous array")
+    if len(merged) > 1:
+        raise ValueError(f"{names[0]}: its rows (all dimensions but the last) must be evenly strided, got strides "
+                         f"{arrays[0].strides} for shape {arrays[0].shape}; pass a contiguous array")
+    return merged[0][1] if merged else tuple(arrays[0].shape[-1] for _ in arrays)
 
 
 def rows(shape) -> int:

@@ -244,7 +244,7 @@ def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=Non
     return plan
 
 
-def plan_backward(dy, x, dx, weight, layout, rows, hidden, n_sm, impl="auto",
+def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto",
                   shared_limit=SHARED_OPTIN_LIMIT, lean=False, clusters=False, rounds=False, *,
                   choices: BackwardChoices) -> NormPlan:
     """choices: the launch profile's. lean: a staged plan takes the LEAN variant (the caller decides, see
@@ -254,7 +254,7 @@ def plan_backward(dy, x, dx, weight, layout, rows, hidden, n_sm, impl="auto",
     weight_dtype = weight.dtype if weight is not None else "float32"
     long_rows = hidden * ITEMSIZE[x.dtype] >= choices.long_row_bytes
     elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD
-    plan = plan_rows(SOURCE, "rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], layout, rows, hidden,
+    plan = plan_rows(SOURCE, "rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
                      BWD_MAX_SLOTS, elems, BWD_BLOCK_THREADS, [], impl, can_shift=True)
     # rms_norm_bwd's own register prefetch (fp32 rows of up to 8 elements a thread: its PREFETCH)
     # measured a little faster than staging; everywhere else aligned rows are staged.
@@ -355,12 +355,12 @@ def resident_grid(plan, rows: int, device: int, dtype):
     return kernel
 
 
-def plan_backward_for_device(dy, x, dx, weight, layout, rows, hidden, n_sm, impl, shared_limit, device,
+def plan_backward_for_device(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, device,
                              choices):
     """(plan, its kernel) of a checked backward call on the device: plan_backward's, with its grid fitted to what
     the device holds at once, then re-planned where that grid decides (lean_staged, takes_cluster_rounds) or where
     no cluster fits."""
-    planning = (dy, x, dx, weight, layout, rows, hidden, n_sm, impl, shared_limit)
+    planning = (dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit)
     plan = plan_backward(*planning, clusters=runs_clusters(device), choices=choices)
     kernel = resident_grid(plan, rows, device, x.dtype)
     if kernel is None:  # no cluster fits: rows read twice, or two launches

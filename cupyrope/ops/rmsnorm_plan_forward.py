@@ -91,7 +91,7 @@ def fwd_max_slots(add: bool, shifted: bool) -> dict:
     return FWD_ADD_SHIFTED_MAX_SLOTS if shifted else FWD_ADD_MAX_SLOTS
 
 
-def plan_forward(x, y, residual, weight, layout, rows, hidden, impl="auto", clusters=False, *,
+def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto", clusters=False, *,
                  choices: ForwardChoices) -> NormPlan:
     """clusters: the GPU runs thread block clusters (sm_90+), so rows past the registers may be split over one
     (plan_forward_split). choices: the launch profile's."""
@@ -104,7 +104,7 @@ def plan_forward(x, y, residual, weight, layout, rows, hidden, impl="auto", clus
     key = residual is not None, itemsize
 
     def plan_with(max_slots):
-        return plan_rows(SOURCE, "rms_norm_fwd", x.dtype, weight_dtype, arrays, layout, rows, hidden, max_slots,
+        return plan_rows(SOURCE, "rms_norm_fwd", x.dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots,
                          elems, FWD_BLOCK_THREADS, [add], impl, can_shift=True, max_width=FWD_MAX_WIDTH[key],
                          wide_first=FWD_WIDE_FIRST.get(key, ()))
 
@@ -115,13 +115,13 @@ def plan_forward(x, y, residual, weight, layout, rows, hidden, impl="auto", clus
     long_row = hidden * itemsize >= choices.split_min_row_bytes
     min_blocks = FWD_SPLIT_MIN_BLOCKS.get((*key, plan.shifted)) if long_row else None
     if clusters and min_blocks and plan.vectorized and not plan.slots:  # else read twice
-        split = plan_forward_split(x, y, residual, weight, layout, rows, hidden, min_blocks, plan.shifted,
+        split = plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, plan.shifted,
                                    choices=choices)
         plan = split or plan
     return plan
 
 
-def plan_forward_split(x, y, residual, weight, layout, rows, hidden, min_blocks, shifted=False, *, choices):
+def plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, shifted=False, *, choices):
     """The plan of rms_norm_fwd_split: plan_forward's for the longest part of a row split over the fewest blocks
     (at least min_blocks) whose registers hold the parts (split_parts; shifted: the part's chunks hold a shifted
     row E - 1 elements shorter than they span); its grid one cluster a row (plan_forward_for_device caps it). None
@@ -131,7 +131,7 @@ def plan_forward_split(x, y, residual, weight, layout, rows, hidden, min_blocks,
     weight_dtype = weight.dtype if weight is not None else "float32"
     flags = f"{flag(residual is not None)}, {{}}, {flag(shifted)}"
     for split, chunks in split_parts(hidden, itemsize, min_blocks, shifted):
-        part = plan_forward(x, y, residual, weight, layout, rows, chunks * elems - (elems - 1 if shifted else 0),
+        part = plan_forward(x, y, residual, weight, row_strides, rows, chunks * elems - (elems - 1 if shifted else 0),
                             choices=choices)
         compiled = part.slots == split_slots(residual is not None, itemsize) and part.block[1] == 1  # variants()
         if compiled and part.shifted == shifted:
@@ -148,9 +148,9 @@ def split_slots(add: bool, itemsize: int) -> int:
     return (FWD_ADD_MAX_SLOTS if add else FWD_MAX_SLOTS)[True, itemsize]
 
 
-def plan_forward_for_device(x, y, residual, weight, layout, rows, hidden, impl, device, choices) -> NormPlan:
+def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, impl, device, choices) -> NormPlan:
     """plan_forward's plan, split over a cluster where the GPU runs clusters and places one, else read twice."""
-    planning = (x, y, residual, weight, layout, rows, hidden, impl)
+    planning = (x, y, residual, weight, row_strides, rows, hidden, impl)
     plan = plan_forward(*planning, clusters=runs_clusters(device), choices=choices)
     if plan.split > 1 and not fit_clusters(plan, get_kernel(SOURCE, plan.name, device), rows, device):
         plan = plan_forward(*planning, choices=choices)  # no cluster fits: read twice

@@ -7,12 +7,9 @@ A block holds block[1] rows of block[0] threads each. A thread owns chunks lane,
 its output; slots 0: the row is read twice (a loop over it).
 """
 
-from typing import NamedTuple
-
 from .._runtime.arrays import CTYPE, FLOAT_DTYPES, ITEMSIZE
 from .._runtime.compile import allow_shared_memory, get_kernel
 from .._runtime.device import resident_blocks, resident_clusters, shared_optin, sm_count
-from .._runtime.launch import fast_divisor
 
 REGISTER_SLOTS = (1, 2, 4, 8)  # accesses per thread kept in registers (the kernels' NPT; 0: read twice)
 MAX_WIDTH = 512  # threads per row: a 1024-thread row block leaves one block per SM (no overlap)
@@ -25,30 +22,6 @@ SHIFT_MIN_ROW_BYTES = 512
 SPLIT_SIZES = (2, 4, 8)
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100: 227 KiB, A100: 163)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
-
-
-class RowLayout(NamedTuple):
-    """Where each array's rows start (the kernels' row_start): row r of array i at r * strides[i] elements for one
-    evenly strided run of rows; rows over two runs (q's heads as a (T, H, D) view of a fused qkv tensor:
-    inner_rows = H) at (r // inner_rows) * strides[i] + (r % inner_rows) * inner_strides[i]."""
-    strides: tuple
-    inner_strides: tuple = ()
-    inner_rows: int = 1
-
-    def every_stride(self) -> tuple:
-        return self.strides + self.inner_strides
-
-    def pick(self, *arrays) -> "RowLayout":
-        """The layout of these arrays (indices into this one's), in this order."""
-        inner = tuple(self.inner_strides[i] for i in arrays) if self.inner_strides else ()
-        return RowLayout(tuple(self.strides[i] for i in arrays), inner, self.inner_rows)
-
-    def fields(self, arrays: int) -> tuple:
-        """The kernel struct's stride pairs of `arrays` arrays (those this layout lacks: 0), then inner_rows and its
-        fast_div divisor."""
-        inner = self.inner_strides or (0,) * len(self.strides)
-        pairs = [(s, i) for s, i in zip(self.strides, inner)] + [(0, 0)] * (arrays - len(self.strides))
-        return (*(v for pair in pairs for v in pair), self.inner_rows, fast_divisor(self.inner_rows))
 
 
 class NormPlan:
@@ -123,21 +96,20 @@ def row_shape(hidden: int, elems: int, chunks_per_thread: int = 1, max_slots: in
     return row_threads(-(-chunks // slots)), slots  # as few threads as fill those slots
 
 
-def vectorizable(arrays, layout: RowLayout, hidden, dtype) -> bool:
+def vectorizable(arrays, row_strides, hidden, dtype) -> bool:
     """16-byte accesses need hidden a multiple of 16 bytes and every pointer (weight too) and row
     stride 16-byte aligned."""
     elems = 16 // ITEMSIZE[dtype]
     return (
         hidden % elems == 0
         and all(a.ptr % 16 == 0 for a in arrays if a is not None)
-        and all(s % elems == 0 for s in layout.every_stride())
+        and all(s % elems == 0 for s in row_strides)
     )
 
 
-def shiftable(arrays, layout: RowLayout, hidden, dtype) -> bool:
+def shiftable(arrays, row_strides, hidden, dtype) -> bool:
     """Rows that are not 16-byte aligned still move in 16-byte chunks (the kernels' SHIFT) when every
-    array's row starts at the same offset from a 16-byte boundary as the first array's, in every row. Rows over
-    two runs also need one offset for all rows (the backward's row classes follow one run's strides)."""
+    array's row starts at the same offset from a 16-byte boundary as the first array's, in every row."""
     itemsize = ITEMSIZE[dtype]
     elems = 16 // itemsize
     x = arrays[0]
@@ -145,8 +117,7 @@ def shiftable(arrays, layout: RowLayout, hidden, dtype) -> bool:
         hidden * itemsize >= SHIFT_MIN_ROW_BYTES
         and x.ptr % itemsize == 0
         and all((a.ptr - x.ptr) % 16 == 0 for a in arrays if a is not None)
-        and all((s - layout.strides[0]) % elems == 0 for s in layout.strides)
-        and (layout.inner_rows == 1 or all(s % elems == 0 for s in layout.every_stride()))
+        and all((s - row_strides[0]) % elems == 0 for s in row_strides)
     )
 
 
@@ -168,7 +139,7 @@ def chunks_span(hidden: int, itemsize: int, shifted: bool) -> int:
     return -(-(shifted_span(hidden, itemsize) if shifted else hidden) // elems) * elems
 
 
-def plan_rows(source, kernel, dtype, weight_dtype, arrays, layout, rows, hidden, max_slots, elems_per_thread,
+def plan_rows(source, kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread,
               block_threads, extra, impl, can_shift=False, max_width=MAX_WIDTH, wide_first=()):
     """The plan of a row kernel (rms_norm_fwd, rms_norm_bwd) whose template arguments are (T, W, VEC, NPT,
     *extra[, SHIFT]). can_shift: the kernel takes a last SHIFT parameter; arrays[-1] is the weight. max_slots:
@@ -181,8 +152,8 @@ def plan_rows(source, kernel, dtype, weight_dtype, arrays, layout, rows, hidden,
         return row_shape(span, elems, max(1, elems_per_thread // elems), max_slots[vec, itemsize],
                          max_width if vec else MAX_WIDTH, vec and kind in wide_first)
 
-    vectorized = impl != "scalar" and vectorizable(arrays, layout, hidden, dtype)
-    shifted = can_shift and not vectorized and impl != "scalar" and shiftable(arrays[:-1], layout, hidden, dtype)
+    vectorized = impl != "scalar" and vectorizable(arrays, row_strides, hidden, dtype)
+    shifted = can_shift and not vectorized and impl != "scalar" and shiftable(arrays[:-1], row_strides, hidden, dtype)
     if shifted:
         # Rows read twice (slots 0) move in 16-byte chunks too, unless element by element holds them in
         # registers (shifted rows span up to E - 1 more elements, in fewer slots).

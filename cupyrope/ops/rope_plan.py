@@ -18,7 +18,6 @@ import struct
 
 from .._runtime.arrays import CTYPE, FLOAT_DTYPES, INDEX_DTYPES, ITEMSIZE, merge_dims
 from .._runtime.choices import choice
-from .._runtime.launch import fast_divisor
 
 SOURCE = "rope.cu"
 STYLES = {"neox": 0, "gptj": 1}
@@ -170,6 +169,16 @@ def variants():
                     for direct in (False, True):
                         yield SOURCE, kernel_name(dtype, table or "float32", pos, style, vectorized,
                                                   table is not None, direct)
+
+
+def fast_divisor(d: int) -> int:
+    """(magic | shift << 32) such that n // d == (mulhi32(n, magic) + n) >> shift for every
+    0 <= n < 2^31 (kernels_src/rope.cu: fast_div; the round-up method of Granlund and Montgomery)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divisor {d} out of range")
+    shift = (d - 1).bit_length()  # ceil(log2(d))
+    magic = (2**32 * (2**shift - d)) // d + 1
+    return magic | shift << 32
 
 
 def _vector_blockers(tensors, dtype, style, rotary_dim, head_dim, copies) -> list[str]:

@@ -1,35 +1,23 @@
 """RMSNorm's plans (kernel, variant, grid, block) are pure functions of shapes, dtypes, strides and alignment:
 checked here without a GPU."""
 
+import functools
+
 import pytest
 from fakes import PLANNING_PROFILE
 from helpers import PLAN_BASE as BASE
 from helpers import planned_array as arr
 
 from cupyrope._runtime.arrays import ITEMSIZE
-from cupyrope._runtime.launch import fast_divisor
 from cupyrope.ops import all_variants, rmsnorm_rows
 from cupyrope.ops import rmsnorm_plan_backward as backward
 from cupyrope.ops import rmsnorm_plan_forward as forward
-from cupyrope.ops.rmsnorm_checks import row_layout
 from cupyrope.ops.rmsnorm_plan_backward import cap_grid
-from cupyrope.ops.rmsnorm_rows import RowLayout, row_shape
+from cupyrope.ops.rmsnorm_rows import row_shape
 
 H100 = PLANNING_PROFILE  # the plans below are an H100's
-
-
-def _planner(plan, choices):
-    """plan with the H100's choices, taking one run's row strides as a plain tuple."""
-    def planned(*arrays_then_layout, **options):
-        *arrays, layout = arrays_then_layout[:5]
-        if not isinstance(layout, RowLayout):
-            layout = RowLayout(tuple(layout))
-        return plan(*arrays, layout, *arrays_then_layout[5:], choices=choices, **options)
-    return planned
-
-
-plan_forward = _planner(forward.plan_forward, H100.rms_norm_forward)
-plan_backward = _planner(backward.plan_backward, H100.rms_norm_backward)
+plan_forward = functools.partial(forward.plan_forward, choices=H100.rms_norm_forward)
+plan_backward = functools.partial(backward.plan_backward, choices=H100.rms_norm_backward)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +138,7 @@ def test_rms_norm_forward_rows_reduce_the_same_way_whatever_the_row_count(monkey
         for rows in (1, 2, 8, 33, 132, 264, 512, 4096, 65536):
             x, y = arr((rows, hidden), dtype), arr((rows, hidden), dtype, ptr=BASE + 2**34)
             residual = arr((rows, hidden), dtype, ptr=BASE + 2**35) if add else None
-            plan = forward.plan_forward_for_device(x, y, residual, arr((hidden,)), RowLayout((hidden,) * 3), rows, hidden,
+            plan = forward.plan_forward_for_device(x, y, residual, arr((hidden,)), (hidden,) * 3, rows, hidden,
                                                    "auto", 0, H100.rms_norm_forward)
             shapes.add((plan.name, plan.block[0]))
         assert len(shapes) == 1, (hidden, shapes)
@@ -519,40 +507,3 @@ def test_rms_norm_backward_cluster_rounds_rule(monkeypatch):
         p = plan_backward(a, a, a, weight, (hidden,) * 3, a.shape[0], hidden, n_sm=132, clusters=True, rounds=True)
         assert not p.cluster_rounds and not p.name.startswith("cupyrope::rms_norm_bwd_cluster<"), p
         assert not backward.takes_cluster_rounds(p, weight is not None, 0)
-
-
-def test_rows_over_two_runs():
-    # q's heads as a (T, H, D) view of a fused qkv tensor (32 q, 8 k, 8 v heads of 128): two runs, the heads inner.
-    q = arr((4096, 32, 128), strides=(48 * 128, 128, 1))
-    out = arr((4096, 32, 128), ptr=BASE + 2**30)
-    layout = row_layout([q, out], ["x", "out"])
-    assert layout == RowLayout((48 * 128, 32 * 128), (128, 128), 32)
-    fields = layout.fields(3)
-    assert fields[:6] == (48 * 128, 128, 32 * 128, 128, 0, 0) and fields[6] == 32
-    assert fields[7] == fast_divisor(32)
-    assert RowLayout((4096, 4096)).fields(3)[6:] == (1, fast_divisor(1))  # one run: n // 1
-    assert plan_forward(q, out, None, arr((128,), ptr=BASE + 2**31), layout, 4096 * 32, 128).vectorized
-    # (B, S, H, D): B and S merge into the outer run.
-    bshd = arr((2, 2048, 32, 128), strides=(2048 * 48 * 128, 48 * 128, 128, 1))
-    assert row_layout([bshd], ["x"]) == RowLayout((48 * 128,), (128,), 32)
-    # A contiguous array, and one with size-1 dimensions: one run.
-    assert row_layout([arr((4, 1, 8, 64))], ["x"]) == RowLayout((64,))
-    # Three runs (gaps after each head and each token of each sequence), or two over 2^30 rows: refused.
-    gaps = arr((2, 5, 3, 64), strides=(6 * 4 * 64, 4 * 64, 64, 1))
-    with pytest.raises(ValueError, match=r"x: its rows .* one or two evenly strided runs"):
-        row_layout([gaps], ["x"])
-    huge = arr((2**26, 16, 128), strides=(17 * 128, 128, 1))
-    with pytest.raises(ValueError, match="fewer than 2"):
-        row_layout([huge], ["x"])
-
-
-def test_rows_over_two_runs_shift_only_at_one_offset():
-    # Shifted 16-byte chunks need every row at x's offset from a 16-byte boundary: odd inner strides cannot.
-    heads = arr((19, 3, 1027), strides=(4 * 1040, 1040, 1), ptr=BASE + 6)
-    out = arr((19, 3, 1027), strides=(4 * 1040, 1040, 1), ptr=BASE + 2**20 + 6)
-    layout = row_layout([heads, out], ["x", "out"])
-    assert plan_forward(heads, out, None, None, layout, 57, 1027).shifted
-    odd = arr((19, 3, 1027), strides=(4 * 1035, 1035, 1), ptr=BASE + 6)
-    odd_out = arr((19, 3, 1027), strides=(4 * 1035, 1035, 1), ptr=BASE + 2**20 + 6)
-    plan = plan_forward(odd, odd_out, None, None, row_layout([odd, odd_out], ["x", "out"]), 57, 1027)
-    assert not plan.shifted and not plan.vectorized

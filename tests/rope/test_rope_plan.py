@@ -7,8 +7,7 @@ from helpers import PLAN_BASE as BASE
 from helpers import planned_array as arr
 
 from fakes import PLANNING_PROFILE
-from cupyrope._runtime.launch import fast_divisor
-from cupyrope.ops.rope_plan import NORM_POINTERS, TOKEN_ROWS, _TAIL, plan_rope
+from cupyrope.ops.rope_plan import NORM_POINTERS, TOKEN_ROWS, _TAIL, fast_divisor, plan_rope
 
 
 def plan(groups, pos, cache=None, **kw):
@@ -75,7 +74,7 @@ def test_fast_divisor_matches_integer_division():
         n = np.array([0, 1, d - 1, d, d + 1, 2**31 - 1, (2**31 - 1) // d * d, (2**31 - 1) // d * d - 1]
                      + rng.integers(0, 2**31, 50).tolist(), dtype=object)
         n = n[(n >= 0) & (n < 2**31)]
-        got = (((n * magic) >> 32) + n) >> shift  # kernels_src/common.cuh: fast_div, in exact integers
+        got = (((n * magic) >> 32) + n) >> shift  # kernels_src/rope.cu: fast_div, in exact integers
         assert (got == n // d).all(), d
     with pytest.raises(ValueError):
         fast_divisor(0)

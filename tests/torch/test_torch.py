@@ -121,17 +121,16 @@ def test_modules_are_drop_in_on_cpu():
 
 def test_norm_rows_in_memory_order_need_no_copy():
     """Per-head norms: q's heads after view(B, S, H, D).transpose(1, 2) (Gemma 3's q_norm) are taken in memory order,
-    one strided run; heads of a fused qkv view are two runs, which the kernels take as they are; only rows over more
-    runs are copied."""
+    one strided run, with no copy; rows that are not one run once ordered (heads of a fused qkv view) are copied."""
     heads = torch.randn(2, 40, 4, 16).transpose(1, 2)
     order = ct._row_order(heads)
     assert order == [0, 2, 1] and ct._in_row_order(heads, order).is_contiguous()
     assert ct._row_order(torch.randn(3, 5, 8)) is None
+    strided = torch.randn(30, 24)[:, :16]  # one run, a row stride of 24
+    assert ct._in_one_run(strided)[0] is strided
     qkv = torch.randn(30, (8 + 2 * 2) * 16)
     q = qkv[:, : 8 * 16].view(30, 8, 16)
-    assert ct._row_order(q) is None and ct._in_two_runs(q)[0] is q
-    gaps = torch.randn(2, 6, 4, 16)[:, :5, :3]  # B, S and H strides merge nowhere
-    assert ct._in_two_runs(gaps)[0].is_contiguous()
+    assert ct._row_order(q) is None and ct._in_one_run(q)[0].is_contiguous()
 
 
 @pytest.mark.parametrize("layout", ["transposed", "fused"])
@@ -275,7 +274,7 @@ def test_opcheck():
     heads = torch.randn(2, 9, 4 * 64, device="cuda").view(2, 9, 4, 64).transpose(1, 2).requires_grad_()
     opcheck(torch.ops.cupyrope.rms_norm.default, (heads, w, 1e-6, 0.0))  # rows in memory order, outputs in x's
     fused = torch.randn(9, 8 * 64, device="cuda")[:, : 4 * 64].view(9, 4, 64).requires_grad_()
-    opcheck(torch.ops.cupyrope.rms_norm.default, (fused, w, 1e-6, 0.0))  # two runs, no copy
+    opcheck(torch.ops.cupyrope.rms_norm.default, (fused, w, 1e-6, 0.0))  # rows over two runs: copied
     q, k = torch.randn(9, 4, 64, device="cuda"), torch.randn(9, 2, 64, device="cuda")
     opcheck(torch.ops.cupyrope.rope_qk_.default, (q, k, pos, None, 1e4, "neox", None, None, None, None, False))
     qw = torch.randn(64, device="cuda", requires_grad=True)
