@@ -172,9 +172,12 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="compare cupyrope with the installed peers (tables + PNG plot)")
     p.add_argument("--full", action="store_true", help="the full grid of shapes (default: a short one)")
     p.add_argument("--plot", default="cupyrope-bench.png", help="where to write the GB/s plot")
-    p.add_argument("--op", choices=("rope", "rmsnorm", "qk_norm_rope", "all"), default="all")
+    p.add_argument("--op", choices=("rope", "rmsnorm", "qk_norm_rope", "model", "all"), default="all",
+                   help="model: transformers Llama-3 and Qwen3 (~1B) unpatched, patched by cupyrope and by Liger, "
+                        "each in a process of its own (needs transformers; not part of 'all')")
     p.add_argument("--rounds", type=_positive_int, default=3,
-                   help="calls under 50 us: time the providers this many times, taking turns, and keep medians")
+                   help="calls under 50 us: time the providers this many times, taking turns, and keep medians; "
+                        "--op model: rounds of every variant (at least 2)")
     p.add_argument("--json", help="also save the results (and environment) to this JSON file")
     p.add_argument("--from-json", help="re-render tables and plot from a saved --json file (no GPU needed)")
     p.set_defaults(func=_bench)

@@ -689,6 +689,10 @@ def main(args) -> int:
     from ._runtime.compile import device_count
 
     device_count()  # NoGPUError where there is no GPU or driver
+    if args.op == "model":  # whole models, each variant in a process of its own
+        from .model_bench import main as model_main
+
+        return model_main(args)
     try:
         import torch
     except ImportError:

@@ -61,3 +61,21 @@ def test_rope(benchmark, case, name, copy_gbps):
 @pytest.mark.parametrize("case", bench.rms_cases(torch, FULL), ids=lambda c: f"{c.op}-{c.label}-{c.dtype}")
 def test_rms_norm(benchmark, case, name, copy_gbps):
     _run(benchmark, case, name, bench.rms_providers(torch, case.op == "rms_bwd"), copy_gbps)
+
+
+@pytest.mark.parametrize("family", ["llama-3", "qwen3"])
+def test_model(benchmark, family):
+    """Whole transformers models (bench --op model): unpatched, patched by cupyrope and by Liger, each in a process
+    of its own, two rounds. extra_info holds each variant's step times and speedups by regime; the pedantic time is
+    the harness's whole run."""
+    pytest.importorskip("transformers")
+    from cupyrope import model_bench
+
+    results = []
+    benchmark.pedantic(lambda: results.extend(model_bench.run([family], model_bench.VARIANTS,
+                                                              list(model_bench.REGIMES), rounds=2)),
+                       rounds=1, iterations=1)
+    rows = model_bench.summarize(results)
+    benchmark.group = f"model {family}"
+    benchmark.extra_info["rows"] = rows
+    assert all(r.get("speedup") for r in rows if r["variant"] == "cupyrope"), rows

@@ -27,7 +27,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(compile, "device_count", no_device)
 
 
-@pytest.mark.parametrize("command", [["check"], ["bench", "--op", "rope"], ["tune"]])
+@pytest.mark.parametrize("command", [["check"], ["bench", "--op", "rope"], ["bench", "--op", "model"], ["tune"]])
 def test_check_and_bench_say_there_is_no_gpu_with_one_exit_code(no_gpu, capsys, command):
     assert cli.main(command) == cli.EXIT_NO_GPU == 3
     assert capsys.readouterr().err.strip() == f"cupyrope {command[0]}: {NO_GPU}"

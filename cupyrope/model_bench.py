@@ -1,0 +1,256 @@
+"""End-to-end timing of transformers models: unpatched, with cupyrope's ``patch_transformers``, and with Liger's
+like-for-like patch (its RoPE and RMSNorm only). ``python -m cupyrope bench --op model``.
+
+Each (family, variant) runs in a process of its own, so that a module-level patch (Liger's replaces transformers'
+classes and functions) cannot leak into another variant's numbers. A worker builds the model from a config with
+random bf16 weights and sdpa attention, runs each regime a few times to warm up, then times ``steps`` steps with
+CUDA events (a step's GPU timeline, host gaps included) and prints one JSON line. The parent takes the variants in
+turns over ``rounds`` rounds and reports, per family and regime, each variant's median step time, its spread over
+the rounds, and its speedup over the unpatched model in the same round.
+
+Regimes: ``prefill`` (one sequence, no grad, full logits), ``train`` (forward and backward of the language-model loss,
+no optimizer), ``decode`` (one token for each of a batch of sequences, with the KV cache of a prompt).
+"""
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+# A ~1B Llama-shaped decoder (hidden 2048, 16 layers, GQA 32/8 heads of 64, intermediate 5632).
+SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+             intermediate_size=5632, vocab_size=32000, max_position_embeddings=16384)
+TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, vocab_size=128, max_position_embeddings=256)
+# family: (config class, model class, config options). Qwen3 adds per-head q_norm / k_norm (QK-norm).
+FAMILIES = {
+    "llama-3": ("LlamaConfig", "LlamaForCausalLM", {"rope_theta": 500000.0}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_theta": 1000000.0, "head_dim": None}),
+}
+LIGER_PATCHES = {"llama-3": "apply_liger_kernel_to_llama", "qwen3": "apply_liger_kernel_to_qwen3"}
+VARIANTS = ("transformers", "cupyrope", "liger")
+# regime: (batch, tokens); decode: (sequences, prompt tokens in the cache).
+REGIMES = {"prefill": (1, 8192), "train": (1, 4096), "decode": (64, 512)}
+TINY_REGIMES = {"prefill": (1, 64), "train": (1, 32), "decode": (4, 16)}
+
+
+# ----------------------------------------------------------------------------------------------- worker
+
+
+def _config(transformers, family: str, tiny: bool):
+    config_name, _, options = FAMILIES[family]
+    shape = TINY_SHAPE if tiny else SHAPE
+    options = {key: (shape["hidden_size"] // shape["num_attention_heads"] if value is None else value)
+               for key, value in options.items()}
+    return getattr(transformers, config_name)(**shape, **options, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                              attn_implementation="sdpa")
+
+
+def _clock(torch, device):
+    """A function timing fn() in ms: CUDA events on a GPU (the step's GPU timeline), else the wall clock."""
+    if device == "cpu":
+        def wall(fn):
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        return wall
+
+    def events(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    return events
+
+
+def _regime_steps(torch, model, regime: str, batch: int, tokens: int, vocab: int, device):
+    """(warm-up and timed) step function of a regime, and what it needs prepared."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(3, vocab, (batch, tokens), generator=g).to(device)
+    if regime == "prefill":
+        model.eval()
+
+        def step():
+            with torch.no_grad():
+                model(ids, use_cache=False)
+        return step
+    if regime == "train":
+        model.train()
+
+        def step():
+            model(ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+        return step
+    model.eval()
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    state = {"cache": cache, "next": ids[:, -1:]}
+
+    def step():  # one token a sequence; the cache grows by one
+        with torch.no_grad():
+            out = model(state["next"], past_key_values=state["cache"], use_cache=True)
+        state["cache"], state["next"] = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return step
+
+
+def worker(family: str, variant: str, regimes, steps: int, device: str, tiny: bool) -> dict:
+    """Times one variant of one family in this process: {"family", "variant", "ms": {regime: [step times]},
+    "patched": patch report or None} or {"family", "variant", "skipped": why}."""
+    import torch
+    import transformers
+
+    result = {"family": family, "variant": variant}
+    if variant == "liger":
+        try:
+            import liger_kernel.transformers as liger
+        except ImportError:
+            return {**result, "skipped": "liger-kernel is not installed"}
+        getattr(liger, LIGER_PATCHES[family])(rope=True, rms_norm=True, swiglu=False, cross_entropy=False,
+                                                fused_linear_cross_entropy=False)
+    config = _config(transformers, family, tiny)
+    torch.manual_seed(0)
+    model = getattr(transformers, FAMILIES[family][1])(config)
+    model = model.to(device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    result["patched"] = None
+    if variant == "cupyrope":
+        from .patch import patch_transformers
+
+        report = patch_transformers(model)
+        result["patched"] = {key: len(value) for key, value in report.items()}
+    clock = _clock(torch, device)
+    shapes = TINY_REGIMES if tiny else REGIMES
+    result["ms"] = {}
+    for regime in regimes:
+        step = _regime_steps(torch, model, regime, *shapes[regime], config.vocab_size, device)
+        for _ in range(2):
+            step()
+        result["ms"][regime] = [clock(step) for _ in range(steps)]
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- parent
+
+
+def run(families, variants, regimes, rounds: int = 2, steps: int = 10, device: str = "cuda", tiny: bool = False,
+        timeout: float = 900) -> list:
+    """Every (family, variant) in a process of its own, round after round, the variants taking turns. Returns the
+    workers' results, each with its "round" (a worker that fails: "skipped" with its error's last line)."""
+    results = []
+    for r in range(rounds):
+        turn = list(variants[r % len(variants):]) + list(variants[:r % len(variants)])
+        for family in families:
+            for variant in turn:
+                spec = dict(family=family, variant=variant, regimes=list(regimes), steps=steps, device=device,
+                            tiny=tiny)
+                done = subprocess.run([sys.executable, "-m", "cupyrope.model_bench", json.dumps(spec)],
+                                      capture_output=True, text=True, timeout=timeout)
+                lines = done.stdout.strip().splitlines()
+                if done.returncode == 0 and lines:
+                    result = json.loads(lines[-1])
+                else:
+                    error = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                    result = {"family": family, "variant": variant, "skipped": f"failed: {error}"}
+                results.append({**result, "round": r})
+    return results
+
+
+def summarize(results) -> list:
+    """Rows of (family, regime, variant): median step time (ms) over all its steps, the spread of its round medians
+    (min, max), and its speedup over "transformers" per round (median, min, max); skipped variants with why."""
+    rows = []
+    timed = [r for r in results if "ms" in r]
+    order = {name: i for i, name in enumerate([*FAMILIES, *REGIMES, *VARIANTS])}
+    keys = sorted(dict.fromkeys((r["family"], regime, r["variant"]) for r in timed for regime in r["ms"]),
+                  key=lambda key: [order.get(name, len(order)) for name in key])
+    for family, regime, variant in keys:
+        mine = {r["round"]: r["ms"][regime] for r in timed if (r["family"], r["variant"]) == (family, variant)}
+        base = {r["round"]: r["ms"][regime] for r in timed if (r["family"], r["variant"]) == (family, "transformers")}
+        medians = [statistics.median(steps) for steps in mine.values()]
+        speedups = [statistics.median(base[k]) / statistics.median(mine[k]) for k in mine if k in base]
+        rows.append(dict(family=family, regime=regime, variant=variant,
+                         ms=statistics.median([t for steps in mine.values() for t in steps]),
+                         spread=(min(medians), max(medians)),
+                         speedup=(statistics.median(speedups), min(speedups), max(speedups)) if speedups else None))
+    skipped = {(r["family"], r["variant"]): r["skipped"] for r in results if "skipped" in r}
+    rows += [dict(family=family, regime=None, variant=variant, why=why) for (family, variant), why in skipped.items()]
+    return rows
+
+
+def table(rows) -> str:
+    lines = ["| model | regime | variant | ms a step (round medians) | speedup over transformers (range) |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        if "why" in row:
+            lines.append(f"| {row['family']} | | {row['variant']} | skipped: {row['why']} | |")
+            continue
+        low, high = row["spread"]
+        speed = "" if row["speedup"] is None else "{:.2f}x ({:.2f}-{:.2f})".format(*row["speedup"])
+        lines.append(f"| {row['family']} | {row['regime']} | {row['variant']} | {row['ms']:.2f} "
+                     f"({low:.2f}-{high:.2f}) | {speed} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path: str) -> None:
+    """Speedups over transformers per (model, regime), one bar a patched variant, its range as the error bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [r for r in rows if r.get("speedup") and r["variant"] != "transformers"]
+    groups = list(dict.fromkeys((r["family"], r["regime"]) for r in bars))
+    variants = list(dict.fromkeys(r["variant"] for r in bars))
+    fig, ax = plt.subplots(figsize=(1.6 * len(groups) + 2, 4))
+    width = 0.8 / max(1, len(variants))
+    for i, variant in enumerate(variants):
+        for j, group in enumerate(groups):
+            row = next((r for r in bars if (r["family"], r["regime"]) == group and r["variant"] == variant), None)
+            if row:
+                mid, low, high = row["speedup"]
+                ax.bar(j + i * width, mid, width, yerr=[[mid - low], [high - mid]], capsize=3,
+                       label=variant if j == 0 else None, color=f"C{i}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(groups))],
+                  [f"{family}\n{regime}" for family, regime in groups])
+    ax.set_ylabel("speedup over transformers")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args) -> int:
+    """``bench --op model``: every family and regime, the three variants, args.rounds rounds (at least 2)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("cupyrope bench --op model: needs torch with CUDA", file=sys.stderr)
+        return 1
+    try:
+        import transformers
+    except ImportError:
+        print("cupyrope bench --op model: needs transformers (pip install transformers)", file=sys.stderr)
+        return 1
+    print(f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}; each variant in a process of its own")
+    results = run(list(FAMILIES), VARIANTS, list(REGIMES), rounds=max(2, args.rounds))
+    rows = summarize(results)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "rows": rows}, f, indent=1)
+    if args.plot:
+        try:
+            plot(rows, args.plot)
+            print(f"plot: {args.plot}")
+        except ImportError:
+            print("plot: needs matplotlib (pip install \"cupyrope[bench]\")", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":  # a worker: python -m cupyrope.model_bench '<spec JSON>'
+    spec = json.loads(sys.argv[1])
+    print(json.dumps(worker(spec["family"], spec["variant"], spec["regimes"], spec["steps"], spec["device"],
+                            spec["tiny"])))
