@@ -357,6 +357,8 @@ def _row_order(t: Tensor) -> Optional[List[int]]:
     they are in it. E.g. q after transformers' view(...).transpose(1, 2), which Gemma 3's q_norm receives, is one
     strided run of rows in that order. RMSNorm treats rows alike, so the torch layer reorders them (views) and
     orders the outputs back."""
+    if t.is_contiguous():  # the common case, in a fraction of the sort's host time
+        return None
     lead = list(range(t.dim() - 1))
     order = sorted(lead, key=lambda d: -t.stride(d))  # stable: equal strides keep their order
     return None if order == lead else order
@@ -379,6 +381,11 @@ def _in_one_run(*tensors: Tensor) -> List[Tensor]:
     """The tensors (of one shape), or contiguous copies where their rows together are not one evenly strided run (the
     kernels take one row stride an array): e.g. q's heads as a (T, H, D) view of a fused qkv tensor, which
     cupyrope.qk_norm_rope normalizes in place with no copy."""
+    for t in tensors:
+        if not t.is_contiguous():
+            break
+    else:  # all contiguous: the common case, without a generator's host time
+        return tensors
     tensors = [_contiguous_last(t) for t in tensors]
     first = tensors[0]
     if all(t.is_contiguous() for t in tensors) or first.numel() == 0:
@@ -390,6 +397,10 @@ def _in_one_run(*tensors: Tensor) -> List[Tensor]:
 def _rms_norm_any(x, weight, eps, offset, return_rstd=True):
     """(y, rstd) as rms_norm's op returns them (rstd None where not return_rstd), on either device. Rows are taken
     in memory order; the outputs are new memory whose rows lie in x's order."""
+    if x.is_cuda and x.is_contiguous():  # rows in order, one run: the least host time (decode's case)
+        if return_rstd:
+            return _rms_norm(x, weight, eps, offset=offset, return_rstd=True)
+        return _rms_norm(x, weight, eps, offset=offset), None
     order = _row_order(x)
     xo = _in_row_order(x, order)
     if not x.is_cuda:
@@ -402,12 +413,15 @@ def _rms_norm_any(x, weight, eps, offset, return_rstd=True):
 
 
 def _rms_norm_backward_any(dy, x, weight, rstd, eps, offset):
+    if x.is_cuda and x.is_contiguous() and dy.is_contiguous():  # rows in order, one run: the least host time
+        return _rms_norm_backward(dy, x, weight, rstd, eps, offset)
     order = _row_order(x)  # the forward's: rstd is laid out in it
     dy, x, rstd = _in_row_order(dy, order), _in_row_order(x, order), _in_row_order(rstd, order, rows_only=True)
     if not x.is_cuda:
         dx, dw = _rms_norm_backward_cpu(_contiguous_last(dy), x, weight, rstd, eps, offset)
     else:
-        dx, dw = _rms_norm_backward(*_in_one_run(dy, x), weight, rstd.contiguous(), eps, offset)
+        rstd = rstd if order is None else rstd.contiguous()
+        dx, dw = _rms_norm_backward(*_in_one_run(dy, x), weight, rstd, eps, offset)
     return _from_row_order(dx, order), dw
 
 
