@@ -106,3 +106,36 @@ def test_rope_tokens_are_batch_invariant(rng, dtype, cache):
         if bad := int(np.count_nonzero(np.any(big[index] != run(index), axis=-1))):
             failures.append(f"{bad} of {n} tokens differ from the {tokens}-token call")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_tokens_are_batch_invariant(rng, dtype, cache):
+    """A token's q and k (forward) and dq and dk (backward) bits, whatever the call's token count: the forward's blocks
+    of a few tokens and the backward's grid, fit to the GPU, hold different tokens at different sizes."""
+    import cupy
+
+    q_heads, k_heads, head_dim, tokens = 8, 2, 128, 16384
+    q_host, dq_host = (random_host((tokens, q_heads, head_dim), dtype, rng) for _ in range(2))
+    k_host, dk_host = (random_host((tokens, k_heads, head_dim), dtype, rng) for _ in range(2))
+    weights = [to_device(random_host((head_dim,), dtype, rng), dtype, "cupy") for _ in range(2)]
+    positions_host = rng.integers(0, 65536, tokens)
+    cos_sin = None
+    if cache:
+        angles = np.arange(65536)[:, None] * 10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)
+        cos_sin = to_device(np.concatenate([np.cos(angles), np.sin(angles)], axis=1), "float32", "cupy")
+
+    def run(index):
+        q, k, dq, dk = (to_device(a[index], dtype, "cupy") for a in (q_host, k_host, dq_host, dk_host))
+        positions = cupy.asarray(positions_host[index])
+        outputs = cupyrope.qk_norm_rope(q, k, *weights, positions, cos_sin_cache=cos_sin, out="new")
+        grads = cupyrope.qk_norm_rope_backward(dq, dk, q, k, *weights, positions, cos_sin_cache=cos_sin)[:2]
+        return np.concatenate([host_bits(a, len(index)) for a in (*outputs, *grads)], axis=1)
+
+    big = run(np.arange(tokens))
+    failures = []
+    for n in [1, 2, 7, 32, 63, 64, 65, 128, 1000, 4096]:
+        index = rng.permutation(rng.choice(tokens, n, replace=False))
+        if bad := int(np.count_nonzero(np.any(big[index] != run(index), axis=-1))):
+            failures.append(f"{bad} of {n} tokens differ from the {tokens}-token call")
+    assert not failures, "\n".join(failures)
