@@ -339,7 +339,8 @@ def _checked_qk_norm_attention(model, attention, layer_type, eps, offset):
     g = torch.Generator().manual_seed(0)
     hidden = probe.q_proj.weight.shape[1]
     states = torch.randn(2, 6, hidden, generator=g)
-    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [40, 41, 42, 43, 44, 45]])
+    # The table's first and last positions: scaled RoPE (llama3, yarn) differs most where low frequencies turn far.
+    positions = torch.stack([torch.arange(6), torch.arange(rotary.max_position - 6, rotary.max_position)])
     with torch.no_grad():
         for norm in (probe.q_norm, probe.k_norm):
             norm.weight.copy_(torch.randn(norm.weight.shape, generator=g) * 0.5)

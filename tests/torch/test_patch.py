@@ -89,11 +89,13 @@ def _fake_modeling(apply_fn=None):
         return out.transpose(1, 2), None
 
     class FakeQKNormAttention(nn.Module):  # transformers' Qwen3Attention, in substance
-        def __init__(self, hidden=64, heads=4, kv_heads=2, head_dim=16, norm=FakeRMSNorm, rope_first=False):
+        def __init__(self, hidden=64, heads=4, kv_heads=2, head_dim=16, norm=FakeRMSNorm, rope_first=False,
+                     rope_parameters=None):
             super().__init__()
             self.config = types.SimpleNamespace(
                 head_dim=head_dim, hidden_size=hidden, num_attention_heads=heads, max_position_embeddings=128,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, _attn_implementation="eager")
+                rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+                _attn_implementation="eager")
             self.head_dim, self.layer_idx, self.scaling, self.attention_dropout = head_dim, 0, head_dim**-0.5, 0.0
             self.rope_first = rope_first  # a layer that rotates before its norms: not what qk_norm_rope computes
             self.q_proj, self.o_proj = nn.Linear(hidden, heads * head_dim), nn.Linear(heads * head_dim, hidden)
@@ -257,6 +259,10 @@ def test_patch_transformers_fuses_a_checked_qk_norm_attention(fake_model, gen):
 @pytest.mark.parametrize("options,reason", [
     ({"rope_first": True}, "its forward differs from cupyrope's qk_norm_rope with the config's RoPE"),
     ({"norm": "FakeLayerRMSNorm"}, "computes neither x / rms(x) * weight nor x / rms(x) * (1 + weight) with its eps"),
+    # A config whose llama3 scaling its rotary embedding does not apply: far positions tell them apart.
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+     "its forward differs from cupyrope's qk_norm_rope with the config's RoPE"),
 ])
 def test_patch_transformers_leaves_a_qk_norm_attention_it_cannot_match(fake_model, options, reason):
     module, _ = fake_model()
