@@ -112,8 +112,9 @@ def worker(family: str, variant: str, regimes, steps: int, device: str, tiny: bo
                                                 fused_linear_cross_entropy=False)
     config = _config(transformers, family, tiny)
     torch.manual_seed(0)
-    model = getattr(transformers, FAMILIES[family][1])(config)
-    model = model.to(device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    with torch.device(device):  # initialized where it runs: a CPU initialization of ~1B weights takes seconds
+        model = getattr(transformers, FAMILIES[family][1])(config)
+    model = model.to(dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     result["patched"] = None
     if variant == "cupyrope":
         from .patch import patch_transformers
