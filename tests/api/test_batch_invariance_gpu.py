@@ -80,6 +80,18 @@ def test_rms_norm_rows_are_batch_invariant(rng, dtype, hidden):
     assert not failures, "\n".join(failures)
 
 
+def token_failures(run, tokens, counts, rng):
+    """How the calls of `counts` tokens (random ones, shuffled) differ in bits from the one call of all `tokens`:
+    run(index) gives the bits of those tokens, a row each."""
+    big = run(np.arange(tokens))
+    failures = []
+    for n in counts:
+        index = rng.permutation(rng.choice(tokens, n, replace=False))
+        if bad := int(np.count_nonzero(np.any(big[index] != run(index), axis=-1))):
+            failures.append(f"{bad} of {n} tokens differ from the {tokens}-token call")
+    return failures
+
+
 @pytest.mark.parametrize("cache", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_tokens_are_batch_invariant(rng, dtype, cache):
@@ -88,10 +100,7 @@ def test_rope_tokens_are_batch_invariant(rng, dtype, cache):
     heads, head_dim, tokens = 8, 128, 32768
     x_host = random_host((tokens, heads, head_dim), dtype, rng)
     positions_host = rng.integers(0, 65536, tokens)
-    cos_sin = None
-    if cache:
-        angles = np.arange(65536)[:, None] * 10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)
-        cos_sin = to_device(np.concatenate([np.cos(angles), np.sin(angles)], axis=1), "float32", "cupy")
+    cos_sin = cupyrope.rope_cache(65536, head_dim) if cache else None
 
     def run(index):
         x = to_device(x_host[index], dtype, "cupy")
@@ -99,12 +108,7 @@ def test_rope_tokens_are_batch_invariant(rng, dtype, cache):
         q = cupyrope.rope(x, positions, cos_sin_cache=cos_sin)
         return host_bits(q, len(index))
 
-    big = run(np.arange(tokens))
-    failures = []
-    for n in [1, 2, 7, 32, 63, 64, 65, 128, 1000, 4096, 16384]:
-        index = rng.permutation(rng.choice(tokens, n, replace=False))
-        if bad := int(np.count_nonzero(np.any(big[index] != run(index), axis=-1))):
-            failures.append(f"{bad} of {n} tokens differ from the {tokens}-token call")
+    failures = token_failures(run, tokens, [1, 2, 7, 32, 63, 64, 65, 128, 1000, 4096, 16384], rng)
     assert not failures, "\n".join(failures)
 
 
@@ -120,10 +124,7 @@ def test_qk_norm_rope_tokens_are_batch_invariant(rng, dtype, cache):
     k_host, dk_host = (random_host((tokens, k_heads, head_dim), dtype, rng) for _ in range(2))
     weights = [to_device(random_host((head_dim,), dtype, rng), dtype, "cupy") for _ in range(2)]
     positions_host = rng.integers(0, 65536, tokens)
-    cos_sin = None
-    if cache:
-        angles = np.arange(65536)[:, None] * 10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)
-        cos_sin = to_device(np.concatenate([np.cos(angles), np.sin(angles)], axis=1), "float32", "cupy")
+    cos_sin = cupyrope.rope_cache(65536, head_dim) if cache else None
 
     def run(index):
         q, k, dq, dk = (to_device(a[index], dtype, "cupy") for a in (q_host, k_host, dq_host, dk_host))
@@ -132,10 +133,5 @@ def test_qk_norm_rope_tokens_are_batch_invariant(rng, dtype, cache):
         grads = cupyrope.qk_norm_rope_backward(dq, dk, q, k, *weights, positions, cos_sin_cache=cos_sin)[:2]
         return np.concatenate([host_bits(a, len(index)) for a in (*outputs, *grads)], axis=1)
 
-    big = run(np.arange(tokens))
-    failures = []
-    for n in [1, 2, 7, 32, 63, 64, 65, 128, 1000, 4096]:
-        index = rng.permutation(rng.choice(tokens, n, replace=False))
-        if bad := int(np.count_nonzero(np.any(big[index] != run(index), axis=-1))):
-            failures.append(f"{bad} of {n} tokens differ from the {tokens}-token call")
+    failures = token_failures(run, tokens, [1, 2, 7, 32, 63, 64, 65, 128, 1000, 4096], rng)
     assert not failures, "\n".join(failures)
