@@ -17,7 +17,6 @@ from . import reference as _reference
 from . import rope_scaling as _rope_scaling
 from ._runtime import checks as _checks
 from ._runtime.arrays import describe_host as _host
-from ._runtime.arrays import merge_dims
 from .ops import qk_norm_rope_checks as _qk_norm_checks
 from .ops import rmsnorm_checks as _norm_checks
 from .ops import rope_checks as _rope_checks
@@ -377,51 +376,44 @@ def _from_row_order(t: Tensor, order, rows_only: bool = False) -> Tensor:
     return t.permute(back if rows_only else [*back, t.dim() - 1])
 
 
-def _in_one_run(*tensors: Tensor) -> List[Tensor]:
-    """The tensors (of one shape), or contiguous copies where their rows together are not one evenly strided run (the
-    kernels take one row stride an array): e.g. q's heads as a (T, H, D) view of a fused qkv tensor, which
-    cupyrope.qk_norm_rope normalizes in place with no copy."""
-    for t in tensors:
-        if not t.is_contiguous():
-            break
-    else:  # all contiguous: the common case, without a generator's host time
-        return tensors
-    tensors = [_contiguous_last(t) for t in tensors]
-    first = tensors[0]
-    if all(t.is_contiguous() for t in tensors) or first.numel() == 0:
-        return tensors
-    dims = [(n, tuple(t.stride(j) for t in tensors)) for j, n in enumerate(first.shape[:-1]) if n != 1]
-    return tensors if len(merge_dims(dims)) <= 1 else [t.contiguous() for t in tensors]
+def _rows_in_one_run(t: Tensor) -> Tensor:
+    """t, or a contiguous copy where its rows are not one evenly strided run (the kernels take one row stride): e.g.
+    q's heads as a (T, H, D) view of a fused qkv tensor, which cupyrope.qk_norm_rope normalizes where they lie."""
+    if t.is_contiguous() or t.numel() == 0:
+        return t
+    t = _contiguous_last(t)
+    try:
+        t.view(-1, t.shape[-1])  # possible exactly when the leading dimensions merge into one stride
+        return t
+    except RuntimeError:
+        return t.contiguous()
 
 
 def _rms_norm_any(x, weight, eps, offset, return_rstd=True):
     """(y, rstd) as rms_norm's op returns them (rstd None where not return_rstd), on either device. Rows are taken
     in memory order; the outputs are new memory whose rows lie in x's order."""
-    if x.is_cuda and x.is_contiguous():  # rows in order, one run: the least host time (decode's case)
-        if return_rstd:
-            return _rms_norm(x, weight, eps, offset=offset, return_rstd=True)
-        return _rms_norm(x, weight, eps, offset=offset), None
     order = _row_order(x)
-    xo = _in_row_order(x, order)
+    x = _in_row_order(x, order)
     if not x.is_cuda:
-        y, rstd = _rms_norm_cpu(xo, weight, eps, offset)
+        y, rstd = _rms_norm_cpu(x, weight, eps, offset)
     elif return_rstd:
-        y, rstd = _rms_norm(*_in_one_run(xo), weight, eps, offset=offset, return_rstd=True)
+        y, rstd = _rms_norm(_rows_in_one_run(x), weight, eps, offset=offset, return_rstd=True)
     else:
-        y, rstd = _rms_norm(*_in_one_run(xo), weight, eps, offset=offset), None
+        y, rstd = _rms_norm(_rows_in_one_run(x), weight, eps, offset=offset), None
+    if order is None:  # contiguous x: nothing to put back
+        return y, rstd
     return _from_row_order(y, order), (None if rstd is None else _from_row_order(rstd, order, rows_only=True))
 
 
 def _rms_norm_backward_any(dy, x, weight, rstd, eps, offset):
-    if x.is_cuda and x.is_contiguous() and dy.is_contiguous():  # rows in order, one run: the least host time
-        return _rms_norm_backward(dy, x, weight, rstd, eps, offset)
     order = _row_order(x)  # the forward's: rstd is laid out in it
-    dy, x, rstd = _in_row_order(dy, order), _in_row_order(x, order), _in_row_order(rstd, order, rows_only=True)
+    if order is not None:
+        dy, x = _in_row_order(dy, order), _in_row_order(x, order)
+        rstd = _in_row_order(rstd, order, rows_only=True).contiguous()
     if not x.is_cuda:
         dx, dw = _rms_norm_backward_cpu(_contiguous_last(dy), x, weight, rstd, eps, offset)
     else:
-        rstd = rstd if order is None else rstd.contiguous()
-        dx, dw = _rms_norm_backward(*_in_one_run(dy, x), weight, rstd, eps, offset)
+        dx, dw = _rms_norm_backward(_rows_in_one_run(dy), _rows_in_one_run(x), weight, rstd, eps, offset)
     return _from_row_order(dx, order), dw
 
 

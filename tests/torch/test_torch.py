@@ -127,10 +127,10 @@ def test_norm_rows_in_memory_order_need_no_copy():
     assert order == [0, 2, 1] and ct._in_row_order(heads, order).is_contiguous()
     assert ct._row_order(torch.randn(3, 5, 8)) is None
     strided = torch.randn(30, 24)[:, :16]  # one run, a row stride of 24
-    assert ct._in_one_run(strided)[0] is strided
+    assert ct._rows_in_one_run(strided) is strided
     qkv = torch.randn(30, (8 + 2 * 2) * 16)
     q = qkv[:, : 8 * 16].view(30, 8, 16)
-    assert ct._row_order(q) is None and ct._in_one_run(q)[0].is_contiguous()
+    assert ct._row_order(q) is None and ct._rows_in_one_run(q).is_contiguous()
 
 
 @pytest.mark.parametrize("layout", ["transposed", "fused"])
