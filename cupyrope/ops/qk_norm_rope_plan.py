@@ -75,7 +75,8 @@ def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, t
     vectorized = impl != "scalar" and not blockers
     elems = 16 // ITEMSIZE[dtype] if vectorized else (2 if style == "gptj" else 1)
     # The rotating items, then the features past rotary_dim (normalized, not rotated) in chunks or one by one.
-    rot_lanes, copy_lanes = rotating_lanes(rotary_dim, style, elems), (head_dim - rotary_dim) // (elems if vectorized else 1)
+    rot_lanes = rotating_lanes(rotary_dim, style, elems)
+    copy_lanes = (head_dim - rotary_dim) // (elems if vectorized else 1)
     lanes = rot_lanes + copy_lanes
     group = min(32, next_pow2(lanes))
     if -(-lanes // group) > MAX_ITEMS[vectorized]:
@@ -118,4 +119,3 @@ def cap_backward_grid(plan, resident_blocks: int) -> None:
     """A backward plan's grid: at most the blocks the GPU holds at once (each walks the token chunks b, b + grid,
     ...), one partial row of weight-gradient sums each."""
     plan.grid = plan.partial_rows = max(1, min(plan.grid, resident_blocks))
-
