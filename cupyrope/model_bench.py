@@ -96,18 +96,15 @@ def _regime_steps(torch, model, regime: str, batch: int, tokens: int, vocab: int
     return step
 
 
-def worker(family: str, variant: str, regimes, steps: int, device: str, tiny: bool) -> dict:
-    """Times one variant of one family in this process: {"family", "variant", "ms": {regime: [step times]},
-    "patched": patch report or None} or {"family", "variant", "skipped": why}."""
+def build(family: str, variant: str, device: str, tiny: bool):
+    """(model, config, patch report or None) of one variant of one family, in this process; raises ImportError
+    where the variant's library is missing."""
     import torch
     import transformers
 
-    result = {"family": family, "variant": variant}
     if variant == "liger":
-        try:
-            import liger_kernel.transformers as liger
-        except ImportError:
-            return {**result, "skipped": "liger-kernel is not installed"}
+        import liger_kernel.transformers as liger
+
         getattr(liger, LIGER_PATCHES[family])(rope=True, rms_norm=True, swiglu=False, cross_entropy=False,
                                                 fused_linear_cross_entropy=False)
     config = _config(transformers, family, tiny)
@@ -115,17 +112,37 @@ def worker(family: str, variant: str, regimes, steps: int, device: str, tiny: bo
     with torch.device(device):  # initialized where it runs: a CPU initialization of ~1B weights takes seconds
         model = getattr(transformers, FAMILIES[family][1])(config)
     model = model.to(dtype=torch.float32 if device == "cpu" else torch.bfloat16)
-    result["patched"] = None
+    report = None
     if variant == "cupyrope":
         from .patch import patch_transformers
 
         report = patch_transformers(model)
-        result["patched"] = {key: len(value) for key, value in report.items()}
-    clock = _clock(torch, device)
+    return model, config, report
+
+
+def regime_step(model, config, regime: str, device: str, tiny: bool):
+    """A regime's step function for a built model (the cache of a decode prompt already filled)."""
+    import torch
+
     shapes = TINY_REGIMES if tiny else REGIMES
+    return _regime_steps(torch, model, regime, *shapes[regime], config.vocab_size, device)
+
+
+def worker(family: str, variant: str, regimes, steps: int, device: str, tiny: bool) -> dict:
+    """Times one variant of one family in this process: {"family", "variant", "ms": {regime: [step times]},
+    "patched": patch report or None} or {"family", "variant", "skipped": why}."""
+    import torch
+
+    result = {"family": family, "variant": variant}
+    try:
+        model, config, report = build(family, variant, device, tiny)
+    except ImportError as e:
+        return {**result, "skipped": f"{e.name or e} is not installed"}
+    result["patched"] = None if report is None else {key: len(value) for key, value in report.items()}
+    clock = _clock(torch, device)
     result["ms"] = {}
     for regime in regimes:
-        step = _regime_steps(torch, model, regime, *shapes[regime], config.vocab_size, device)
+        step = regime_step(model, config, regime, device, tiny)
         for _ in range(2):
             step()
         result["ms"][regime] = [clock(step) for _ in range(steps)]
