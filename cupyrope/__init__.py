@@ -5,7 +5,7 @@ from . import reference, rope_scaling
 from ._runtime.compile import KernelCompileError, NoGPUError, vet_cache_dir
 from ._runtime.launch import pdl_mode, set_pdl
 from .ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_backward
-from .ops.rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_backward
+from .ops.rmsnorm import add_rms_norm, fused_add_rms_norm, rms_norm, rms_norm_backward
 from .ops.rope import rope, rope_, rope_cache, rope_qk, rope_qk_cos_sin
 
 __version__ = "0.1.0"
@@ -15,6 +15,7 @@ vet_cache_dir()  # before anything imports CuPy: an unusable cache directory wou
 __all__ = [
     "KernelCompileError",
     "NoGPUError",
+    "add_rms_norm",
     "fused_add_rms_norm",
     "pdl_mode",
     "qk_norm_rope",

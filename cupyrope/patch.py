@@ -19,7 +19,7 @@ class _Skip(Exception):
 
 
 def patch_transformers(model: torch.nn.Module, *, rope: bool = True, rms_norm: bool = True,
-                       qk_norm_rope: bool = True) -> dict:
+                       qk_norm_rope: bool = True, add_rms_norm: bool = True) -> dict:
     """Swap cupyrope into a loaded Hugging Face model, in place: each ``*RMSNorm`` submodule becomes a
     ``cupyrope.torch.RMSNorm`` sharing its weight, and the ``apply_rotary_pos_emb`` of each modeling
     module the model uses becomes ``apply_rotary_pos_emb`` above (for every model of that type in the
@@ -27,16 +27,21 @@ def patch_transformers(model: torch.nn.Module, *, rope: bool = True, rms_norm: b
     drop-in of that name. With ``qk_norm_rope``, attention layers with per-head q_norm and k_norm (Qwen3,
     Gemma 3) run their norms and rotation as one ``cupyrope.torch.qk_norm_rope`` launch, with positions from the
     layer's ``position_ids`` and cos/sin from the config (``RotaryEmbedding.from_hf_config`` of its layer type).
+    With ``add_rms_norm``, pre-norm decoder layers (Llama, Qwen3 and the like: input_layernorm, self_attn,
+    post_attention_layernorm, mlp) add the attention output to the residual stream and normalize it in one
+    ``cupyrope.torch.add_rms_norm`` launch (and one backward launch).
 
     Nothing is swapped on trust: each candidate is first run on small random CPU inputs next to its
     replacement (RMSNorm: which of ``weight`` or ``1 + weight`` it scales by, with its own eps; RoPE: the
     model's own rotary embedding gives cos/sin, whose layout and rotation style must be matched; QK-norm
-    attention: the layer's whole forward, fed the model's own cos/sin), and left alone when they disagree.
-    Returns ``{"rms_norm": [module names], "rope": [modeling modules], "qk_norm_rope": [attention module names],
-    "skipped": [(name, reason)]}``."""
-    report = {"rms_norm": [], "rope": [], "qk_norm_rope": [], "skipped": []}
+    attention, decoder layers: the layer's whole forward, fed the model's own cos/sin), and left alone when they
+    disagree. Returns ``{"rms_norm": [module names], "rope": [modeling modules], "qk_norm_rope": [attention module
+    names], "add_rms_norm": [decoder layer names], "skipped": [(name, reason)]}``."""
+    report = {"rms_norm": [], "rope": [], "qk_norm_rope": [], "add_rms_norm": [], "skipped": []}
     if qk_norm_rope:  # first: it reads the norms as the model has them
         _patch_qk_norm_attention(model, report)
+    if add_rms_norm:  # checked with the attention as patched above
+        _patch_decoder_layers(model, report)
     if rms_norm:
         _swap_rms_norms(model, report)
     if rope:
@@ -363,3 +368,92 @@ def _checked_qk_norm_attention(model, attention, layer_type, eps, offset):
     if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * scale):
         raise _Skip("its forward differs from cupyrope's qk_norm_rope with the config's RoPE")
     return rotary
+
+
+# ------------------------------------------------------------------------------------------ decoder layers
+
+DECODER_LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def _fused_add_decoder_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                               use_cache=False, position_embeddings=None, **kwargs):
+    """transformers' pre-norm decoder layer forward (Llama, Qwen3), with the attention output's residual add and
+    post_attention_layernorm as one cupyrope.torch.add_rms_norm launch."""
+    residual = hidden_states
+    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                      position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                                      position_embeddings=position_embeddings, **kwargs)
+    eps, offset = self.cupyrope_add_norm
+    hidden_states, residual = ct.add_rms_norm(hidden_states, residual, self.post_attention_layernorm.weight, eps,
+                                              offset=offset)
+    return residual + self.mlp(hidden_states)
+
+
+def _patch_decoder_layers(model, report) -> None:
+    checked = {}  # (class, norm's eps and offset): None where its check passed, else why not
+    for name, layer in model.named_modules():
+        if not all(hasattr(layer, part) for part in DECODER_LAYER_PARTS) or "forward" in vars(layer):
+            continue
+        try:
+            extra = [part for part, _ in layer.named_children() if part not in DECODER_LAYER_PARTS]
+            if extra:  # e.g. Gemma 3's and GLM-4's extra norms, Phi-3's residual dropouts
+                raise _Skip(f"has submodules besides {', '.join(DECODER_LAYER_PARTS)}: {', '.join(extra)}")
+            norm = layer.post_attention_layernorm
+            if isinstance(norm, ct.RMSNorm):
+                eps, offset = float(norm.eps), float(norm.offset)
+            elif type(norm).__name__.endswith("RMSNorm"):
+                eps, offset = _rms_norm_behaviour(norm)
+            else:
+                raise _Skip(f"its post_attention_layernorm is a {type(norm).__name__}, not an RMSNorm")
+            key = (type(layer), eps, offset)
+            if key not in checked:
+                try:
+                    checked[key] = _check_decoder_layer(model, layer, eps, offset)
+                except _Skip as why:
+                    checked[key] = why
+            if checked[key] is not None:
+                raise checked[key]
+        except _Skip as why:
+            report["skipped"].append((name, str(why)))
+            continue
+        layer.cupyrope_add_norm = (eps, offset)
+        layer.forward = types.MethodType(_fused_add_decoder_forward, layer)
+        report["add_rms_norm"].append(name)
+
+
+def _check_decoder_layer(model, layer, eps, offset) -> None:
+    """Whether the fused forward gives the layer's own output on random CPU inputs (fp32, the model's cos/sin, random
+    norm weights); _Skip if not."""
+    try:
+        probe = copy.deepcopy(layer).to(device="cpu", dtype=torch.float32)
+    except Exception as error:
+        raise _Skip(f"cannot be copied to the CPU to check it ({type(error).__name__})") from None
+    g = torch.Generator().manual_seed(0)
+    hidden = probe.post_attention_layernorm.weight.shape[0]
+    states = torch.randn(2, 6, hidden, generator=g)
+    positions = torch.arange(6).expand(2, 6)
+    layer_type = getattr(layer.self_attn, "layer_type", None)
+    with torch.no_grad():
+        for norm in (probe.input_layernorm, probe.post_attention_layernorm):
+            norm.weight.copy_(torch.randn(norm.weight.shape, generator=g) * 0.5)
+        rotary_module = _model_rotary(model, layer.self_attn, layer_type)
+        device = next(iter(rotary_module.buffers()), torch.zeros(0)).device
+        args = (torch.zeros(1, device=device), positions.to(device))
+        try:
+            per_type = getattr(rotary_module, "layer_types", None) is not None
+            cos_sin = rotary_module(*args, layer_type) if per_type else rotary_module(*args)
+            cos_sin = tuple(c.float().cpu() for c in cos_sin)
+            expected = probe(states, position_ids=positions, position_embeddings=cos_sin)
+        except Exception as error:
+            raise _Skip(f"its forward fails on random inputs ({type(error).__name__})") from None
+        probe.cupyrope_add_norm = (eps, offset)
+        try:
+            got = _fused_add_decoder_forward(probe, states, position_ids=positions, position_embeddings=cos_sin)
+        except Exception as error:
+            raise _Skip(f"the fused forward fails on its inputs ({type(error).__name__}: {error})") from None
+    if not isinstance(expected, Tensor):
+        raise _Skip(f"its forward returns a {type(expected).__name__}, not the hidden states alone")
+    scale = float(expected.abs().max())
+    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * scale):
+        raise _Skip("its forward differs from input_layernorm, self_attn, add_rms_norm and mlp in that order")
+

@@ -241,16 +241,21 @@ def rms_norm(x, weight=None, eps=1e-6, offset=0.0, return_rstd=False):
     return (y, rstd) if return_rstd else y
 
 
-def rms_norm_backward(dy, x, weight=None, eps=1e-6, offset=0.0):
-    """(dx, dweight) of rms_norm; dweight is None without weight."""
+def rms_norm_backward(dy, x, weight=None, eps=1e-6, offset=0.0, residual_grad=None):
+    """(dx, dweight) of rms_norm; dweight is None without weight. residual_grad: added to dx (add_rms_norm's
+    backward, with x its new residual)."""
     dy, dya = _float64(dy, "dy")
     x, xa = _float64(x, "x")
     weight, wa = _optional_float64(weight, "weight")
-    rmsnorm_checks.check_backward(dya, xa, wa, None, eps=eps, offset=offset, impl="auto", dtypes=_FLOAT64)
+    residual_grad, ga = _optional_float64(residual_grad, "residual_grad")
+    rmsnorm_checks.check_backward(dya, xa, wa, None, eps=eps, offset=offset, impl="auto", dtypes=_FLOAT64,
+                                  residual_grad=ga)
     rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
     scale = 1.0 if weight is None else weight + offset
     g = dy * scale
     dx = rstd * g - x * rstd**3 * np.mean(g * x, axis=-1, keepdims=True)
+    if residual_grad is not None:
+        dx = dx + residual_grad
     if weight is None:
         return dx, None
     dweight = (dy * x * rstd).reshape(-1, x.shape[-1]).sum(axis=0)
@@ -268,3 +273,16 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, dtype="float32
         raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
     new_residual = round_to(x + residual, dtype)
     return rms_norm(new_residual, weight, eps, offset), new_residual
+
+
+def add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0, dtype="float32"):
+    """The out-of-place residual add + RMSNorm: s = x + residual (rounded once to ``dtype``), y = rms_norm(s).
+    Returns (y, s) in float64; its backward is rms_norm_backward(dy, s, weight, residual_grad=ds)."""
+    x, xa = _float64(x, "x")
+    residual, ra = _float64(residual, "residual")
+    weight, wa = _optional_float64(weight, "weight")
+    rmsnorm_checks.check_add(xa, ra, wa, eps=eps, offset=offset, impl="auto", dtypes=_FLOAT64)
+    if dtype not in _ROUNDED:
+        raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
+    s = round_to(x + residual, dtype)
+    return rms_norm(s, weight, eps, offset), s

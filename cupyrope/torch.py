@@ -22,6 +22,7 @@ from .ops import rmsnorm_checks as _norm_checks
 from .ops import rope_checks as _rope_checks
 from .ops.qk_norm_rope import qk_norm_rope as _qk_norm_rope
 from .ops.qk_norm_rope import qk_norm_rope_backward as _qk_norm_rope_backward
+from .ops.rmsnorm import add_rms_norm as _add_rms_norm
 from .ops.rmsnorm import fused_add_rms_norm as _fused_add_rms_norm
 from .ops.rmsnorm import rms_norm as _rms_norm
 from .ops.rmsnorm import rms_norm_backward as _rms_norm_backward
@@ -30,7 +31,7 @@ from .ops.rope import rope_cache as _rope_cache
 from .ops.rope import rope_qk as _rope_qk
 from .ops.rope import rope_qk_cos_sin as _rope_qk_cos_sin
 
-__all__ = ["QKNormRotaryEmbedding", "RMSNorm", "RotaryEmbedding", "fused_add_rms_norm", "qk_norm_rope",
+__all__ = ["QKNormRotaryEmbedding", "RMSNorm", "RotaryEmbedding", "add_rms_norm", "fused_add_rms_norm", "qk_norm_rope",
            "qk_norm_rope_", "rms_norm", "rope", "rope_qk", "rope_qk_",
            "rope_qk_cos_sin"]
 
@@ -339,14 +340,17 @@ def _rms_norm_cpu(x, weight, eps, offset):
     return y.to(x.dtype), rstd
 
 
-def _rms_norm_backward_cpu(dy, x, weight, rstd, eps, offset):
+def _rms_norm_backward_cpu(dy, x, weight, rstd, eps, offset, residual_grad=None):
     _norm_checks.check_backward(_host(dy, "dy"), _host(x, "x"), _optional_host(weight, "weight"),
-                                _optional_host(rstd, "rstd"), eps=eps, offset=offset, impl="auto")
+                                _optional_host(rstd, "rstd"), eps=eps, offset=offset, impl="auto",
+                                residual_grad=_optional_host(residual_grad, "residual_grad"))
     xf, dyf = x.float(), dy.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps) if rstd is None else rstd
     r = rstd.unsqueeze(-1)
     g = dyf * ((weight.float() + offset) if weight is not None else 1.0)
     dx = r * g - xf * r.pow(3) * (g * xf).mean(-1, keepdim=True)
+    if residual_grad is not None:
+        dx = dx + residual_grad.float()
     dw = None if weight is None else (dyf * xf * r).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
     return dx.to(x.dtype), dw
 
@@ -405,15 +409,19 @@ def _rms_norm_any(x, weight, eps, offset, return_rstd=True):
     return _from_row_order(y, order), (None if rstd is None else _from_row_order(rstd, order, rows_only=True))
 
 
-def _rms_norm_backward_any(dy, x, weight, rstd, eps, offset):
+def _rms_norm_backward_any(dy, x, weight, rstd, eps, offset, residual_grad=None):
     order = _row_order(x)  # the forward's: rstd is laid out in it
     if order is not None:
         dy, x = _in_row_order(dy, order), _in_row_order(x, order)
         rstd = _in_row_order(rstd, order, rows_only=True).contiguous()
+        residual_grad = None if residual_grad is None else _in_row_order(residual_grad, order)
     if not x.is_cuda:
-        dx, dw = _rms_norm_backward_cpu(_contiguous_last(dy), x, weight, rstd, eps, offset)
+        residual_grad = None if residual_grad is None else _contiguous_last(residual_grad)
+        dx, dw = _rms_norm_backward_cpu(_contiguous_last(dy), x, weight, rstd, eps, offset, residual_grad)
     else:
-        dx, dw = _rms_norm_backward(_rows_in_one_run(dy), _rows_in_one_run(x), weight, rstd, eps, offset)
+        residual_grad = None if residual_grad is None else _rows_in_one_run(residual_grad)
+        dx, dw = _rms_norm_backward(_rows_in_one_run(dy), _rows_in_one_run(x), weight, rstd, eps, offset,
+                                    residual_grad=residual_grad)
     return _from_row_order(dx, order), dw
 
 
@@ -438,14 +446,15 @@ def _(x, weight, eps, offset):
 
 @torch.library.custom_op("cupyrope::rms_norm_backward", mutates_args=(), device_types=("cuda", "cpu"))
 def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, eps: float,
-                          offset: float) -> tuple[Tensor, Tensor]:
-    """(dx, dweight); dweight is an empty tensor without weight (ops cannot return None)."""
-    dx, dw = _rms_norm_backward_any(dy, x, weight, rstd, eps, offset)
+                          offset: float, residual_grad: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(dx, dweight); dweight is an empty tensor without weight (ops cannot return None). residual_grad: added to dx
+    (add_rms_norm's backward)."""
+    dx, dw = _rms_norm_backward_any(dy, x, weight, rstd, eps, offset, residual_grad)
     return dx, (dw if dw is not None else dx.new_empty(0))
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, eps, offset):
+def _(dy, x, weight, rstd, eps, offset, residual_grad=None):
     dw = x.new_empty(0) if weight is None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     return _new_rows_like(x), dw
 
@@ -490,6 +499,87 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, offs
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return _RMSNormFunction.apply(x, weight, eps, offset)
     return _rms_norm_any(x, weight, eps, offset, return_rstd=False)[0]  # no rstd: one output fewer
+
+
+def _add_rms_norm_any(x, residual, weight, eps, offset):
+    """(y, s, rstd) of add_rms_norm (s = x + residual, rounded to x's dtype), on either device; new contiguous
+    outputs."""
+    if not x.is_cuda:
+        _norm_checks.check_add(_host(x, "x"), _host(residual, "residual"), _optional_host(weight, "weight"), eps=eps,
+                               offset=offset, impl="auto")
+        s = (x.float() + residual.float()).to(x.dtype).contiguous()
+        y, rstd = _rms_norm_cpu(s, weight, eps, offset)
+        return y, s, rstd
+    return _add_rms_norm(_rows_in_one_run(x), _rows_in_one_run(residual), weight, eps, offset=offset, return_rstd=True)
+
+
+@torch.library.custom_op("cupyrope::add_rms_norm", mutates_args=(), device_types=("cuda", "cpu"))
+def _add_rms_norm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float,
+                     offset: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _add_rms_norm_any(x, residual, weight, eps, offset)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset):
+    new = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(2)]
+    return (*new, torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))
+
+
+def _add_grads(ctx, grad_y, grad_s, rms_backward):
+    """add_rms_norm's gradients (x, residual, weight, eps, offset) through rms_backward (the op or the function):
+    the gradient of s, with grad_s added in the kernel, is both x's and residual's."""
+    s, weight, rstd = ctx.saved_tensors
+    eps, offset = ctx.options
+    ds, dw = rms_backward(grad_y, s, weight, rstd, eps, offset, grad_s)
+    wants_dw = weight is not None and ctx.needs_input_grad[2]
+    return (ds if ctx.needs_input_grad[0] else None), (ds if ctx.needs_input_grad[1] else None), \
+        (dw if wants_dw else None), None, None
+
+
+def _add_setup(ctx, inputs, output):
+    _, _, weight, eps, offset = inputs
+    ctx.save_for_backward(output[1], weight, output[2])
+    ctx.options = (eps, offset)
+
+
+_add_rms_norm_op.register_autograd(lambda ctx, grad_y, grad_s, _grad_rstd: _add_grads(ctx, grad_y, grad_s,
+                                                                                      _rms_norm_backward_op),
+                                   setup_context=_add_setup)
+
+
+class _AddRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset):
+        y, s, rstd = _add_rms_norm_any(x, residual, weight, eps, offset)
+        ctx.save_for_backward(s, weight, rstd)
+        ctx.options = (eps, offset)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_s):
+        return _add_grads(ctx, grad_y, grad_s, _rms_norm_backward_any)
+
+
+def _check_residual_dtype(x: Tensor, residual_dtype) -> None:
+    if residual_dtype is not None and residual_dtype != x.dtype:
+        raise ValueError(f"residual_dtype: expected None or x's dtype ({x.dtype}), got {residual_dtype}: the residual "
+                         "stream is kept in x's dtype")
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
+                 offset: float = 0.0, residual_dtype=None) -> tuple[Tensor, Tensor]:
+    """The residual add + RMSNorm of a pre-norm decoder, out of place and differentiable: s = x + residual (rounded
+    to x's dtype), y = rms_norm(s, weight, eps, offset). Returns (y, s); s is the residual stream's next value.
+    One forward launch (x and residual read once, y and s written) and one backward launch (dx = dresidual, with
+    s's own gradient added in the kernel; dweight reduced deterministically). x and residual are left as they are.
+    residual_dtype: None or x's dtype (the residual stream in x's dtype)."""
+    _check_residual_dtype(x, residual_dtype)
+    if _compiling():
+        return _add_rms_norm_op(x, residual, weight, eps, offset)[:2]
+    needs_grad = x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
+    if torch.is_grad_enabled() and needs_grad:
+        return _AddRMSNormFunction.apply(x, residual, weight, eps, offset)
+    return _add_rms_norm_any(x, residual, weight, eps, offset)[:2]
 
 
 @torch.library.custom_op("cupyrope::fused_add_rms_norm_", mutates_args=("x", "residual"), device_types=("cuda", "cpu"))
@@ -701,8 +791,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps, self.offset)
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        """rms_norm(x); with residual, add_rms_norm(x, residual): (y, x + residual)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, self.offset)
+        return add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, offset={self.offset}"

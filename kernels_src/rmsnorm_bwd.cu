@@ -1,5 +1,5 @@
-// RMSNorm backward: dx, and dweight summed in a fixed order (bitwise deterministic). Row layout and SHIFT:
-// rmsnorm_common.cuh.
+// RMSNorm backward: dx, and dweight summed in a fixed order (bitwise deterministic); add_rms_norm's backward adds the
+// new residual's gradient to dx (residual_grad). Row layout and SHIFT: rmsnorm_common.cuh.
 #include "rmsnorm_common.cuh"
 
 namespace cupyrope {
@@ -25,22 +25,36 @@ struct NormBwdParams {  // mirrored by rmsnorm.py's BWD_TAIL
     const float* rstd;   // the forward's (rms_norm_backward computes it first where not given)
     void* dx;
     float* partial;      // [gridDim.x (clusters: gridDim.x / CLUSTER), hidden]; unused without weight
+    const void* residual_grad;  // may be null; else added to dx (add_rms_norm: x is the new residual, dx its gradient)
     i64 rows, hidden;
-    i64 dy_stride, x_stride, dx_stride;
+    i64 dy_stride, x_stride, dx_stride, residual_grad_stride;
     i64 shared_acc;  // 1: dynamic shared memory holds [blockDim.y, hidden] floats of dweight sums
     float offset;
     float inv_hidden;  // 1 / hidden, as in NormParams
 };
 
-// dx for E columns (returned); adds dy * x * rstd to sums.
-template <typename T, typename W, int E>
+// Row `row` of residual_grad for bwd_chunk: the kernels' GRAD variants (add_rms_norm's backward) take one; the
+// others pass a constant null, and their code is what it is without residual_grad (a runtime test of the pointer
+// made ptxas spill in the staged and read-twice kernels).
+template <bool GRAD, typename T>
+__device__ __forceinline__ const T* residual_grad_row(const NormBwdParams& p, i64 row) {
+    return GRAD ? static_cast<const T*>(p.residual_grad) + row * p.residual_grad_stride : nullptr;
+}
+
+// dx for E columns from column col (returned), plus the chunk of grad_row there (a row of residual_grad) where given,
+// before dx's one rounding; adds dy * x * rstd to sums.
+template <typename T, typename W, int E, bool VEC = true, bool SHIFT = false, typename I = int>
 __device__ __forceinline__ Pack<T, E> bwd_chunk(const NormBwdParams& p, const Pack<T, E>& d, const Pack<T, E>& xx,
-                                                const Pack<W, E>& w, float rstd, float coef, Pack<float, E>& sums) {
+                                                const Pack<W, E>& w, float rstd, float coef, Pack<float, E>& sums,
+                                                const T* grad_row, I col, I hidden) {
+    Pack<T, E> g;
+    if (grad_row) g = load_chunk<VEC, SHIFT, E>(grad_row, col, hidden);
     Pack<T, E> out;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         const float xf = to_float(xx.v[e]), df = to_float(d.v[e]);
-        out.v[e] = from_float<T>(rstd * df * scale<W, E>(p.weight, p.offset, w, e) - xf * coef);
+        const float dx = rstd * df * scale<W, E>(p.weight, p.offset, w, e) - xf * coef;
+        out.v[e] = from_float<T>(grad_row ? dx + to_float(g.v[e]) : dx);
         sums.v[e] += df * xf * rstd;
     }
     return out;
@@ -89,7 +103,7 @@ __device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, in
     }
 }
 
-template <typename T, typename W, bool VEC, int NPT, bool SHIFT>
+template <typename T, typename W, bool VEC, int NPT, bool SHIFT, bool GRAD>
 __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLOCKS_2)
     rms_norm_bwd(const NormBwdParams p) {
     wait_for_previous_grid();
@@ -146,6 +160,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
         const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
         const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
+        const T* grad_row = residual_grad_row<GRAD, T>(p, row);
         float dot = 0.f;
         if constexpr (NPT > 0) {
             if constexpr (!PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row, first, step, dyv, xv);
@@ -184,7 +199,8 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
                             wv[i] = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
                         // SHIFT: columns outside the row were loaded as 0 and add 0 to their sums.
                         store_chunk<VEC, SHIFT, E>(dx_row, col, hidden,
-                                                   bwd_chunk<T, W, E>(p, dyv[i], xv[i], wv[i], rstd, coef, dw[i]));
+                                                   bwd_chunk<T, W, E, VEC, SHIFT>(p, dyv[i], xv[i], wv[i], rstd, coef,
+                                                                                  dw[i], grad_row, col, hidden));
                     }
                 }
             } else {
@@ -199,7 +215,9 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
                     Pack<float, E> acc = zeros<E>();
                     if (p.weight)
                         acc = by_column ? load_chunk<false, true, E>(my_acc, col, p.hidden) : load_pack<VEC, E>(acc_at + col);
-                    store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden, bwd_chunk<T, W, E>(p, d, xx, w, rstd, coef, acc));
+                    store_chunk<VEC, SHIFT, E>(dx_row, col, p.hidden,
+                                               bwd_chunk<T, W, E, VEC, SHIFT>(p, d, xx, w, rstd, coef, acc, grad_row, col,
+                                                                              p.hidden));
                     if (!p.weight) continue;
                     if (by_column) store_chunk<false, true, E>(my_acc, col, p.hidden, acc);
                     else store_pack<VEC, E>(acc_at + col, acc);
@@ -372,7 +390,7 @@ __device__ __forceinline__ void store_staged_partial(const NormBwdParams& p, flo
 // The block's rows (blockIdx.x, + gridDim.x, ...): dx written, dw[i] the dweight sums of chunk i from column
 // `first` (set here: the same in every row of the block, SHIFT with its one shift), staged through `staged`
 // ([STAGES][dy, x][NPT][blockDim.x] chunks of dynamic shared memory).
-template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN, int E>
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN, bool GRAD, int E>
 __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* scratch, uint4* staged, int& first,
                                                  Pack<float, E> (&dw)[NPT]) {
     const int lane = threadIdx.x, width = blockDim.x;
@@ -418,22 +436,26 @@ __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* 
         stage = stage + 1 == STAGES ? 0 : stage + 1;
         const float coef = row_coef(p, rstd, row_sum<LANES_JUMP>(dot, width, scratch));
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
+        const T* grad_row = residual_grad_row<GRAD, T>(p, row);
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
             if (col < p.hidden) {
                 const Pack<W, E> w = staged_weight<HOLD, E>(p, wv, i, col);
                 if constexpr (SHIFT)
-                    store_chunk<true, true, E>(dx_row, col, hidden, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i]));
+                    store_chunk<true, true, E>(dx_row, col, hidden, bwd_chunk<T, W, E, true, true>(p, dyv[i], xv[i], w, rstd,
+                                                                                               coef, dw[i], grad_row, col,
+                                                                                               hidden));
                 else
-                    store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i]));
+                    store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i], grad_row,
+                                                                         col, hidden));
             }
         }
     }
     copy_async_wait<0>();  // no copy may outlive the block
 }
 
-template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN>
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN, bool GRAD>
 __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_norm_bwd_staged(const NormBwdParams p) {
     wait_for_previous_grid();
     constexpr int E = 16 / sizeof(T);
@@ -441,7 +463,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
     int first;
     Pack<float, E> dw[NPT];
-    walk_staged_rows<T, W, NPT, STAGES, SHIFT, LEAN>(p, scratch, staged, first, dw);
+    walk_staged_rows<T, W, NPT, STAGES, SHIFT, LEAN, GRAD>(p, scratch, staged, first, dw);
     store_staged_partial<SHIFT>(p, p.partial + (i64)blockIdx.x * p.hidden, dw, first, threadIdx.x, blockDim.x * E, p.hidden);
 }
 
@@ -456,7 +478,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
 //   several rounds of the clusters the GPU holds at once, so the SMs that stream faster take more of the rows,
 //   with no more partial rows than a one-wave staged grid.
 // Deterministic either way: a block's rows, and the order of every addition, follow from the grid alone.
-template <typename T, typename W, int NPT, int STAGES, bool SHIFT, int CLUSTER>
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT, int CLUSTER, bool GRAD>
 __global__ void CLUSTER_DIMS(CLUSTER) __launch_bounds__(StagedMaxThreads<NPT, true>::value, 1)
     rms_norm_bwd_cluster(const NormBwdParams p) {
     wait_for_previous_grid();
@@ -467,7 +489,7 @@ __global__ void CLUSTER_DIMS(CLUSTER) __launch_bounds__(StagedMaxThreads<NPT, tr
     float* sums = reinterpret_cast<float*>(staged + STAGES * 2 * NPT * blockDim.x);
     int first;
     Pack<float, E> dw[NPT];
-    walk_staged_rows<T, W, NPT, STAGES, SHIFT, true>(p, scratch, staged, first, dw);
+    walk_staged_rows<T, W, NPT, STAGES, SHIFT, true, GRAD>(p, scratch, staged, first, dw);
     const int hidden = (int)p.hidden;
     store_staged_partial<SHIFT>(p, sums, dw, first, threadIdx.x, blockDim.x * E, hidden);
     cluster_sync();  // every block's sums are in its shared memory
@@ -511,7 +533,7 @@ __device__ __forceinline__ Pack<W, E> reread_weight(const NormBwdParams& p, cons
 // Rows first_row, + row_step, ... below p.rows: rms_norm_bwd_reread's (SPLIT 1), or rms_norm_bwd_split's (SPLIT > 1:
 // a cluster's; p describes the block's part of them, p.partial its part of the cluster's partial row; the row sums
 // are added over the cluster). `accumulate`: the dweight sums are added to the partial row (SHIFT only).
-template <typename T, typename W, int NPT, int STAGES, bool SHIFT, int SPLIT>
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT, int SPLIT, bool GRAD>
 __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_row, i64 row_step, bool accumulate = false) {
     constexpr int E = 16 / sizeof(T);
     __shared__ float scratch[32];  // row_sum's warp partials
@@ -561,6 +583,7 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
         parity ^= 1;
         const float coef = row_coef(p, rstd, row_dot);
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
+        const T* grad_row = residual_grad_row<GRAD, T>(p, row);
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
@@ -570,15 +593,15 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
                 const uint4 *dy_slot = stage_slot<NPT>(staged, stage, 0, i), *x_slot = stage_slot<NPT>(staged, stage, 1, i);
                 if constexpr (SHIFT)
                     store_chunk<true, true, E>(dx_row, col, hidden,
-                                               bwd_chunk<T, W, E>(p, unstage_chunk<SHIFT, T, E>(dy_slot, col, hidden),
+                                               bwd_chunk<T, W, E, true, true>(p, unstage_chunk<SHIFT, T, E>(dy_slot, col, hidden),
                                                                   unstage_chunk<SHIFT, T, E>(x_slot, col, hidden),
                                                                   reread_weight<SHIFT, W, E>(p, shifted_weight, col, shift),
-                                                                  rstd, coef, dw[i]));
+                                                                  rstd, coef, dw[i], grad_row, col, hidden));
                 else
                     store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, unstage_chunk<SHIFT, T, E>(dy_slot, col, hidden),
                                                                          unstage_chunk<SHIFT, T, E>(x_slot, col, hidden),
                                                                          reread_weight<SHIFT, W, E>(p, shifted_weight, col, shift),
-                                                                         rstd, coef, dw[i]));
+                                                                         rstd, coef, dw[i], grad_row, col, hidden));
             }
         }
         // The shared reads above precede this refill in program order, and a copy's write lands only after
@@ -591,10 +614,10 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
                                 accumulate);
 }
 
-template <typename T, typename W, int NPT, int STAGES, bool SHIFT>
+template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool GRAD>
 __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdParams p) {
     wait_for_previous_grid();
-    reread_rows<T, W, NPT, STAGES, SHIFT, 1>(p, blockIdx.x, gridDim.x);
+    reread_rows<T, W, NPT, STAGES, SHIFT, 1, GRAD>(p, blockIdx.x, gridDim.x);
 }
 
 // ----------------------------------------------------------------- backward, rows split over a cluster
@@ -640,7 +663,7 @@ __device__ __forceinline__ ClassRun class_run(int place, int end, int rows) {
 
 __host__ __device__ constexpr bool walks_classes(bool shift, int split) { return shift && split >= CLASS_WALK_MIN_SPLIT; }
 
-template <typename T, typename W, int NPT, int SPLIT, bool SHIFT>
+template <typename T, typename W, int NPT, int SPLIT, bool SHIFT, bool GRAD>
 __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(walks_classes(SHIFT, SPLIT) ? CLASS_WALK_MAX_THREADS : 1024, 1)
     rms_norm_bwd_split(const NormBwdParams p) {
     wait_for_previous_grid();
@@ -654,6 +677,7 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(walks_classes(SHIFT, SPLIT
     mine.dy = static_cast<const T*>(p.dy) + offset;
     mine.x = static_cast<const T*>(p.x) + offset;
     mine.dx = static_cast<T*>(p.dx) + offset;
+    if (GRAD) mine.residual_grad = static_cast<const T*>(p.residual_grad) + offset;
     if (p.weight) mine.weight = static_cast<const W*>(p.weight) + offset;
     mine.hidden = length;
     const i64 cluster = blockIdx.x / SPLIT, clusters = gridDim.x / SPLIT;
@@ -666,12 +690,12 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(walks_classes(SHIFT, SPLIT
         do {  // once at least: a cluster with no rows (the planner makes none) writes zero sums
             const ClassRun run = class_run<E>(place, end, rows);
             mine.rows = run.first_row + (run.count - 1) * E + 1;  // past the run's last row
-            reread_rows<T, W, NPT, 1, SHIFT, SPLIT>(mine, run.first_row, E, accumulate);
+            reread_rows<T, W, NPT, 1, SHIFT, SPLIT, GRAD>(mine, run.first_row, E, accumulate);
             accumulate = true;
             place += run.count;
         } while (place < end);
     } else {  // SHIFT: block 0's part keeps the rows' shift, the others none
-        reread_rows<T, W, NPT, 1, SHIFT, SPLIT>(mine, cluster, clusters);
+        reread_rows<T, W, NPT, 1, SHIFT, SPLIT, GRAD>(mine, cluster, clusters);
     }
 #else
     __trap();  // no clusters before sm_90: the planner never launches it there

@@ -1,7 +1,9 @@
 // RMSNorm forward: y = x / sqrt(mean(x^2) + eps) * (w + offset), over the last dimension; and the fused
-// residual add (ADD): residual <- x + residual (rounded to T), then residual normalized into x. Row layout and
-// SHIFT: rmsnorm_common.cuh. Rows read twice (NPT == 0) with ADD keep their rounded sums in dynamic shared memory
-// where the launch gives the block's rows (the planner's row cache) for the output pass.
+// residual add (ADD): residual <- x + residual (rounded to T), or with OUT residual_out <- x + residual (add_rms_norm,
+// out of place), then that sum normalized into y. OUT is a template flag, so that the in-place kernels hold one
+// residual row pointer as before (a second one cost the bf16 fused add of 4 chunks a thread 8 more bytes of spills).
+// Row layout and SHIFT: rmsnorm_common.cuh. Rows read twice (NPT == 0) with ADD keep their rounded sums in dynamic
+// shared memory where the launch gives the block's rows (the planner's row cache) for the output pass.
 #include "rmsnorm_common.cuh"
 
 namespace cupyrope {
@@ -9,11 +11,12 @@ namespace cupyrope {
 struct NormParams {  // mirrored by rmsnorm.py's FWD_TAIL (after the pointers)
     const void* x;
     void* y;
-    void* residual;
+    const void* residual;
+    void* residual_out;  // ADD with OUT: where x + residual goes (else into residual)
     const void* weight;  // may be null: no weight
     float* rstd;         // may be null: not returned
     i64 rows, hidden;
-    i64 x_stride, y_stride, residual_stride;
+    i64 x_stride, y_stride, residual_stride, residual_out_stride;
     float eps, offset;
     float inv_hidden;  // 1 / hidden, rounded to float: a multiply instead of a division on the row's critical path
 };
@@ -156,7 +159,7 @@ __device__ __forceinline__ float split_row_sum(float v, int width, float* scratc
 
 // Row `row` of rms_norm_fwd (SPLIT 1; threadIdx.y's row of the block), or of rms_norm_fwd_split (SPLIT > 1: p
 // describes the block's part of the rows, in registers; cluster_slots: see there).
-template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, int SPLIT>
+template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, int SPLIT, bool OUT>
 __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&cluster_slots)[SPLIT]) {
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     static_assert(SPLIT == 1 || (VEC && NPT > 0), "SPLIT: rows of 16-byte chunks in registers");
@@ -244,7 +247,9 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         constexpr bool HELD = !VEC || (ADD && NPT >= 2 && (SHIFT || (NPT >= 4 && sizeof(T) == 2)));
         const T* const x_row = row_base<HELD>(static_cast<const T*>(p.x) + row * p.x_stride);
         T* const y_row = row_base<HELD>(static_cast<T*>(p.y) + row * p.y_stride);
-        T* const res_row = ADD ? row_base<HELD>(static_cast<T*>(p.residual) + row * p.residual_stride) : nullptr;
+        T* const res_row = ADD ? row_base<HELD>(static_cast<T*>(const_cast<void*>(p.residual)) + row * p.residual_stride)
+                               : nullptr;
+        T* const sum_row = OUT ? row_base<HELD>(static_cast<T*>(p.residual_out) + row * p.residual_out_stride) : res_row;
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         Pack<T, E> v[NPT];
         Pack<W, E> w[NPT];
@@ -268,7 +273,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
 #pragma unroll
                     for (int e = 0; e < E; ++e)
                         v[i].v[e] = from_float<T>(as_float<BY_SHIFT>(v[i].v[e]) + as_float<BY_SHIFT>(r[ADD ? i : 0].v[e]));
-                    store_chunk<VEC, SHIFT, E>(res_row, col, hidden, v[i]);
+                    store_chunk<VEC, SHIFT, E>(sum_row, col, hidden, v[i]);
                 }
 #pragma unroll
                 for (int e = 0; e < E; ++e) squares.add(i * E + e, as_float<BY_SHIFT>(v[i].v[e]));
@@ -294,7 +299,8 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         extern __shared__ __align__(16) unsigned char row_cache_bytes[];
         const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
-        T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
+        T* const res_row = ADD ? static_cast<T*>(const_cast<void*>(p.residual)) + row * p.residual_stride : nullptr;
+        T* const sum_row = OUT ? static_cast<T*>(p.residual_out) + row * p.residual_out_stride : res_row;
         const int shift = row_shift<SHIFT, E>(x_row);
         const i64 first = (i64)lane * E - shift, cache_row = chunks_span<SHIFT, E>(p.hidden);
         T* const row_cache = reinterpret_cast<T*>(row_cache_bytes) + threadIdx.y * cache_row + shift;
@@ -318,7 +324,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
 #pragma unroll
                     for (int e = 0; e < E; ++e)
                         v[u].v[e] = from_float<T>(to_float(v[u].v[e]) + to_float(r[ADD ? u : 0].v[e]));
-                    store_chunk<VEC, SHIFT, E>(res_row, col, p.hidden, v[u]);
+                    store_chunk<VEC, SHIFT, E>(sum_row, col, p.hidden, v[u]);
                     if (cached) store_pack<VEC, E>(row_cache + col, v[u]);
                 }
 #pragma unroll
@@ -328,10 +334,10 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
         if (!active) return;
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
-        // With ADD, the normalized values are the rounded sums this thread just stored in residual. The
+        // With ADD, the normalized values are the rounded sums this thread just stored in residual_out. The
         // row cache holds what this thread summed: each thread reads back only its own columns, so no
         // barrier.
-        const T* const src = ADD ? res_row : x_row;
+        const T* const src = ADD ? sum_row : x_row;
         for (i64 base = first; base < p.hidden; base += U * step) {
             Pack<T, E> v[U];
 #pragma unroll
@@ -352,24 +358,25 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
     }
 }
 
-template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
+template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, bool OUT = false>
 __global__ void __launch_bounds__(FwdBounds<NPT, ADD>::threads, FwdBounds<NPT, ADD>::min_blocks) rms_norm_fwd(const NormParams p) {
     wait_for_previous_grid();
     float no_cluster[1];  // unused: one block sums its rows
-    norm_row<T, W, VEC, NPT, ADD, SHIFT, 1>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
+    norm_row<T, W, VEC, NPT, ADD, SHIFT, 1, OUT>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
 }
 
 // Narrows the rows that `p` describes to this block's part when a cluster splits them (cluster_part; SHIFT: rows
 // `shift` elements past a 16-byte boundary): its pointers moved to the part's first column, its length; inv_hidden
 // stays the whole row's, and only the block holding column 0 writes rstd. (In place: a copy returned compiled the
 // aligned split's loop differently.)
-template <typename T, typename W, bool ADD, int SPLIT, bool SHIFT>
+template <typename T, typename W, bool ADD, int SPLIT, bool SHIFT, bool OUT>
 __device__ __forceinline__ void narrow_to_part(NormParams& p, int shift) {
     i64 offset;
     const i64 length = cluster_part<16 / sizeof(T), SPLIT, SHIFT>(p.hidden, offset, shift);
     p.x = static_cast<const T*>(p.x) + offset;
     p.y = static_cast<T*>(p.y) + offset;
-    if (ADD) p.residual = static_cast<T*>(p.residual) + offset;
+    if (ADD) p.residual = static_cast<const T*>(p.residual) + offset;
+    if (OUT) p.residual_out = static_cast<T*>(p.residual_out) + offset;
     if (p.weight) p.weight = static_cast<const W*>(p.weight) + offset;
     p.hidden = length;
     if (offset) p.rstd = nullptr;
@@ -382,13 +389,13 @@ __device__ __forceinline__ void narrow_to_part(NormParams& p, int shift) {
 // row's 16-byte chunks / SPLIT rounded up (the last part may be shorter); only the sum of squares crosses blocks
 // (cluster_sum: two slot sets by row parity, as in reread_rows). Rank 0 writes rstd. SHIFT (odd rows): each row's
 // parts from its own shift (cluster_part), block 0's in shifted chunks, the others' from 16-byte boundaries.
-template <typename T, typename W, int NPT, bool ADD, int SPLIT, bool SHIFT>
+template <typename T, typename W, int NPT, bool ADD, int SPLIT, bool SHIFT, bool OUT = false>
 __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT, ADD>::threads, FwdBounds<NPT, ADD>::min_blocks)
     rms_norm_fwd_split(const NormParams p) {
     wait_for_previous_grid();
 #if CUPYROPE_CLUSTERS
     NormParams mine = p;  // the block's part of the rows (SHIFT: each row's own, below)
-    narrow_to_part<T, W, ADD, SPLIT, false>(mine, 0);
+    narrow_to_part<T, W, ADD, SPLIT, false, OUT>(mine, 0);
     __shared__ float cluster_slots[2][SPLIT];
     cluster_sync();  // the cluster's blocks have all started: their shared memory is there to be written to
     int parity = 0;
@@ -397,10 +404,10 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT, ADD>::threa
         if constexpr (SHIFT) {
             NormParams row_part = p;
             const int shift = row_shift<true, 16 / sizeof(T)>(static_cast<const T*>(p.x) + row * p.x_stride);
-            narrow_to_part<T, W, ADD, SPLIT, true>(row_part, shift);
-            norm_row<T, W, true, NPT, ADD, true, SPLIT>(row_part, row, cluster_slots[parity]);
+            narrow_to_part<T, W, ADD, SPLIT, true, OUT>(row_part, shift);
+            norm_row<T, W, true, NPT, ADD, true, SPLIT, OUT>(row_part, row, cluster_slots[parity]);
         } else {
-            norm_row<T, W, true, NPT, ADD, false, SPLIT>(mine, row, cluster_slots[parity]);
+            norm_row<T, W, true, NPT, ADD, false, SPLIT, OUT>(mine, row, cluster_slots[parity]);
         }
     }
 #else

@@ -25,7 +25,7 @@ def strided_rows(host, dtype, kind, pad):
     return to_device(wide, dtype, kind)[:, :hidden]
 
 
-_OPS = {"fwd": "rms_norm", "add": "fused_add_rms_norm", "bwd": "rms_norm_backward"}
+_OPS = {"fwd": "rms_norm", "add": "fused_add_rms_norm", "add_out": "add_rms_norm", "bwd": "rms_norm_backward"}
 
 
 def fresh_plans(monkeypatch):
@@ -34,7 +34,7 @@ def fresh_plans(monkeypatch):
 
 
 def planned(op):
-    """The first plan op's cache ("fwd", "add" or "bwd") made since the caches were emptied (fresh_plans,
+    """The first plan op's cache ("fwd", "add", "add_out" or "bwd") made since the caches were emptied (fresh_plans,
     helpers.use_choices)."""
     module_name, name = helpers.OP_PLANS[_OPS[op]]
     return next(iter(getattr(importlib.import_module(f"cupyrope.ops.{module_name}"), name).plans.values()))

@@ -1,4 +1,4 @@
-"""RMSNorm's public functions: rms_norm, fused_add_rms_norm and rms_norm_backward.
+"""RMSNorm's public functions: rms_norm, fused_add_rms_norm, add_rms_norm and rms_norm_backward.
 
 A call finds its plan (the one preamble: _runtime/plan_cache.py), which a first call makes by checking its
 arguments (rmsnorm_checks.py) and planning (rmsnorm_plan_forward.py, rmsnorm_plan_backward.py), then launches with
@@ -21,8 +21,8 @@ from .rmsnorm_plan_forward import plan_forward_for_device, row_cache_bytes
 from .rmsnorm_rows import kernel_for, shared_limit
 
 # Mirror NormParams, NormBwdParams and DweightParams in kernels_src: pointers, then these.
-FWD_TAIL = struct.Struct("<5q3f")  # rows, hidden, three row strides, then _scalars()
-BWD_TAIL = struct.Struct("<6q2f")  # rows, hidden, three row strides, shared_acc, offset, 1 / hidden
+FWD_TAIL = struct.Struct("<6q3f")  # rows, hidden, four row strides, then _scalars()
+BWD_TAIL = struct.Struct("<7q2f")  # rows, hidden, four row strides, shared_acc, offset, 1 / hidden
 DW_TAIL = struct.Struct("<2q")
 
 
@@ -50,7 +50,7 @@ def _forward(x, weight, eps, offset, out, return_rstd, impl):
     out, o_ptr = checks.output_of(plan, mode, x, out, x_ptr, o_ptr)
     rstd, rstd_ptr = plan.new_rstd(x) if return_rstd else (None, 0)
     if plan.grid:
-        plan.launch(x_ptr, o_ptr, 0, w_ptr, rstd_ptr)
+        plan.launch(x_ptr, o_ptr, 0, 0, w_ptr, rstd_ptr)
     return out, rstd, rstd_ptr
 
 
@@ -61,18 +61,38 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0, impl="auto"
     plan, (x_ptr, r_ptr, w_ptr) = _fused_add_plans.find((x, residual, weight), (weight is None, eps, offset, impl))
     if plan.grid:
         checks.check_disjoint(x_ptr, plan.extents[0], r_ptr, plan.extents[1], "x", "residual", "pass separate memory")
-        plan.launch(x_ptr, x_ptr, r_ptr, w_ptr, 0)
+        plan.launch(x_ptr, x_ptr, r_ptr, r_ptr, w_ptr, 0)
     return x, residual
 
 
-def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, impl="auto"):
+def add_rms_norm(x, residual, weight=None, eps=1e-6, *, offset=0.0, return_rstd=False, impl="auto"):
+    """The out-of-place residual add + RMSNorm of training: s = x + residual (rounded to x's dtype), then
+    y = rms_norm(s, weight, eps, offset=offset), in one launch that reads x and residual once and writes y and s.
+    x and residual are left as they are. Returns (y, s), or (y, s, rstd) with return_rstd.
+
+    Its backward is one call: rms_norm_backward(dy, s, weight, rstd, eps, offset, residual_grad=ds) (ds: the
+    gradient reaching s, the residual stream's next use) returns the gradient of x, which is also residual's, and
+    dweight."""
+    plan, (x_ptr, r_ptr, w_ptr) = _add_plans.find((x, residual, weight), (weight is None, eps, offset, return_rstd, impl))
+    y, y_ptr = plan.new_output(x)
+    s, s_ptr = plan.new_output(x)
+    rstd, rstd_ptr = plan.new_rstd(x) if return_rstd else (None, 0)
+    if plan.grid:
+        plan.launch(x_ptr, y_ptr, r_ptr, s_ptr, w_ptr, rstd_ptr)
+    return (y, s, rstd) if return_rstd else (y, s)
+
+
+def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, residual_grad=None, impl="auto"):
     """Gradients of rms_norm: returns (dx, dweight); dweight is None when weight is None.
 
     rstd (fp32, shape x.shape[:-1], as returned by rms_norm(..., return_rstd=True)): without it, rms_norm
     computes it first (a read of x and a write more), so that dx has the same bits either way. dweight is reduced
-    in a fixed order: bitwise identical from run to run, no atomics."""
-    plan, (d_ptr, x_ptr, w_ptr, r_ptr) = _backward_plans.find(
-        (dy, x, weight, rstd), (weight is None, rstd is None, eps, offset, impl))
+    in a fixed order: bitwise identical from run to run, no atomics.
+    residual_grad (x's shape and dtype): added to dx before its rounding. add_rms_norm's backward: x is its s, and
+    residual_grad the gradient reaching s besides through y; dx is then the gradient of add_rms_norm's x and of
+    its residual."""
+    plan, (d_ptr, x_ptr, w_ptr, r_ptr, g_ptr) = _backward_plans.find(
+        (dy, x, weight, rstd, residual_grad), (weight is None, rstd is None, residual_grad is None, eps, offset, impl))
     if rstd is None:  # the forward's own sum of squares: the same rstd bits as rms_norm's
         _, _, r_ptr = _forward(x, weight, eps, offset, None, True, impl)
     dx, dx_ptr = plan.new_dx(x)
@@ -82,13 +102,13 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, im
             dweight[...] = 0
         return dx, dweight
     if weight is None:
-        plan.launch(d_ptr, x_ptr, 0, r_ptr, dx_ptr, 0)
+        plan.launch(d_ptr, x_ptr, 0, r_ptr, dx_ptr, 0, g_ptr)
         return dx, None
-    if plan.one_cluster:  # its last pointer is dweight
-        plan.launch(d_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dweight_ptr)
+    if plan.one_cluster:  # its partial row is dweight
+        plan.launch(d_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dweight_ptr, g_ptr)
         return dx, dweight
     partial, partial_ptr = plan.new_partial(x)
-    plan.launch(d_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, partial_ptr)
+    plan.launch(d_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, partial_ptr, g_ptr)
     plan.dw_launch(partial_ptr, dweight_ptr)
     return dx, dweight
 
@@ -107,8 +127,8 @@ def _plan_forward_call(xa, wa, oa, mode, _no_weight, eps, offset, return_rstd, i
                                       profiles.profile_for(xa.device).rms_norm_forward)
         if mode == OUT:
             plan.out_layouts = checks.out_layouts(xa, oa)
-        tail = FWD_TAIL.pack(n_rows, hidden, strides[0], strides[1], 0, *_scalars(eps, offset, hidden))
-        plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, 5, tail, xa.device, xa.kind,
+        tail = FWD_TAIL.pack(n_rows, hidden, strides[0], strides[1], 0, 0, *_scalars(eps, offset, hidden))
+        plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, 6, tail, xa.device, xa.kind,
                              plan.shared_mem)
     else:
         plan = EmptyPlan()
@@ -117,35 +137,57 @@ def _plan_forward_call(xa, wa, oa, mode, _no_weight, eps, offset, return_rstd, i
     return plan
 
 
-def _plan_fused_add_call(xa, ra, wa, _no_weight, eps, offset, impl):
-    rmsnorm_checks.check_fused_add(xa, ra, wa, eps=eps, offset=offset, impl=impl)
-    if not xa.size:
-        return EmptyPlan()
+def _plan_add_kernel(xa, ya, ra, sa, wa, eps, offset, impl) -> object:
+    """The plan of a residual add + RMSNorm launch (rms_norm_fwd's ADD): x and residual in, y and s = x + residual
+    out; in place (fused_add_rms_norm) ya is xa and sa None: the sum goes into residual."""
     n_rows, hidden = rows(xa.shape), xa.shape[-1]
-    strides = row_strides([xa, ra], ["x", "residual"])
+    arrays = [xa, ya, ra] + ([] if sa is None else [sa])
+    strides = row_strides(arrays, ["x", "y", "residual", "s"])
     choices = profiles.profile_for(xa.device).rms_norm_forward
-    plan = plan_forward_for_device(xa, xa, ra, wa, (strides[0], strides[0], strides[1]), n_rows, hidden, impl,
-                                   xa.device, choices)
+    plan = plan_forward_for_device(xa, ya, ra, wa, strides, n_rows, hidden, impl, xa.device, choices, residual_out=sa)
     plan.shared_mem = row_cache_bytes(plan, hidden, xa.dtype, shared_limit(xa.device), choices)
-    tail = FWD_TAIL.pack(n_rows, hidden, strides[0], strides[0], strides[1], *_scalars(eps, offset, hidden))
-    plan.extents = (checks.layout_key(xa), checks.layout_key(ra))
-    plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, 5, tail, xa.device, xa.kind,
+    sum_stride = strides[2] if sa is None else strides[3]
+    tail = FWD_TAIL.pack(n_rows, hidden, *strides[:3], sum_stride, *_scalars(eps, offset, hidden))
+    plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, 6, tail, xa.device, xa.kind,
                          plan.shared_mem)
     return plan
 
 
-def _plan_backward_call(da, xa, wa, ra, _no_weight, _no_rstd, eps, offset, impl):
-    rmsnorm_checks.check_backward(da, xa, wa, ra, eps=eps, offset=offset, impl=impl)
+def _plan_fused_add_call(xa, ra, wa, _no_weight, eps, offset, impl):
+    rmsnorm_checks.check_fused_add(xa, ra, wa, eps=eps, offset=offset, impl=impl)
+    if not xa.size:
+        return EmptyPlan()
+    plan = _plan_add_kernel(xa, xa, ra, None, wa, eps, offset, impl)
+    plan.extents = (checks.layout_key(xa), checks.layout_key(ra))
+    return plan
+
+
+def _plan_add_call(xa, ra, wa, _no_weight, eps, offset, return_rstd, impl):
+    rmsnorm_checks.check_add(xa, ra, wa, eps=eps, offset=offset, impl=impl)
+    checks.check_bool(return_rstd, "return_rstd")
+    if xa.size:
+        new = contiguous_like(xa, xa.shape, xa.dtype)
+        plan = _plan_add_kernel(xa, new, ra, new, wa, eps, offset, impl)
+    else:
+        plan = EmptyPlan()
+    plan.new_output = allocator(xa, xa.shape, xa.dtype)
+    plan.new_rstd = allocator(xa, xa.shape[:-1], "float32") if return_rstd else None
+    return plan
+
+
+def _plan_backward_call(da, xa, wa, ra, ga, _no_weight, _no_rstd, _no_residual_grad, eps, offset, impl):
+    rmsnorm_checks.check_backward(da, xa, wa, ra, eps=eps, offset=offset, impl=impl, residual_grad=ga)
     n_rows, hidden = rows(xa.shape), xa.shape[-1]
     if xa.size:
         dxa = contiguous_like(xa, xa.shape, xa.dtype)
-        strides = row_strides([da, xa, dxa], ["dy", "x", "dx"])
+        grads = [] if ga is None else [ga]
+        strides = row_strides([da, xa, dxa, *grads], ["dy", "x", "dx", "residual_grad"])
         plan, kernel = plan_backward_for_device(da, xa, dxa, wa, strides, n_rows, hidden, sm_count(xa.device), impl,
                                                 shared_limit(xa.device), xa.device,
-                                                profiles.profile_for(xa.device).rms_norm_backward)
-        tail = BWD_TAIL.pack(n_rows, hidden, strides[0], strides[1], strides[2], int(plan.shared_acc),
-                             float(offset), 1 / hidden)
-        plan.launch = Launch(kernel, plan.grid, plan.block, 6, tail, xa.device, xa.kind, plan.shared_mem)
+                                                profiles.profile_for(xa.device).rms_norm_backward, residual_grad=ga)
+        grad_stride = strides[3] if grads else 0
+        tail = BWD_TAIL.pack(n_rows, hidden, *strides[:3], grad_stride, int(plan.shared_acc), float(offset), 1 / hidden)
+        plan.launch = Launch(kernel, plan.grid, plan.block, 7, tail, xa.device, xa.kind, plan.shared_mem)
         if wa is not None and not plan.one_cluster:
             partials = plan.grid // plan.split  # one partial row a block, or a cluster
             dw_kernel = get_kernel(plan.source, dweight_kernel_name(wa.dtype), xa.device)
@@ -162,4 +204,6 @@ def _plan_backward_call(da, xa, wa, ra, _no_weight, _no_rstd, eps, offset, impl)
 
 _forward_plans = OpPlans(("x", "weight", "out"), _plan_forward_call, optional=("weight", "out"))
 _fused_add_plans = OpPlans(("x", "residual", "weight"), _plan_fused_add_call, optional=("weight",))
-_backward_plans = OpPlans(("dy", "x", "weight", "rstd"), _plan_backward_call, optional=("weight", "rstd"))
+_add_plans = OpPlans(("x", "residual", "weight"), _plan_add_call, optional=("weight",))
+_backward_plans = OpPlans(("dy", "x", "weight", "rstd", "residual_grad"), _plan_backward_call,
+                          optional=("weight", "rstd", "residual_grad"))

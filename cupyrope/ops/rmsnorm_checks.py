@@ -46,12 +46,22 @@ def check_fused_add(x: Array, residual: Array, weight: Array | None, *, eps, off
     check_weight(weight, x, "x")
 
 
+def check_add(x: Array, residual: Array, weight: Array | None, *, eps, offset, impl, dtypes=FLOAT_DTYPES) -> None:
+    """Every check of an add_rms_norm() call (out of place: x and residual are only read, and may overlap)."""
+    check_options(eps, offset, impl)
+    checks.check_float_input(x, "x", "hidden", dtypes)
+    checks.check_like(residual, x, "x", "residual")
+    check_weight(weight, x, "x")
+
+
 def check_backward(dy: Array, x: Array, weight: Array | None, rstd: Array | None, *, eps, offset, impl,
-                   dtypes=FLOAT_DTYPES) -> None:
+                   dtypes=FLOAT_DTYPES, residual_grad: Array | None = None) -> None:
     """Every check of an rms_norm_backward() call."""
     check_options(eps, offset, impl)
     checks.check_float_input(x, "x", "hidden", dtypes)
     checks.check_like(dy, x, "x", "dy")
+    if residual_grad is not None:
+        checks.check_like(residual_grad, x, "x", "residual_grad")
     check_weight(weight, x, "x")
     if rstd is not None:
         checks.check_same_device(x, rstd, "x", "rstd")

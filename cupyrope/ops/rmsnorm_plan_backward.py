@@ -246,15 +246,32 @@ def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=Non
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto",
                   shared_limit=SHARED_OPTIN_LIMIT, lean=False, clusters=False, rounds=False, *,
-                  choices: BackwardChoices) -> NormPlan:
+                  choices: BackwardChoices, residual_grad=None) -> NormPlan:
     """choices: the launch profile's. lean: a staged plan takes the LEAN variant (the caller decides, see
     lean_staged). clusters: the GPU runs thread block clusters (sm_90+), so rows past rms_norm_bwd_reread may be
     split over one. rounds: aligned staged rows take rms_norm_bwd_cluster over rounds of clusters where it can (the
-    caller decides, see takes_cluster_rounds; resident_grid sets the grid)."""
+    caller decides, see takes_cluster_rounds; resident_grid sets the grid). residual_grad: the array added to dx
+    (add_rms_norm's backward), or None; with it, row_strides has its stride last, and the plan the kernel's GRAD
+    variant (its last template argument: every kernel's same rows and launch, and a load more a chunk)."""
+    plan = _plan_rows_kernel(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, lean, clusters,
+                             rounds, choices, residual_grad)
+    plan.name = with_grad_flag(plan.name, residual_grad is not None)
+    return plan
+
+
+def with_grad_flag(name: str, grad: bool) -> str:
+    """A backward kernel's name with its GRAD template argument (the last) appended."""
+    return f"{name[:-1]}, {flag(grad)}>"
+
+
+def _plan_rows_kernel(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, lean, clusters, rounds,
+                      choices, residual_grad) -> NormPlan:
+    """plan_backward's plan, its kernel named without GRAD."""
     weight_dtype = weight.dtype if weight is not None else "float32"
     long_rows = hidden * ITEMSIZE[x.dtype] >= choices.long_row_bytes
     elems = BWD_ELEMS_PER_THREAD_LONG_ROWS if long_rows else BWD_ELEMS_PER_THREAD
-    plan = plan_rows(SOURCE, "rms_norm_bwd", x.dtype, weight_dtype, [dy, x, dx, weight], row_strides, rows, hidden,
+    rows_arrays = [dy, x, dx] + ([] if residual_grad is None else [residual_grad])
+    plan = plan_rows(SOURCE, "rms_norm_bwd", x.dtype, weight_dtype, [*rows_arrays, weight], row_strides, rows, hidden,
                      BWD_MAX_SLOTS, elems, BWD_BLOCK_THREADS, [], impl, can_shift=True)
     # rms_norm_bwd's own register prefetch (fp32 rows of up to 8 elements a thread: its PREFETCH)
     # measured a little faster than staging; everywhere else aligned rows are staged.
@@ -356,21 +373,21 @@ def resident_grid(plan, rows: int, device: int, dtype):
 
 
 def plan_backward_for_device(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, device,
-                             choices):
+                             choices, residual_grad=None):
     """(plan, its kernel) of a checked backward call on the device: plan_backward's, with its grid fitted to what
     the device holds at once, then re-planned where that grid decides (lean_staged, takes_cluster_rounds) or where
     no cluster fits."""
     planning = (dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit)
-    plan = plan_backward(*planning, clusters=runs_clusters(device), choices=choices)
+    plan = plan_backward(*planning, clusters=runs_clusters(device), choices=choices, residual_grad=residual_grad)
     kernel = resident_grid(plan, rows, device, x.dtype)
     if kernel is None:  # no cluster fits: rows read twice, or two launches
-        plan = plan_backward(*planning, choices=choices)
+        plan = plan_backward(*planning, choices=choices, residual_grad=residual_grad)
         kernel = resident_grid(plan, rows, device, x.dtype)
     if lean_staged(plan, rows):  # decided on the default variant's resident grid
-        plan = plan_backward(*planning, lean=True, choices=choices)
+        plan = plan_backward(*planning, lean=True, choices=choices, residual_grad=residual_grad)
         kernel = resident_grid(plan, rows, device, x.dtype)
     elif takes_cluster_rounds(plan, weight is not None, device):
-        many = plan_backward(*planning, clusters=True, rounds=True, choices=choices)
+        many = plan_backward(*planning, clusters=True, rounds=True, choices=choices, residual_grad=residual_grad)
         many_kernel = resident_grid(many, rows, device, x.dtype) if many.cluster_rounds else None
         if many_kernel:  # else no cluster fits: the staged plan
             plan, kernel = many, many_kernel
@@ -382,7 +399,16 @@ def dweight_kernel_name(weight_dtype: str) -> str:
 
 
 def variants():
-    """Every backward kernel the planner can ask for."""
+    """Every backward kernel the planner can ask for: each row kernel with and without GRAD, and rms_norm_dw."""
+    for source, name in _variants_without_grad():
+        if name.startswith("cupyrope::rms_norm_dw"):
+            yield source, name
+        else:
+            yield source, with_grad_flag(name, False)
+            yield source, with_grad_flag(name, True)
+
+
+def _variants_without_grad():
     for dtype, weight, vec, slots in row_variant_params(BWD_MAX_SLOTS):
         for shift in (False, True) if vec else (False,):
             yield SOURCE, f"cupyrope::rms_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, {flag(shift)}>"

@@ -92,10 +92,12 @@ def fwd_max_slots(add: bool, shifted: bool) -> dict:
 
 
 def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto", clusters=False, *,
-                 choices: ForwardChoices) -> NormPlan:
+                 choices: ForwardChoices, residual_out=None) -> NormPlan:
     """clusters: the GPU runs thread block clusters (sm_90+), so rows past the registers may be split over one
-    (plan_forward_split). choices: the launch profile's."""
-    arrays = [x, y, residual, weight]
+    (plan_forward_split). choices: the launch profile's. residual_out: where the fused add writes x + residual
+    (add_rms_norm; None: into residual, in place); row_strides then has four strides (x, y, residual, residual_out)
+    and the plan names the kernel's OUT variant (its last template argument)."""
+    arrays = [x, y, residual, residual_out, weight]
     add = flag(residual is not None)
     weight_dtype = weight.dtype if weight is not None else "float32"
     itemsize = ITEMSIZE[x.dtype]
@@ -116,12 +118,20 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     min_blocks = FWD_SPLIT_MIN_BLOCKS.get((*key, plan.shifted)) if long_row else None
     if clusters and min_blocks and plan.vectorized and not plan.slots:  # else read twice
         split = plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, plan.shifted,
-                                   choices=choices)
+                                   choices=choices, residual_out=residual_out)
         plan = split or plan
+    if residual_out is not None:
+        plan.name = with_out_flag(plan.name)
     return plan
 
 
-def plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, shifted=False, *, choices):
+def with_out_flag(name: str) -> str:
+    """A fused-add forward kernel's name with its OUT template argument (the last, false by default) set."""
+    return f"{name[:-1]}, true>"
+
+
+def plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, shifted=False, *, choices,
+                       residual_out=None):
     """The plan of rms_norm_fwd_split: plan_forward's for the longest part of a row split over the fewest blocks
     (at least min_blocks) whose registers hold the parts (split_parts; shifted: the part's chunks hold a shifted
     row E - 1 elements shorter than they span); its grid one cluster a row (plan_forward_for_device caps it). None
@@ -132,7 +142,7 @@ def plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_bl
     flags = f"{flag(residual is not None)}, {{}}, {flag(shifted)}"
     for split, chunks in split_parts(hidden, itemsize, min_blocks, shifted):
         part = plan_forward(x, y, residual, weight, row_strides, rows, chunks * elems - (elems - 1 if shifted else 0),
-                            choices=choices)
+                            choices=choices, residual_out=residual_out)
         compiled = part.slots == split_slots(residual is not None, itemsize) and part.block[1] == 1  # variants()
         if compiled and part.shifted == shifted:
             plan = NormPlan(SOURCE, f"cupyrope::rms_norm_fwd_split<{CTYPE[x.dtype]}, {CTYPE[weight_dtype]}, "
@@ -148,12 +158,13 @@ def split_slots(add: bool, itemsize: int) -> int:
     return (FWD_ADD_MAX_SLOTS if add else FWD_MAX_SLOTS)[True, itemsize]
 
 
-def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, impl, device, choices) -> NormPlan:
+def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, impl, device, choices,
+                            residual_out=None) -> NormPlan:
     """plan_forward's plan, split over a cluster where the GPU runs clusters and places one, else read twice."""
     planning = (x, y, residual, weight, row_strides, rows, hidden, impl)
-    plan = plan_forward(*planning, clusters=runs_clusters(device), choices=choices)
+    plan = plan_forward(*planning, clusters=runs_clusters(device), choices=choices, residual_out=residual_out)
     if plan.split > 1 and not fit_clusters(plan, get_kernel(SOURCE, plan.name, device), rows, device):
-        plan = plan_forward(*planning, choices=choices)  # no cluster fits: read twice
+        plan = plan_forward(*planning, choices=choices, residual_out=residual_out)  # no cluster fits: read twice
     return plan
 
 
@@ -168,17 +179,19 @@ def row_cache_bytes(plan, hidden: int, dtype, shared_limit: int, choices: Forwar
 
 
 def variants():
-    """Every forward kernel the planner can ask for."""
+    """Every forward kernel the planner can ask for (the fused add's in place and, OUT, out of place)."""
     for dtype, weight, vec, slots in row_variant_params(FWD_MAX_SLOTS):
         itemsize = ITEMSIZE[dtype]
         for add in (False, True):
             for shift in (False, True) if vec else (False,):
                 if slots > fwd_max_slots(add, shift)[vec, itemsize]:
                     continue  # never planned: read twice instead
-                yield SOURCE, (f"cupyrope::rms_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
-                               f"{flag(add)}, {flag(shift)}>")
+                name = (f"cupyrope::rms_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
+                        f"{flag(add)}, {flag(shift)}>")
+                yield from ((SOURCE, n) for n in ([name, with_out_flag(name)] if add else [name]))
                 min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add, itemsize, shift))
                 if vec and min_blocks and slots == split_slots(add, itemsize):  # parts: long rows
                     for split in (s for s in SPLIT_SIZES if s >= min_blocks):
-                        yield SOURCE, (f"cupyrope::rms_norm_fwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
-                                       f"{flag(add)}, {split}, {flag(shift)}>")
+                        name = (f"cupyrope::rms_norm_fwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
+                                f"{flag(add)}, {split}, {flag(shift)}>")
+                        yield from ((SOURCE, n) for n in ([name, with_out_flag(name)] if add else [name]))

@@ -128,6 +128,12 @@ NORM_CASES = [
     (lambda: cupyrope.fused_add_rms_norm(A(H), A((7, 129), ptr=1 << 44), A((130,))), ValueError, "residual: expected shape"),
     (lambda: cupyrope.fused_add_rms_norm(A(H), A(H), A((130,))), ValueError, "residual: overlaps x"),
     (lambda: cupyrope.fused_add_rms_norm(A(H), A(H, "bfloat16", ptr=1 << 44), A((130,))), TypeError, "residual: expected dtype float32"),
+    (lambda: cupyrope.add_rms_norm(A(H), A((7, 129), ptr=1 << 44), A((130,))), ValueError, "residual: expected shape"),
+    (lambda: cupyrope.add_rms_norm(A(H), A(H, "float16", ptr=1 << 44)), TypeError, "residual: expected dtype float32"),
+    (lambda: cupyrope.add_rms_norm(A(H), A(H, ptr=1 << 44), A((131,))), ValueError, r"weight: expected shape \(130,\)"),
+    (lambda: cupyrope.add_rms_norm(A(H), A(H, ptr=1 << 44), return_rstd=1), TypeError, "return_rstd"),
+    (lambda: cupyrope.rms_norm_backward(A(H, ptr=1 << 44), A(H), A((130,)), residual_grad=A((7, 129), ptr=1 << 45)), ValueError, r"residual_grad: expected shape \(7, 130\)"),
+    (lambda: cupyrope.rms_norm_backward(A(H, ptr=1 << 44), A(H), A((130,)), residual_grad=A(H, "bfloat16", ptr=1 << 45)), TypeError, "residual_grad: expected dtype float32"),
 ]
 
 

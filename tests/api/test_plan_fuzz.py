@@ -241,21 +241,27 @@ def norm_calls(draw):
 
 
 @SETTINGS
-@given(norm_calls(), st.sampled_from(["forward", "fused add", "backward"]), launch_profiles())
+@given(norm_calls(), st.sampled_from(["forward", "fused add", "add", "backward", "residual backward"]),
+       launch_profiles())
 def test_rms_norm_plans_are_runnable_or_refused_clearly(call, op, profile):
     x, weight, other, eps, offset, impl = call
+    grad = None if op != "residual backward" else Array(None, "cupy", BASE + 2**32 + (x.ptr - BASE), x.dtype, x.shape,
+                                                       x.strides, 0)  # x's layout elsewhere
     with profiles.planning_with(profile):
         try:
             if op == "forward":
                 plan = rmsnorm._plan_forward_call(x, weight, other, OUT, weight is None, eps, offset, True, impl)
             elif op == "fused add":
                 plan = rmsnorm._plan_fused_add_call(x, other, weight, weight is None, eps, offset, impl)
+            elif op == "add":
+                plan = rmsnorm._plan_add_call(x, other, weight, weight is None, eps, offset, True, impl)
             else:
-                plan = rmsnorm._plan_backward_call(other, x, weight, None, weight is None, True, eps, offset, impl)
+                plan = rmsnorm._plan_backward_call(other, x, weight, None, grad, weight is None, True, grad is None, eps,
+                                                   offset, impl)
         except (TypeError, ValueError) as error:
             assert_clear_error(error)
             return
-        assert_runnable_norm(plan, [x, other, weight])
+        assert_runnable_norm(plan, [x, other, grad, weight])
 
 
 def test_rope_qk_out_of_place_reads_overlapping_inputs_but_never_writes_overlapping_outputs():

@@ -135,6 +135,20 @@ def test_fused_add_rounds_the_residual_once(rng):
     np.testing.assert_allclose(y, reference.rms_norm(new_r, w), rtol=1e-13)
 
 
+def test_add_rms_norm_is_the_fused_add_out_of_place_and_its_backward_adds_the_residual_grad(rng):
+    x = reference.round_to(rng.standard_normal((4, 64)), "float16")
+    r = reference.round_to(rng.standard_normal((4, 64)), "float16")
+    w, dy, ds = rng.standard_normal(64), rng.standard_normal((4, 64)), rng.standard_normal((4, 64))
+    y, s = reference.add_rms_norm(x, r, w, dtype="float16")
+    fused_y, fused_r = reference.fused_add_rms_norm(x, r, w, dtype="float16")
+    np.testing.assert_array_equal(s, fused_r)
+    np.testing.assert_array_equal(y, fused_y)
+    dx, dw = reference.rms_norm_backward(dy, s, w, residual_grad=ds)
+    plain_dx, plain_dw = reference.rms_norm_backward(dy, s, w)
+    np.testing.assert_allclose(dx, plain_dx + ds, rtol=1e-14)
+    np.testing.assert_array_equal(dw, plain_dw)
+
+
 @pytest.mark.parametrize("style", reference.STYLES)
 @pytest.mark.parametrize("freq_step", [1, 2])
 def test_rope_cos_sin_is_rope_at_the_positions_whose_rows_it_holds(rng, style, freq_step):

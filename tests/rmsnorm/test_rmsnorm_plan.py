@@ -64,7 +64,7 @@ def test_rms_norm_odd_rows_move_in_shifted_chunks():
     # The backward shifts too (the staged kernel: see test_rms_norm_backward_plans); one rows slot a
     # block: its dweight sums stay in registers.
     b = plan_backward(odd, odd, out, weight, (1027,) * 3, 7, 1027, n_sm=132)
-    assert b.shifted and b.name.endswith("float, 1, 3, true, false>") and b.block == (160, 1)
+    assert b.shifted and b.name.endswith("float, 1, 3, true, false, false>") and b.block == (160, 1)
 
 
 @pytest.mark.parametrize("dtype,hidden,add", [
@@ -86,7 +86,7 @@ def test_rms_norm_long_odd_rows_are_read_twice_in_shifted_chunks(dtype, hidden, 
     if (dtype, hidden) == ("bfloat16", 20001):  # stage and weight fit in shared memory
         assert b.reread and b.shifted, b
         return
-    assert (b.block, b.slots, b.shifted, b.staged) == ((512, 1), 0, True, False) and b.name.endswith(", 0, true>"), b
+    assert (b.block, b.slots, b.shifted, b.staged) == ((512, 1), 0, True, False) and b.name.endswith(", 0, true, false>"), b
     elems = 16 // ITEMSIZE[dtype]
     assert b.grid == 4 * 131 // elems * elems  # one shift a block: its dweight sums sit from it in shared memory
     span = -(-(hidden + elems - 1) // elems) * elems
@@ -148,7 +148,7 @@ def test_rms_norm_backward_plans():
     x, y = arr((8192, 4096)), arr((8192, 4096), ptr=BASE + 2**28)
     b = plan_backward(x, x, y, arr((4096,), "float32"), (4096,) * 3, 8192, 4096, n_sm=132)
     # Aligned bf16 rows are staged: 512 threads x one 16-byte chunk, 3 rows ahead (3 x 16 KiB of dy and x).
-    assert b.staged and b.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, false, false>"
+    assert b.staged and b.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, false, false, false>"
     assert b.block == (512, 1) and b.shared_mem == 3 * 2 * 8192 and b.grid <= 132 * 4
     # fp32 rows of up to 8 elements a thread keep rms_norm_bwd's register prefetch.
     f = arr((8192, 4096), "float32")
@@ -158,10 +158,10 @@ def test_rms_norm_backward_plans():
     # fp32 [*, 16384]: 512 threads x 8 chunks, one row ahead (128 KiB); fp32 [*, 8192]: 512 x 4, two ahead.
     wide = arr((64, 16384), "float32")
     w = plan_backward(wide, wide, wide, arr((16384,), "float32"), (16384,) * 3, 64, 16384, n_sm=132)
-    assert w.name.endswith("<float, float, 8, 1, false, false>") and w.block == (512, 1) and w.shared_mem == 128 * 1024
+    assert w.name.endswith("<float, float, 8, 1, false, false, false>") and w.block == (512, 1) and w.shared_mem == 128 * 1024
     mid = arr((64, 8192), "float32")
     m = plan_backward(mid, mid, mid, None, (8192,) * 3, 64, 8192, n_sm=132)
-    assert m.name.endswith("<float, float, 4, 2, false, false>") and m.block == (512, 1) and m.grid == 64
+    assert m.name.endswith("<float, float, 4, 2, false, false, false>") and m.block == (512, 1) and m.grid == 64
     # Less shared memory than a stage: not staged.
     n = plan_backward(wide, wide, wide, None, (16384,) * 3, 64, 16384, n_sm=132, shared_limit=100 * 1024)
     assert not n.staged and n.slots == 0
@@ -170,7 +170,7 @@ def test_rms_norm_backward_plans():
     # all rows of a block share one shift. fp32 ones keep the register prefetch; longer odd rows rms_norm_bwd.
     odd = arr((8192, 1027))
     o = plan_backward(odd, odd, odd, arr((1027,), "float32"), (1027,) * 3, 8192, 1027, n_sm=132)
-    assert o.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, true, false>" and o.shifted
+    assert o.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, float, 1, 3, true, false, false>" and o.shifted
     assert o.block == (160, 1) and o.grid % 8 == 0 and o.shared_mem == 3 * 2 * 160 * 16
     odd32 = arr((8192, 1027), "float32")
     o32 = plan_backward(odd32, odd32, odd32, None, (1027,) * 3, 8192, 1027, n_sm=132)
@@ -196,14 +196,14 @@ def test_rms_norm_backward_lean_rule():
     b.grid -= 1  # a block would walk more rows than the limit
     assert not backward.lean_staged(b, 8192)
     lean = plan_backward(x, x, x, arr((4096,)), (4096,) * 3, 8192, 4096, n_sm=132, lean=True)
-    assert lean.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, __nv_bfloat16, 1, 3, false, true>"
+    assert lean.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, __nv_bfloat16, 1, 3, false, true, false>"
     assert lean.block == b.block and lean.shared_mem == b.shared_mem
     # Two chunks a thread on up to 512 threads too (LEAN's launch bound), not on 1024; nor the unstaged kernel.
     wide = arr((64, 8192))
     two = plan_backward(wide, wide, wide, None, (8192,) * 3, 64, 8192, n_sm=132)
     assert two.staged and two.slots == 2 and two.block == (512, 1) and backward.lean_staged(two, 64)
     two_lean = plan_backward(wide, wide, wide, None, (8192,) * 3, 64, 8192, n_sm=132, lean=True)
-    assert two_lean.name.endswith(", 2, 3, false, true>") and two_lean.block == (512, 1)
+    assert two_lean.name.endswith(", 2, 3, false, true, false>") and two_lean.block == (512, 1)
     wider = arr((64, 16384))
     two = plan_backward(wider, wider, wider, None, (16384,) * 3, 64, 16384, n_sm=132)
     assert two.staged and two.slots == 2 and two.block == (1024, 1) and not backward.lean_staged(two, 64)
@@ -223,7 +223,8 @@ def test_rms_norm_backward_lean_rule():
     for dtype in ("float32", "float16", "bfloat16"):
         for hidden in (1024, 1027, 2048, 5120, 8192, 16384):
             plan = backward._plan_staged(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1, lean=True)
-            assert plan is None or not backward.STAGED_LEAN_MAX_ROWS[plan.slots] or plan.name in names
+            assert plan is None or not backward.STAGED_LEAN_MAX_ROWS[plan.slots] or all(
+                backward.with_grad_flag(plan.name, grad) in names for grad in (False, True))
 
 
 def test_rms_norm_backward_reread_plans():
@@ -237,10 +238,10 @@ def test_rms_norm_backward_reread_plans():
         return plan_backward(x, x, x, arr((hidden,), weight), (hidden,) * 3, 8192, hidden, n_sm=132, **kw)
 
     p = plan(32768)  # 1024 x 4, one 128 KiB stage
-    assert p.reread and p.staged and p.name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, float, 4, 1, false>", p
+    assert p.reread and p.staged and p.name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, float, 4, 1, false, false>", p
     assert p.block == (1024, 1) and p.shared_mem == 128 * 1024 and p.name in names
     assert not backward.lean_staged(p, 8192) and plan(32768, lean=True).name == p.name  # never LEAN
-    assert plan(32768, weight="bfloat16").name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, __nv_bfloat16, 4, 1, false>"
+    assert plan(32768, weight="bfloat16").name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, __nv_bfloat16, 4, 1, false, false>"
     p = plan(18432, "float16")  # 2304 chunks: 576 threads x 4, one 72 KiB stage
     assert p.reread and p.block == (576, 1) and p.shared_mem == 72 * 1024 and p.name in names, p
     p = plan(20480, "float32")  # 5120 chunks: 640 x 8, one 160 KiB stage
@@ -270,7 +271,7 @@ def test_rms_norm_backward_split_plans():
                              clusters=clusters, **kw)
 
     p = plan(65536)  # two parts of 32768: 1024 threads x 4 chunks, a 128 KiB stage each
-    assert p.split == 2 and p.name == "cupyrope::rms_norm_bwd_split<__nv_bfloat16, float, 4, 2, false>", p
+    assert p.split == 2 and p.name == "cupyrope::rms_norm_bwd_split<__nv_bfloat16, float, 4, 2, false, false>", p
     assert p.block == (1024, 1) and p.shared_mem == 128 * 1024 and p.grid == 132 and p.reread and p.name in names
     p = plan(40968, "float16", weight="float16")  # 5121 chunks: parts of 2561 and 2560, 672 threads x 4
     assert p.split == 2 and p.block == (672, 1) and p.name in names, p
@@ -288,7 +289,7 @@ def test_rms_norm_backward_split_plans():
     # unless each cluster takes one row. On 4 or 8 (the clusters walk the rows class by class, any count): the
     # row's E-column chunks split, every part at the row's shift, so spanning one chunk more, on at most 640 threads.
     p = plan(30001, ptr=BASE + 2)  # 3751 chunks: parts of 1876 on 480 threads x 4, stage 60 KiB + weight 58.6
-    assert p.split == 2 and p.name == "cupyrope::rms_norm_bwd_split<__nv_bfloat16, float, 4, 2, true>", p
+    assert p.split == 2 and p.name == "cupyrope::rms_norm_bwd_split<__nv_bfloat16, float, 4, 2, true, false>", p
     assert p.shifted and p.block == (480, 1) and p.shared_mem == 61440 + 1876 * 8 * 4 and p.grid == 2 * 64, p
     assert p.name in names and p.cluster_step == 8
     p = plan(20001, "float32", ptr=BASE + 4)  # 5001 chunks: parts of 2501 on 320 x 8; 66 clusters -> 64
@@ -362,7 +363,7 @@ def test_rms_norm_backward_reread_plans_for_odd_rows():
         return plan_backward(x, x, x, arr((hidden,), weight), (hidden,) * 3, 8192, hidden, n_sm=132, **kw)
 
     p = plan(4099)  # up to 4106 elements: 514 chunks, 129 threads x 4 -> 160; 20 KiB of stage, then 4112 weights
-    assert p.reread and p.shifted and p.name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, float, 4, 1, true>", p
+    assert p.reread and p.shifted and p.name == "cupyrope::rms_norm_bwd_reread<__nv_bfloat16, float, 4, 1, true, false>", p
     assert p.block == (160, 1) and p.shared_mem == 2 * 4 * 160 * 16 + 4112 * 4 and p.grid % 8 == 0 and p.name in names
     assert plan(4089).name.startswith("cupyrope::rms_norm_bwd_staged<")  # 512 chunks: one a thread
     p = plan(28001, weight="bfloat16")  # 896 threads: 112 KiB of stage, then the weight's 28008 bf16
@@ -437,7 +438,7 @@ def test_rms_norm_backward_one_cluster_rule():
     x, w = arr((limit, 4096)), arr((4096,), "float32")
     for rows, blocks in ((1, 8), (8, 8), (9, 16), (16, 16), (17, 16), (limit, 16)):
         one = plan_backward(x, x, x, w, (4096,) * 3, rows, 4096, n_sm=132, clusters=True)
-        assert one.name == f"cupyrope::rms_norm_bwd_cluster<__nv_bfloat16, float, 1, 3, false, {blocks}>", one
+        assert one.name == f"cupyrope::rms_norm_bwd_cluster<__nv_bfloat16, float, 1, 3, false, {blocks}, false>", one
         assert one.one_cluster and one.grid == blocks and one.block == (512, 1)
         assert one.shared_mem == 3 * 2 * 8192 + 4096 * 4
     two = plan_backward(x, x, x, w, (4096,) * 3, limit + 1, 4096, n_sm=132, clusters=True)  # more rows
@@ -449,7 +450,7 @@ def test_rms_norm_backward_one_cluster_rule():
     # fp32 rows of 4; not rows of 2 chunks on 1024 threads (no LEAN variant), nor rows read twice.
     odd = arr((5, 1027))
     assert plan_backward(odd, odd, odd, w, (1027,) * 3, 5, 1027, n_sm=132, clusters=True).name.endswith(
-        "<__nv_bfloat16, float, 1, 3, true, 8>")
+        "<__nv_bfloat16, float, 1, 3, true, 8, false>")
     for dtype, hidden, slots in (("bfloat16", 8192, 2), ("float32", 8192, 4)):
         a = arr((3, hidden), dtype)
         p = plan_backward(a, a, a, arr((hidden,), dtype), (hidden,) * 3, 3, hidden, n_sm=132, clusters=True)
@@ -463,7 +464,7 @@ def test_rms_norm_backward_one_cluster_rule():
     for dtype in ("float32", "float16", "bfloat16"):
         for hidden in (512, 1024, 1027, 2048, 5120, 8192, 16384):
             plan = backward._plan_one_cluster(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1)
-            assert plan is None or plan.name in names, plan
+            assert plan is None or all(backward.with_grad_flag(plan.name, grad) in names for grad in (False, True)), plan
     # Rows the staged kernel would read twice (rms_norm_bwd_reread) give no one-cluster plan.
     for dtype, hidden in (("bfloat16", 8200), ("bfloat16", 20000)):
         assert backward._plan_one_cluster(dtype, "float32", 3, hidden, 227 * 1024) is None
@@ -484,7 +485,7 @@ def test_rms_norm_backward_cluster_rounds_rule(monkeypatch):
         assert backward.takes_cluster_rounds(staged, True, 0) == clusters
     assert not backward.takes_cluster_rounds(staged, False, 0)  # no weight
     many = plan_backward(x, x, x, w, (4096,) * 3, 32768, 4096, n_sm=132, clusters=True, rounds=True)
-    assert many.name == "cupyrope::rms_norm_bwd_cluster<__nv_bfloat16, __nv_bfloat16, 1, 3, false, 8>", many
+    assert many.name == "cupyrope::rms_norm_bwd_cluster<__nv_bfloat16, __nv_bfloat16, 1, 3, false, 8, false>", many
     assert many.name in names and many.cluster_rounds and many.split == blocks and not many.one_cluster
     assert many.block == (512, 1) and many.shared_mem == 3 * 2 * 8192 + 4096 * 4
     assert not backward.lean_staged(many, 32768) and not backward.takes_cluster_rounds(many, True, 0)
@@ -498,7 +499,7 @@ def test_rms_norm_backward_cluster_rounds_rule(monkeypatch):
     assert backward.cluster_rounds_grid(many, 30, 5) == backward.cluster_rounds_grid(many, 1, 5) == 8 * 2
     wide = arr((16384, 8192), "float16")
     two = plan_backward(wide, wide, wide, arr((8192,), "float32"), (8192,) * 3, 16384, 8192, n_sm=132, rounds=True)
-    assert two.name == "cupyrope::rms_norm_bwd_cluster<__half, float, 2, 3, false, 8>" and two.name in names, two
+    assert two.name == "cupyrope::rms_norm_bwd_cluster<__half, float, 2, 3, false, 8, false>" and two.name in names, two
     assert backward.cluster_rounds_grid(two, 30, 16384) == 8 * 30 * 3
     # Not: without a weight, odd rows (shifted), fp32 rows of 8 chunks (no LEAN variant), rows read twice.
     for a, weight, hidden in ((x, None, 4096), (arr((32768, 4095)), w, 4095), (arr((8192, 16384), "float32"),

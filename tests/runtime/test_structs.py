@@ -43,8 +43,8 @@ def _expand(fmt: str) -> str:
 
 @pytest.mark.parametrize("source,name,pointers,tail", [
     ("rope_common.cuh", "RopeParams", 12, "cupyrope.ops.rope_plan:_TAIL"),
-    ("rmsnorm_fwd.cu", "NormParams", 5, "cupyrope.ops.rmsnorm:FWD_TAIL"),
-    ("rmsnorm_bwd.cu", "NormBwdParams", 6, "cupyrope.ops.rmsnorm:BWD_TAIL"),
+    ("rmsnorm_fwd.cu", "NormParams", 6, "cupyrope.ops.rmsnorm:FWD_TAIL"),
+    ("rmsnorm_bwd.cu", "NormBwdParams", 7, "cupyrope.ops.rmsnorm:BWD_TAIL"),
     ("rmsnorm_bwd.cu", "DweightParams", 2, "cupyrope.ops.rmsnorm:DW_TAIL"),
 ])
 def test_parameter_structs_mirror_the_kernels(source, name, pointers, tail):

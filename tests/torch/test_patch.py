@@ -123,8 +123,42 @@ def _fake_modeling(apply_fn=None):
         def forward(self, x, position_ids):
             return self.self_attn(x, self.rotary_emb(x, position_ids), None, position_ids=position_ids)[0]
 
+    class FakeDecoderLayer(nn.Module):  # transformers' LlamaDecoderLayer / Qwen3DecoderLayer
+        def __init__(self, hidden=64, normed_residual=False, **options):
+            super().__init__()
+            self.normed_residual = normed_residual  # a residual taken after the norm: not what add_rms_norm computes
+            self.input_layernorm, self.post_attention_layernorm = FakeRMSNorm(hidden), FakeRMSNorm(hidden)
+            self.self_attn = FakeQKNormAttention(hidden=hidden, **options)
+            self.mlp = nn.Sequential(nn.Linear(hidden, 96), nn.SiLU(), nn.Linear(96, hidden))
+
+        def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                    position_embeddings=None, **kwargs):
+            residual = hidden_states
+            hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
+                                              attention_mask=attention_mask, position_ids=position_ids,
+                                              past_key_values=past_key_values, use_cache=use_cache,
+                                              position_embeddings=position_embeddings, **kwargs)
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            if self.normed_residual:
+                residual = hidden_states
+            return residual + self.mlp(hidden_states)
+
+    class FakeDecoderModel(nn.Module):
+        def __init__(self, **options):
+            super().__init__()
+            self.rotary_emb = FakeRotaryEmbedding(16)
+            self.layers = nn.ModuleList([FakeDecoderLayer(**options) for _ in range(2)])
+
+        def forward(self, x, position_ids):
+            cos_sin = self.rotary_emb(x, position_ids)
+            for layer in self.layers:
+                x = layer(x, position_ids=position_ids, position_embeddings=cos_sin)
+            return x
+
     for cls in (FakeRMSNorm, FakeGemmaRMSNorm, FakeLayerRMSNorm, FakeRotaryEmbedding, FakeAttentionModel,
-                FakeQKNormAttention, FakeQKNormModel):
+                FakeQKNormAttention, FakeQKNormModel, FakeDecoderLayer, FakeDecoderModel):
         cls.__module__ = module.__name__
         setattr(module, cls.__name__, cls)
     module.apply_rotary_pos_emb = apply_fn or apply_rotary_pos_emb
@@ -273,6 +307,43 @@ def test_patch_transformers_leaves_a_qk_norm_attention_it_cannot_match(fake_mode
     assert "forward" not in vars(model.self_attn)
 
 
+def test_patch_transformers_fuses_a_checked_decoder_layers_residual_add(fake_model, gen):
+    """Llama-shaped decoder layers: the attention output's residual add and post_attention_layernorm become one
+    add_rms_norm call with the norm's (shared) weight; outputs and gradients as before, the state dict's keys too."""
+    _, model = fake_model(model="FakeDecoderModel")
+    keys = list(model.state_dict())
+    x, position_ids = torch.randn(2, 7, 64, generator=gen), torch.arange(3, 10)[None]
+    grads = []
+    for patched in (False, True):
+        if patched:
+            report = patch.patch_transformers(model)
+            assert report["add_rms_norm"] == ["layers.0", "layers.1"] and report["skipped"] == [], report
+            assert model.layers[0].cupyrope_add_norm == (1e-5, 0.0)
+        xg = x.clone().requires_grad_()
+        model.zero_grad()
+        out = model(xg, position_ids)
+        out.square().sum().backward()
+        grads.append((out.detach(), xg.grad, model.layers[0].post_attention_layernorm.weight.grad.clone(),
+                      model.layers[1].self_attn.q_proj.weight.grad.clone()))
+    for before, after in zip(*grads):
+        torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5 * float(before.abs().max()))
+    assert list(model.state_dict()) == keys
+    assert patch.patch_transformers(model)["add_rms_norm"] == []  # idempotent
+
+
+def test_patch_transformers_leaves_a_decoder_layer_it_cannot_match(fake_model):
+    _, model = fake_model(model="FakeDecoderModel", normed_residual=True)
+    report = patch.patch_transformers(model, rope=False, rms_norm=False, qk_norm_rope=False)
+    reason = "its forward differs from input_layernorm, self_attn, add_rms_norm and mlp in that order"
+    assert report["add_rms_norm"] == [] and report["skipped"] == [("layers.0", reason), ("layers.1", reason)]
+    _, extra = fake_model(model="FakeDecoderModel")
+    extra.layers[0].post_mlp_layernorm = torch.nn.Identity()
+    report = patch.patch_transformers(extra, rope=False, rms_norm=False, qk_norm_rope=False)
+    assert report["add_rms_norm"] == ["layers.1"]
+    assert report["skipped"] == [("layers.0", "has submodules besides input_layernorm, self_attn, "
+                                              "post_attention_layernorm, mlp: post_mlp_layernorm")]
+
+
 # Real transformers models, where transformers is installed (CPU; the GPU test below repeats it in bf16).
 
 TINY_MODELS = {
@@ -338,6 +409,11 @@ def _patched_outputs(model, inputs):
 
 
 QK_NORM_MODELS = ("qwen3", "gemma3")  # their attention layers fuse q_norm, k_norm and the rotation
+# Decoder layers that are not the pre-norm pair add_rms_norm fuses, and their other submodules (Cohere's attention
+# and MLP run in parallel: no post_attention_layernorm).
+OTHER_DECODER_LAYERS = {"gemma3": "pre_feedforward_layernorm, post_feedforward_layernorm",
+                        "glm4": "post_self_attn_layernorm, post_mlp_layernorm",
+                        "phi3": "resid_attn_dropout, resid_mlp_dropout"}
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
@@ -348,24 +424,30 @@ def test_patch_transformers_on_real_models(name):
     if name == "qwen3-vl-interleaved-mrope":  # its layers get text positions only
         assert skipped == ["M-RoPE: its layers receive text positions, not the three position rows its cos/sin "
                            "come from"] * 2
+    elif name in OTHER_DECODER_LAYERS:
+        assert skipped == [f"has submodules besides input_layernorm, self_attn, post_attention_layernorm, mlp: "
+                           f"{OTHER_DECODER_LAYERS[name]}"] * 2
     else:
         assert skipped == []
     assert report["rope"] == [type(model).__module__]
     assert len(report["qk_norm_rope"]) == (2 if name in QK_NORM_MODELS else 0)
+    assert len(report["add_rms_norm"]) == (0 if name in OTHER_DECODER_LAYERS or name == "cohere" else 2)
     assert len(report["rms_norm"]) >= (0 if name == "cohere" else 5)  # Cohere's norm is a LayerNorm
     assert_close(after, before, "float32")
 
 
-@pytest.mark.parametrize("name", QK_NORM_MODELS)
-def test_patched_qk_norm_models_train_and_generate_alike(name):
-    """The fused attention in training (gradients of every parameter) and in greedy decoding with the KV cache."""
+@pytest.mark.parametrize("name", ["llama", *QK_NORM_MODELS])
+def test_patched_models_train_and_generate_alike(name):
+    """The fused attention and residual add in training (gradients of every parameter) and in greedy decoding with
+    the KV cache."""
     source = sys.modules[type(tiny_model(name)).__module__]
     original = source.apply_rotary_pos_emb
     inputs = model_inputs(name)
     models = [tiny_model(name), tiny_model(name)]
     try:
         report = patch.patch_transformers(models[1])
-        assert len(report["qk_norm_rope"]) == 2
+        assert len(report["qk_norm_rope"]) == (2 if name in QK_NORM_MODELS else 0)
+        assert len(report["add_rms_norm"]) == (0 if name in OTHER_DECODER_LAYERS else 2)
         results = []
         for model in models:
             model.train()
@@ -397,6 +479,7 @@ def test_patch_transformers_on_gpu(name):
     before, after, report = _patched_outputs(model, model_inputs(name, "cuda"))
     assert report["rope"] == [type(model).__module__]
     assert len(report["qk_norm_rope"]) == (2 if name in QK_NORM_MODELS else 0)
+    assert len(report["add_rms_norm"]) == (0 if name in OTHER_DECODER_LAYERS or name == "cohere" else 2)
     # Two layers of fp32 ops whose summation orders differ (the kernels' reductions against torch's):
     # the kernels' own accuracy is tested op by op; here the model must agree to a few fp32 roundings.
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4 * float(before.abs().max()))

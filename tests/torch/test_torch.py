@@ -258,6 +258,87 @@ def test_rms_norm_gradients_against_float64_autograd(dtype, needs):
         assert w.grad is None
 
 
+def _add_rms_norm_step(x, r, w, eps=1e-5, offset=0.5):
+    """(y, s) of add_rms_norm and its float64 autograd twin, both backpropagated from random weights of y and of s
+    (the residual stream's next use): returns the cupyrope tensors, their float64 twins, and theirs grads' owners."""
+    y, s = ct.add_rms_norm(x, r, w, eps, offset=offset)
+    gy, gs = torch.randn_like(y), torch.randn_like(s)
+    (y.float() * gy.float() + s.float() * gs.float()).sum().backward()
+    x64, r64, w64 = (t.detach().double().requires_grad_(t.requires_grad) for t in (x, r, w))
+    s64 = x64 + r64
+    y64 = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + eps) * (w64 + offset)
+    (y64 * gy.double() + s64 * gs.double()).sum().backward()
+    return (y, s), (y64, s64), (x64, r64, w64)
+
+
+def test_add_rms_norm_on_cpu_against_float64_autograd():
+    x, r = torch.randn(3, 7, 64, requires_grad=True), torch.randn(3, 7, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    x_before, r_before = x.detach().clone(), r.detach().clone()
+    (y, s), (y64, s64), (x64, r64, w64) = _add_rms_norm_step(x, r, w)
+    torch.testing.assert_close(s.double(), s64, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    for got, expected in ((x.grad, x64.grad), (r.grad, r64.grad), (w.grad, w64.grad)):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x.detach(), x_before) and torch.equal(r.detach(), r_before)
+    module = ct.RMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        module.weight.copy_(w)
+    my, ms = module(x, r)
+    torch.testing.assert_close(ms, s)
+    torch.testing.assert_close(my, ct.add_rms_norm(x, r, w, 1e-5)[0])
+    from torch.library import opcheck
+
+    opcheck(torch.ops.cupyrope.add_rms_norm.default, (x.detach(), r.detach().requires_grad_(), w, 1e-6, 0.0))
+    compiled = torch.compile(lambda a, b, c: ct.add_rms_norm(a, b, c), fullgraph=True, backend="aot_eager")
+    for a, b in zip(compiled(x, r, w), ct.add_rms_norm(x, r, w)):
+        torch.testing.assert_close(a, b)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("needs", ["x", "residual", "weight", "all"])
+def test_add_rms_norm_gradients_against_float64_autograd(dtype, needs):
+    td = TORCH_DTYPES[dtype]
+    x = torch.randn(4, 33, 130, device="cuda", dtype=td, requires_grad=needs in ("x", "all"))
+    r = torch.randn(4, 33, 130, device="cuda", dtype=td, requires_grad=needs in ("residual", "all"))
+    w = torch.randn(130, device="cuda", dtype=td, requires_grad=needs in ("weight", "all"))
+    (y, s), (y64, s64), (x64, r64, w64) = _add_rms_norm_step(x, r, w)
+    tol = GRAD_TOL[dtype]
+    torch.testing.assert_close(s.double(), s64, atol=tol * 8, rtol=tol)
+    torch.testing.assert_close(y.double(), y64, atol=tol * 8, rtol=tol)
+    for t, t64, scale in ((x, x64, 8), (r, r64, 8), (w, w64, 30)):
+        if t.requires_grad:
+            torch.testing.assert_close(t.grad.double(), t64.grad, atol=tol * scale, rtol=tol * (4 if scale > 8 else 1))
+        else:
+            assert t.grad is None
+    if x.requires_grad and r.requires_grad:
+        assert torch.equal(x.grad, r.grad)
+
+
+@gpu
+def test_add_rms_norm_under_compile_and_opcheck():
+    torch._dynamo.reset()
+    x = torch.randn(16, 512, device="cuda", requires_grad=True)
+    r = torch.randn(16, 512, device="cuda", requires_grad=True)
+    w = torch.randn(512, device="cuda", requires_grad=True)
+    from torch.library import opcheck
+
+    opcheck(torch.ops.cupyrope.add_rms_norm.default, (x, r, w, 1e-6, 0.0))
+
+    def step(x, r, w):
+        y, s = ct.add_rms_norm(x, r, w, 1e-6)
+        return (y * 2 + s).square().mean()
+
+    torch.compile(step, fullgraph=True)(x, r, w).backward()
+    grads = [t.grad.clone() for t in (x, r, w)]
+    for t in (x, r, w):
+        t.grad = None
+    step(x, r, w).backward()
+    for got, t in zip(grads, (x, r, w)):
+        torch.testing.assert_close(got, t.grad, atol=1e-5, rtol=1e-5)
+
+
 @gpu
 def test_opcheck():
     from torch.library import opcheck
