@@ -31,7 +31,8 @@ INTERLEAVE_BELOW_US = 50.0
 
 @dataclasses.dataclass
 class Case:
-    op: str  # "rope", "rms_fwd", "rms_bwd", "qk_norm_rope", "qk_norm_rope_bwd", "rope_qk_positions"
+    op: str  # "rope", "rms_fwd", "rms_bwd", "add_fwd", "add_bwd", "qk_norm_rope", "qk_norm_rope_bwd",
+    # "rope_qk_positions"
     label: str  # shape, for tables
     dtype: str
     make: object  # () -> dict of inputs (torch tensors)
@@ -323,6 +324,47 @@ def rms_providers(torch, backward):
     return providers
 
 
+def _torch_add_rms_norm(torch, x, r, w, eps=1e-6):
+    """The residual add + RMSNorm as a decoder layer writes it in torch: (y, s)."""
+    s = x + r
+    return torch.nn.functional.rms_norm(s, (s.shape[-1],), w, eps), s
+
+
+def add_providers(torch, backward):
+    """add_rms_norm (forward: (y, s); backward: dx, the gradient of x and of the residual) against the residual add
+    and F.rms_norm in torch, eager and compiled, and Liger's fused add RMSNorm."""
+    import cupyrope
+
+    providers = {}
+    compiled = torch.compile(lambda x, r, w: _torch_add_rms_norm(torch, x, r, w))
+    try:
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+    except ImportError:
+        LigerFusedAddRMSNormFunction = None
+    peers = {"x + r, F.rms_norm": lambda x, r, w: _torch_add_rms_norm(torch, x, r, w),
+             "torch.compile": compiled}
+    if LigerFusedAddRMSNormFunction is not None:  # in_place=False: its default writes the residual into x's memory
+        peers["liger"] = lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, 1e-6, 0.0, "llama", False)
+    if backward:
+        providers["cupyrope"] = lambda d: (lambda: cupyrope.rms_norm_backward(d["dy"], d["s"], d["w"], d["rstd"],
+                                                                              residual_grad=d["ds"]))
+
+        def autograd(fn):
+            def factory(d):
+                x, r, w = (d[key].detach().requires_grad_() for key in ("x", "r", "w"))
+                outputs = fn(x, r, w)
+                return lambda: torch.autograd.grad(outputs, (x, r, w), (d["dy"], d["ds"]), retain_graph=True)
+            return factory
+
+        torch._functorch.config.donated_buffer = False  # graphs whose backward runs again (retain_graph)
+        providers.update({name: autograd(fn) for name, fn in peers.items()})
+    else:
+        providers["cupyrope"] = lambda d: (lambda: cupyrope.add_rms_norm(d["x"], d["r"], d["w"], 1e-6))
+        providers.update({name: (lambda d, fn=fn: (lambda: fn(d["x"], d["r"], d["w"]))) for name, fn in peers.items()})
+    providers["cupyrope" + NO_PDL] = launched_plainly(providers["cupyrope"])
+    return providers
+
+
 QWEN3_8B = (32, 8, 128)  # q heads, kv heads, head_dim
 
 
@@ -507,6 +549,40 @@ def rms_case(torch, rows, hidden, dtype, backward, label=None):
     return Case(op, label or f"{rows}x{hidden}", dtype, make, nbytes, ref, rows * hidden)
 
 
+def add_case(torch, rows, hidden, dtype, backward, label=None):
+    """add_rms_norm at (rows, hidden): forward bytes x, residual read and y, s written; backward dy, ds (the new
+    residual's gradient) and s read, dx written."""
+    td = getattr(torch, dtype)
+    import cupyrope
+
+    def make():
+        x, r = torch.randn(rows, hidden, device="cuda", dtype=td), torch.randn(rows, hidden, device="cuda", dtype=td)
+        w = torch.randn(hidden, device="cuda", dtype=td)
+        _, s, rstd = cupyrope.add_rms_norm(x, r, w, 1e-6, return_rstd=True)
+        return {"x": x, "r": r, "w": w, "s": s, "rstd": rstd, "dy": torch.randn_like(x), "ds": torch.randn_like(x)}
+
+    def ref(d):
+        x, r = (_host(torch, d[key][:CHECK_ROWS]) for key in ("x", "r"))
+        w = _host(torch, d["w"])
+        y, s = reference.add_rms_norm(x, r, w, 1e-6, dtype=dtype)
+        if backward:
+            dy, ds = _host(torch, d["dy"][:CHECK_ROWS]), _host(torch, d["ds"][:CHECK_ROWS])
+            return reference.rms_norm_backward(dy, s, w, 1e-6, residual_grad=ds)[0]
+        return np.concatenate([y, s], axis=1)
+
+    item = 2 if dtype != "float32" else 4
+    op = "add_bwd" if backward else "add_fwd"
+    return Case(op, label or f"{rows}x{hidden}", dtype, make, 4 * rows * hidden * item + hidden * item, ref,
+                rows * hidden)
+
+
+def add_cases(torch, full=False):
+    shapes = [(32768, 4096), (16384, 8192), (8192, 7168), (4096, 2048), (64, 4096), (1, 4096)]
+    if full:
+        shapes += [(t, h) for h in (2048, 4096, 8192) for t in (16, 256, 1024, 8192)]
+    return [add_case(torch, r, h, "bfloat16", bwd) for bwd in (False, True) for r, h in shapes]
+
+
 def rope_cases(torch, full=False):
     cases = [rope_case(torch, 32768, 32, 128, "bfloat16", "Llama q 32768x32x128"),
              rope_case(torch, 32768, 40, 128, "bfloat16", "Llama-3-8B q+k T=32768"),
@@ -547,6 +623,13 @@ def check(case, provider, inputs, fn, torch):
         rows = expected.shape[0]
         got = np.concatenate([_host(torch, out[0][:rows]), _host(torch, out[1][:rows])], axis=1)
         ok = np.allclose(got, expected, rtol=0.02, atol=0.02 * np.abs(expected).max())
+    elif case.op == "add_fwd":  # (y, s) side by side
+        rows = expected.shape[0]
+        got = np.concatenate([_host(torch, out[0][:rows]), _host(torch, out[1][:rows])], axis=1)
+        ok = np.allclose(got, expected, rtol=0.02, atol=0.02 * np.abs(expected).max())
+    elif case.op == "add_bwd":  # dx (the peers' autograd: (dx, dresidual, dweight))
+        got = _host(torch, out[0][: expected.shape[0]])
+        ok = np.allclose(got, expected, rtol=0.05, atol=0.05 * np.abs(expected).max())
     elif case.op == "rms_bwd":
         got = [_host(torch, out[0][:CHECK_ROWS]), _host(torch, out[1])]
         ok = all(e is None or np.allclose(g, e, rtol=0.05, atol=0.05 * np.abs(e).max()) for g, e in zip(got, expected))
@@ -579,7 +662,7 @@ def run_case(torch, case, providers, rounds=1):
         try:
             fns = [factory(d) for d in copies]
             check(case, name, copies[0], fns[0], torch)
-            autograd = case.op in ("rms_bwd", "qk_norm_rope_bwd") and not name.startswith("cupyrope")
+            autograd = case.op in ("rms_bwd", "add_bwd", "qk_norm_rope_bwd") and not name.startswith("cupyrope")
             timed[name] = fns, not autograd
         except AssertionError as error:
             if name.startswith("cupyrope"):
@@ -714,6 +797,9 @@ def main(args) -> int:
     if args.op in ("rmsnorm", "all"):
         for case in rms_cases(torch, args.full):
             results += run_case(torch, case, rms_providers(torch, case.op == "rms_bwd"), args.rounds)
+    if args.op in ("add_rms_norm", "all"):
+        for case in add_cases(torch, args.full):
+            results += run_case(torch, case, add_providers(torch, case.op == "add_bwd"), args.rounds)
     if args.op in ("qk_norm_rope", "all"):
         for case in qk_cases(torch, args.full):
             providers = (position_source_providers(torch) if case.op == "rope_qk_positions"

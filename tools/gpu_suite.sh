@@ -5,7 +5,7 @@
 # Usage on the device machine, from the checkout, with the wheels of tools/fetch_wheels.sh carried in .whl/:
 #   bash tools/gpu_suite.sh                                   (the suite)
 #   STEPS="suite bench" bash tools/gpu_suite.sh               (and `bench --full`, JSON and plot under $OUT)
-#   STEPS="qk model" bash tools/gpu_suite.sh                  (`bench --op qk_norm_rope`, `bench --op model`)
+#   STEPS="qk add model" bash tools/gpu_suite.sh              (`bench --op qk_norm_rope`, `--op add_rms_norm`, `--op model`)
 #   SANITIZE="pytest -k expression" picks the sanitizer's subset.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,20 +29,23 @@ for step in $STEPS; do
         > "$OUT/suite_other.log" 2>&1 &
       gpu_tests tests/qk_norm_rope tests/torch > "$OUT/suite_qk_torch.log" 2>&1 &
       gpu_tests tests/rope > "$OUT/suite_rope.log" 2>&1 &
-      gpu_tests tests/rmsnorm/test_rmsnorm_forward_gpu.py > "$OUT/suite_rms_fwd.log" 2>&1 &
+      gpu_tests tests/rmsnorm/test_rmsnorm_forward_gpu.py tests/rmsnorm/test_add_rms_norm_gpu.py \
+        > "$OUT/suite_rms_fwd.log" 2>&1 &
       gpu_tests "$backward" -k "test_backward[ or staged_rows or reread_rows or dweight or without_weight" \
         > "$OUT/suite_rms_bwd_1.log" 2>&1 &
       gpu_tests "$backward" -k "one_cluster or cluster_rounds or two_pass" > "$OUT/suite_rms_bwd_2.log" 2>&1 &
       gpu_tests "$backward" -k "split_rows or shifted" > "$OUT/suite_rms_bwd_3.log" 2>&1 &
       timeout 560 python3 -m pytest -q tests/api/test_reliability_gpu.py -p no:cacheprovider > "$OUT/reliability.log" 2>&1 &
       timeout 300 python3 -m cupyrope check > "$OUT/check.log" 2>&1 &
-      timeout 560 bash tools/sanitize.sh "${SANITIZE:-decode or one_cluster or two_pass or outside_every or mrope_matches or (backward_matches and bfloat16 and cupy)}" > "$OUT/sanitize.log" 2>&1 &
+      timeout 560 bash tools/sanitize.sh "${SANITIZE:-decode or one_cluster or two_pass or outside_every or mrope_matches or (backward_matches and bfloat16 and cupy) or (add_rms_norm_views and cupy) or (residual_grad and cupy and 4096)}" > "$OUT/sanitize.log" 2>&1 &
       wait
       for log in "$OUT"/suite_*.log "$OUT/reliability.log"; do echo "$(basename "$log"): $(tail -1 "$log")"; done
       grep -E "FAIL|passed" "$OUT/check.log" | tail -3
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|==" "$OUT/sanitize.log" ;;
     bench) timeout 560 python3 -m cupyrope bench --full --json "$OUT/bench.json" --plot "$OUT/bench.png" \
              > "$OUT/bench.log" 2>&1; tail -5 "$OUT/bench.log" ;;
+    add) timeout 300 python3 -m cupyrope bench --op add_rms_norm --json "$OUT/add.json" > "$OUT/add.log" 2>&1
+        grep "^| add_" "$OUT/add.log" ;;
     qk) timeout 300 python3 -m cupyrope bench --op qk_norm_rope --json "$OUT/qk.json" > "$OUT/qk.log" 2>&1
         grep "^| qk_norm_rope\|^| rope_qk" "$OUT/qk.log" ;;
     model) timeout 560 python3 -m cupyrope bench --op model --rounds 2 --json "$OUT/model.json" \

@@ -20,6 +20,7 @@ ROPE_PROVIDERS = ["cupyrope vector", "cupyrope vector (no PDL)", "cupyrope scala
                   "cupyrope rope_qk", "torch eager (recompute cos/sin)", "torch eager (cos/sin cache)",
                   "torch.compile (cos/sin cache)", "cupyrope dropin (transformers cos/sin)", "liger"]
 RMS_PROVIDERS = ["cupyrope", "cupyrope (no PDL)", "F.rms_norm", "liger"]
+ADD_PROVIDERS = ["cupyrope", "cupyrope (no PDL)", "x + r, F.rms_norm", "torch.compile", "liger"]
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +42,8 @@ def _run(benchmark, case, name, providers, copy_gbps):
         if name.startswith("cupyrope"):
             raise
         pytest.skip(f"excluded: {error}")  # a peer's wrong answer is reported, never ranked
-    gpu_us = bench.gpu_time_us(torch, fns, capture=not (case.op == "rms_bwd" and not name.startswith("cupyrope")))
+    autograd = case.op in ("rms_bwd", "add_bwd") and not name.startswith("cupyrope")
+    gpu_us = bench.gpu_time_us(torch, fns, capture=not autograd)
     eager_us = bench.eager_time_us(torch, fns)
     gbps = case.bytes_moved / gpu_us / 1e3
     benchmark.group = f"{case.op} {case.label} {case.dtype}"
@@ -61,6 +63,12 @@ def test_rope(benchmark, case, name, copy_gbps):
 @pytest.mark.parametrize("case", bench.rms_cases(torch, FULL), ids=lambda c: f"{c.op}-{c.label}-{c.dtype}")
 def test_rms_norm(benchmark, case, name, copy_gbps):
     _run(benchmark, case, name, bench.rms_providers(torch, case.op == "rms_bwd"), copy_gbps)
+
+
+@pytest.mark.parametrize("name", ADD_PROVIDERS)
+@pytest.mark.parametrize("case", bench.add_cases(torch, FULL), ids=lambda c: f"{c.op}-{c.label}-{c.dtype}")
+def test_add_rms_norm(benchmark, case, name, copy_gbps):
+    _run(benchmark, case, name, bench.add_providers(torch, case.op == "add_bwd"), copy_gbps)
 
 
 @pytest.mark.parametrize("family", ["llama-3", "qwen3"])
