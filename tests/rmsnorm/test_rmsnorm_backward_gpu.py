@@ -78,7 +78,7 @@ def force_lean(monkeypatch, lean):
 def assert_lean(plan, lean):
     lean = (lean and backward.STAGED_LEAN_MAX_ROWS[plan.slots] > 0
             and plan.block[0] <= backward.STAGED_LEAN_MAX_THREADS[plan.slots])
-    assert plan.staged and plan.name.endswith(", true>" if lean else ", false>"), plan
+    assert plan.staged and plan.name.endswith(", true, false>" if lean else ", false, false>"), plan
 
 
 # The staged backward (rows copied ahead into shared memory, one row per block): 1, 2 or 4 slots, 128 to
@@ -135,7 +135,7 @@ def test_backward_reread_rows(rng, monkeypatch, kind, dtype, hidden, rows, pad):
     fill_next_allocation_with_nan((rows, hidden), dtype, kind)
     dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
     plan = planned("bwd")
-    assert plan.reread and plan.name.endswith(", 1, false>") and plan.grid < rows, plan
+    assert plan.reread and plan.name.endswith(", 1, false, false>") and plan.grid < rows, plan
     assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype)
     assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
 
@@ -170,7 +170,7 @@ def test_backward_one_cluster(rng, monkeypatch, kind, dtype, hidden, rows, pad_o
         dx, dw, plan = poisoned_backward(monkeypatch, kind, dy, x, w, given, dtype, weight_dtype)
         blocks = backward.cluster_bwd_blocks(rows)
         assert plan.one_cluster and plan.name.startswith("cupyrope::rms_norm_bwd_cluster<"), plan
-        assert plan.grid == blocks and plan.name.endswith(f", {blocks}>"), plan
+        assert plan.grid == blocks and plan.name.endswith(f", {blocks}, false>"), plan
         if given is None:  # (its bitwise check repeats the call without rstd)
             assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
         with monkeypatch.context() as two_launches:
@@ -178,7 +178,7 @@ def test_backward_one_cluster(rng, monkeypatch, kind, dtype, hidden, rows, pad_o
             use_choices(two_launches, rms_norm_backward={"one_cluster_max_rows": 0})
             dx_two, dw_two = cupyrope.rms_norm_backward(dy, x, w, rstd=given, offset=0.25)
             plan = planned("bwd")
-            assert plan.staged and plan.name.endswith(", true>") and plan.grid == min(rows, blocks), plan
+            assert plan.staged and plan.name.endswith(", true, false>") and plan.grid == min(rows, blocks), plan
         np.testing.assert_array_equal(to_host(dx), to_host(dx_two))
         np.testing.assert_array_equal(to_host(dw), to_host(dw_two))
 
@@ -206,7 +206,7 @@ def test_backward_cluster_rounds(rng, monkeypatch, kind, dtype, hidden, rows, pa
     for given in (None, rstd):
         dx, dw, plan = poisoned_backward(monkeypatch, kind, dy, x, w, given, dtype, weight_dtype)
         blocks = backward.CLUSTER_ROUNDS_BLOCKS
-        assert plan.cluster_rounds and plan.name.endswith(f", false, {blocks}>") and plan.split == blocks, plan
+        assert plan.cluster_rounds and plan.name.endswith(f", false, {blocks}, false>") and plan.split == blocks, plan
         assert plan.grid % blocks == 0 and rows / plan.grid <= 2 * backward.CLUSTER_ROUNDS_ROWS[plan.slots], plan
         if given is None:
             assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
@@ -283,7 +283,7 @@ def test_backward_reread_shifted_rows(rng, monkeypatch, kind, dtype, hidden, row
     fill_next_allocation_with_nan((rows, hidden), dtype, kind)
     dx, dw = cupyrope.rms_norm_backward(dy, x, w, offset=0.25)
     plan = planned("bwd")
-    assert plan.reread and plan.shifted and plan.name.endswith(", 1, true>") and plan.grid <= rows, plan
+    assert plan.reread and plan.shifted and plan.name.endswith(", 1, true, false>") and plan.grid <= rows, plan
     assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype, weight_dtype)
     assert_backward_given_rstd_without_weight(dy, x, dy_host, x_host, dtype, kind)
 
