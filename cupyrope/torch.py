@@ -191,10 +191,18 @@ def rope(x: Tensor, positions: Optional[Tensor] = None, *, theta: float = 10000.
     return _rope_any(x, where, theta, style, rotary_dim, cos_sin_cache, inverse)
 
 
+def _rotated_like(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """New memory for rotated copies of q and k in their own memory order (torch.empty_like keeps a dense tensor's
+    strides), as torch's elementwise ops give: transformers' q (B, H, S, D), a transposed view of what the projection
+    wrote (B, S, H, D), keeps that layout, which its attention expects (a (B, H, S, D)-contiguous q cost sdpa's output
+    a transposing copy in each layer)."""
+    return torch.empty_like(q), torch.empty_like(k)
+
+
 def _rope_qk_new(q, k, where, cos_sin_cache, theta, style, rotary_dim, inverse):
-    return _rope_qk(_contiguous_last(q), _contiguous_last(k), where[0], theta=theta, style=style,
-                    rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache, inverse=inverse, out="new",
-                    **_where_options(where))
+    q, k = _contiguous_last(q), _contiguous_last(k)
+    return _rope_qk(q, k, where[0], theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache,
+                    inverse=inverse, out=_rotated_like(q, k), **_where_options(where))
 
 
 class _RotateQK(torch.autograd.Function):
@@ -275,6 +283,7 @@ def rope_qk_(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, *, theta:
 
 
 def _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
+    q, k = _contiguous_last(q), _contiguous_last(k)  # e.g. autograd's expanded gradients
     if not q.is_cuda:
         rotary_dim, _ = _rope_checks.check_rope_qk_cos_sin(_host(q, "q"), _host(k, "k"), _host(cos, "cos"),
                                                            _optional_host(sin, "sin"), rotary_dim=rotary_dim,
@@ -284,8 +293,8 @@ def _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
         rows = [t[..., 0 : freq_step * (rotary_dim // 2) : freq_step].float() for t in (cos, sin)]
         c, s = (t.reshape(tuple(t.shape[:-1]) + (1,) * lead + (t.shape[-1],)) for t in rows)
         return _rotate_cpu(q, c, s, style, rotary_dim, inverse), _rotate_cpu(k, c, s, style, rotary_dim, inverse)
-    return _rope_qk_cos_sin(_contiguous_last(q), _contiguous_last(k), cos, sin, rotary_dim=rotary_dim,
-                            freq_step=freq_step, style=style, inverse=inverse, out="new")
+    return _rope_qk_cos_sin(q, k, cos, sin, rotary_dim=rotary_dim, freq_step=freq_step, style=style, inverse=inverse,
+                            out=_rotated_like(q, k))
 
 
 @torch.library.custom_op("cupyrope::rope_qk_cos_sin", mutates_args=(), device_types=("cuda", "cpu"))
@@ -296,7 +305,7 @@ def _rope_cos_sin_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, rotary_dim:
 
 @_rope_cos_sin_op.register_fake
 def _(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    return _rotated_like(_contiguous_last(q), _contiguous_last(k))
 
 
 def _rope_cos_sin_setup(ctx, inputs, output):

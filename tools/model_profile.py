@@ -15,13 +15,13 @@ from cupyrope import model_bench
 
 # Kernel name patterns per group, first match wins.
 GROUPS = [
-    ("cupyrope", r"rope|rms_norm|qk_norm"),
-    ("liger", r"_kernel_|triton"),
-    ("matmul", r"gemm|cutlass|xmma|nvjet|sm90_|cublas"),
-    ("attention", r"flash|fmha|attention|sdpa|efficient"),
-    ("softmax / loss", r"softmax|nll|cross_entropy|log_softmax"),
-    ("copies", r"copy|Memcpy|Memset|cat|index"),
-    ("elementwise / reduce", r"elementwise|vectorized|reduce|unrolled"),
+    ("cupyrope", r"cupyrope::"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas"),
+    ("triton (Liger)", r"^_|triton"),
+    ("copies", r"copy|Memcpy|Memset|CatArray|index|gather"),
+    ("softmax / loss", r"softmax|nll|cross_entropy"),
+    ("elementwise / reduce", r"elementwise|reduce"),
 ]
 
 

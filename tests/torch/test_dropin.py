@@ -51,8 +51,9 @@ def random_cos_sin(lead, rotary_dim, cos_layout, g, dtype=torch.float32):
 def assert_like_transformers(q, k, cos, sin, unsqueeze_dim, style, cos_layout):
     """apply_rotary_pos_emb's (q, k) against hf_apply's, in q's dtype and on q's device."""
     got = dropin.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, style=style, cos_layout=cos_layout)
-    for g, e in zip(got, hf_apply(q, k, cos, sin, unsqueeze_dim, style, cos_layout)):
+    for g, e, x in zip(got, hf_apply(q, k, cos, sin, unsqueeze_dim, style, cos_layout), (q, k)):
         assert g.dtype == q.dtype and g.device == q.device
+        assert g.stride() == torch.empty_like(x).stride(), "not laid out in the input's memory order"
         assert_close(g, e, str(q.dtype).removeprefix("torch."))
 
 
@@ -91,6 +92,21 @@ def case_tensors(case, cos_layout, gen, device="cpu", dtype=torch.float32):
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=case_id)
 def test_apply_rotary_pos_emb_matches_transformers_formula(case, style, cos_layout, gen):
     assert_like_transformers(*case_tensors(case, cos_layout, gen), case[3], style, cos_layout)
+
+
+def test_apply_rotary_pos_emb_keeps_transformers_q_layout(gen):
+    """q and k as transformers has them, (B, H, S, D) views of (B, S, H, D) memory: results in that memory order,
+    and the op's fake results (torch.compile) strided alike."""
+    from torch.library import opcheck
+
+    q = torch.randn(2, 9, 4, 32, generator=gen).transpose(1, 2)
+    k = torch.randn(2, 9, 2, 32, generator=gen).transpose(1, 2)
+    cos, sin = random_cos_sin((2, 9), 32, "halves", gen)
+    assert_like_transformers(q, k, cos, sin, 1, "neox", "halves")
+    q_embed, _ = dropin.apply_rotary_pos_emb(q, k, cos, sin)
+    assert q_embed.stride() == q.stride()
+    view = (cos.unsqueeze(1), sin.unsqueeze(1))
+    opcheck(torch.ops.cupyrope.rope_qk_cos_sin.default, (q.requires_grad_(), k, *view, 32, 1, "neox", False))
 
 
 def _random_call(data):
@@ -246,6 +262,22 @@ def gpu(test):
 def test_apply_rotary_pos_emb_on_gpu(case, style, cos_layout, dtype, gen):
     tensors = case_tensors(case, cos_layout, gen, "cuda", TORCH_DTYPES[dtype])
     assert_like_transformers(*tensors, case[3], style, cos_layout)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_apply_rotary_pos_emb_keeps_transformers_q_layout_on_gpu(dtype, gen):
+    """transformers' q and k: (B, H, S, D) transposed views of the projections' (B, S, H, D) output. The rotated
+    copies keep that memory order (sdpa's output then needs no transposing copy), forward and backward."""
+    td = TORCH_DTYPES[dtype]
+    q = torch.randn(2, 9, 4, 64, generator=gen).to("cuda", td).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 9, 2, 64, generator=gen).to("cuda", td).transpose(1, 2).requires_grad_()
+    cos, sin = (t.to("cuda", td) for t in random_cos_sin((2, 9), 64, "halves", gen))
+    assert_like_transformers(q.detach(), k.detach(), cos, sin, 1, "neox", "halves")
+    q_embed, k_embed = dropin.apply_rotary_pos_emb(q, k, cos, sin)
+    (q_embed.float().square().sum() + k_embed.float().sum()).backward()
+    assert q_embed.stride() == q.stride() and k_embed.stride() == k.stride()
+    assert q.grad.shape == q.shape and not q.grad.isnan().any()
 
 
 @gpu
