@@ -337,37 +337,59 @@ def _checked_qk_norm_attention(model, attention, layer_type, eps, offset):
         raise _Skip(f"cupyrope cannot build its RoPE from the config ({error})") from None
     if rotary.mrope_section is not None:
         raise _Skip("M-RoPE: its layers receive text positions, not the three position rows its cos/sin come from")
+    # The table's first and last positions: scaled RoPE (llama3, yarn) differs most where low frequencies turn far.
+    positions = torch.stack([torch.arange(6), torch.arange(rotary.max_position - 6, rotary.max_position)])
+    probe, states, cos_sin = _probe_inputs(model, attention, attention, layer_type, (attention.q_norm, attention.k_norm),
+                                           attention.q_proj.weight.shape[1], positions)
+    probe.cupyrope_rotary, probe.cupyrope_qk_norm = rotary, (eps, offset)
+    _check_same_forward(lambda: probe(states, cos_sin, None, position_ids=positions)[0],
+                        lambda: _qk_norm_attention_forward(probe, states, cos_sin, None, position_ids=positions)[0],
+                        "its forward differs from cupyrope's qk_norm_rope with the config's RoPE")
+    return rotary
+
+
+def _probe_inputs(model, module, attention, layer_type, norms, hidden, positions):
+    """(an fp32 CPU copy of module whose copies of `norms` have random weights, random hidden states (2, S, hidden),
+    the model's own cos/sin for the attention's layer type at positions (2, S)), or _Skip."""
+    names = {id(norm): name for name, norm in module.named_modules()}
     try:
-        probe = copy.deepcopy(attention).to(device="cpu", dtype=torch.float32)
+        probe = copy.deepcopy(module).to(device="cpu", dtype=torch.float32)
     except Exception as error:
         raise _Skip(f"cannot be copied to the CPU to check it ({type(error).__name__})") from None
     g = torch.Generator().manual_seed(0)
-    hidden = probe.q_proj.weight.shape[1]
-    states = torch.randn(2, 6, hidden, generator=g)
-    # The table's first and last positions: scaled RoPE (llama3, yarn) differs most where low frequencies turn far.
-    positions = torch.stack([torch.arange(6), torch.arange(rotary.max_position - 6, rotary.max_position)])
+    states = torch.randn(2, positions.shape[-1], hidden, generator=g)
+    rotary_module = _model_rotary(model, attention, layer_type)
+    device = next(iter(rotary_module.buffers()), torch.zeros(0)).device
+    args = (torch.zeros(1, device=device), positions.to(device))
     with torch.no_grad():
-        for norm in (probe.q_norm, probe.k_norm):
-            norm.weight.copy_(torch.randn(norm.weight.shape, generator=g) * 0.5)
-        rotary_module = _model_rotary(model, attention, layer_type)
-        device = next(iter(rotary_module.buffers()), torch.zeros(0)).device
-        args = (torch.zeros(1, device=device), positions.to(device))
+        for norm in norms:
+            weight = probe.get_submodule(names[id(norm)]).weight
+            weight.copy_(torch.randn(weight.shape, generator=g) * 0.5)
         try:
             per_type = getattr(rotary_module, "layer_types", None) is not None
             cos_sin = rotary_module(*args, layer_type) if per_type else rotary_module(*args)
-            cos_sin = tuple(c.float().cpu() for c in cos_sin)
-            expected = probe(states, cos_sin, None, position_ids=positions)[0]
+        except Exception as error:
+            raise _Skip(f"its rotary embedding fails on (x, position_ids) ({type(error).__name__})") from None
+    return probe, states, tuple(c.float().cpu() for c in cos_sin)
+
+
+def _check_same_forward(own, fused, differs: str) -> None:
+    """own() (the module's forward) and fused() (cupyrope's) give the same tensor up to fp32 roundings, or _Skip
+    (`differs` says why where they disagree)."""
+    with torch.no_grad():
+        try:
+            expected = own()
         except Exception as error:
             raise _Skip(f"its forward fails on random inputs ({type(error).__name__})") from None
-        probe.cupyrope_rotary, probe.cupyrope_qk_norm = rotary, (eps, offset)
         try:
-            got = _qk_norm_attention_forward(probe, states, cos_sin, None, position_ids=positions)[0]
+            got = fused()
         except Exception as error:
             raise _Skip(f"the fused forward fails on its inputs ({type(error).__name__}: {error})") from None
+    if not isinstance(expected, Tensor):
+        raise _Skip(f"its forward returns a {type(expected).__name__}, not a tensor")
     scale = float(expected.abs().max())
     if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * scale):
-        raise _Skip("its forward differs from cupyrope's qk_norm_rope with the config's RoPE")
-    return rotary
+        raise _Skip(differs)
 
 
 # ------------------------------------------------------------------------------------------ decoder layers
@@ -424,36 +446,13 @@ def _patch_decoder_layers(model, report) -> None:
 def _check_decoder_layer(model, layer, eps, offset) -> None:
     """Whether the fused forward gives the layer's own output on random CPU inputs (fp32, the model's cos/sin, random
     norm weights); _Skip if not."""
-    try:
-        probe = copy.deepcopy(layer).to(device="cpu", dtype=torch.float32)
-    except Exception as error:
-        raise _Skip(f"cannot be copied to the CPU to check it ({type(error).__name__})") from None
-    g = torch.Generator().manual_seed(0)
-    hidden = probe.post_attention_layernorm.weight.shape[0]
-    states = torch.randn(2, 6, hidden, generator=g)
     positions = torch.arange(6).expand(2, 6)
-    layer_type = getattr(layer.self_attn, "layer_type", None)
-    with torch.no_grad():
-        for norm in (probe.input_layernorm, probe.post_attention_layernorm):
-            norm.weight.copy_(torch.randn(norm.weight.shape, generator=g) * 0.5)
-        rotary_module = _model_rotary(model, layer.self_attn, layer_type)
-        device = next(iter(rotary_module.buffers()), torch.zeros(0)).device
-        args = (torch.zeros(1, device=device), positions.to(device))
-        try:
-            per_type = getattr(rotary_module, "layer_types", None) is not None
-            cos_sin = rotary_module(*args, layer_type) if per_type else rotary_module(*args)
-            cos_sin = tuple(c.float().cpu() for c in cos_sin)
-            expected = probe(states, position_ids=positions, position_embeddings=cos_sin)
-        except Exception as error:
-            raise _Skip(f"its forward fails on random inputs ({type(error).__name__})") from None
-        probe.cupyrope_add_norm = (eps, offset)
-        try:
-            got = _fused_add_decoder_forward(probe, states, position_ids=positions, position_embeddings=cos_sin)
-        except Exception as error:
-            raise _Skip(f"the fused forward fails on its inputs ({type(error).__name__}: {error})") from None
-    if not isinstance(expected, Tensor):
-        raise _Skip(f"its forward returns a {type(expected).__name__}, not the hidden states alone")
-    scale = float(expected.abs().max())
-    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * scale):
-        raise _Skip("its forward differs from input_layernorm, self_attn, add_rms_norm and mlp in that order")
+    probe, states, cos_sin = _probe_inputs(model, layer, layer.self_attn, getattr(layer.self_attn, "layer_type", None),
+                                           (layer.input_layernorm, layer.post_attention_layernorm),
+                                           layer.post_attention_layernorm.weight.shape[0], positions)
+    probe.cupyrope_add_norm = (eps, offset)
+    _check_same_forward(lambda: probe(states, position_ids=positions, position_embeddings=cos_sin),
+                        lambda: _fused_add_decoder_forward(probe, states, position_ids=positions,
+                                                           position_embeddings=cos_sin),
+                        "its forward differs from input_layernorm, self_attn, add_rms_norm and mlp in that order")
 

@@ -265,23 +265,21 @@ def rms_norm_backward(dy, x, weight=None, eps=1e-6, offset=0.0, residual_grad=No
 def fused_add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, dtype="float32"):
     """vLLM semantics: residual <- x + residual (rounded once to ``dtype``), x <- rms_norm(residual).
     Returns (new x, new residual) in float64."""
-    x, xa = _float64(x, "x")
-    residual, ra = _float64(residual, "residual")
-    weight, wa = _optional_float64(weight, "weight")
-    rmsnorm_checks.check_fused_add(xa, ra, wa, eps=eps, offset=offset, impl="auto", dtypes=_FLOAT64)
-    if dtype not in _ROUNDED:
-        raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
-    new_residual = round_to(x + residual, dtype)
-    return rms_norm(new_residual, weight, eps, offset), new_residual
+    return _residual_add_norm(x, residual, weight, eps, offset, dtype, rmsnorm_checks.check_fused_add)
 
 
 def add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0, dtype="float32"):
     """The out-of-place residual add + RMSNorm: s = x + residual (rounded once to ``dtype``), y = rms_norm(s).
     Returns (y, s) in float64; its backward is rms_norm_backward(dy, s, weight, residual_grad=ds)."""
+    return _residual_add_norm(x, residual, weight, eps, offset, dtype, rmsnorm_checks.check_add)
+
+
+def _residual_add_norm(x, residual, weight, eps, offset, dtype, check):
+    """(rms_norm(s), s) with s = x + residual rounded once to dtype, after the op's own argument checks."""
     x, xa = _float64(x, "x")
     residual, ra = _float64(residual, "residual")
     weight, wa = _optional_float64(weight, "weight")
-    rmsnorm_checks.check_add(xa, ra, wa, eps=eps, offset=offset, impl="auto", dtypes=_FLOAT64)
+    check(xa, ra, wa, eps=eps, offset=offset, impl="auto", dtypes=_FLOAT64)
     if dtype not in _ROUNDED:
         raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
     s = round_to(x + residual, dtype)
