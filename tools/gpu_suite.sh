@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Everything the GPU must confirm, in one device call (logs under $OUT): the GPU test suite (its parts at once:
+# Everything the GPU must confirm, in one device call: the GPU test suite (its parts at once:
 # RoPE, RMSNorm forward, RMSNorm backward, the rest), the reliability suite, `python -m cupyrope check` and
 # compute-sanitizer over a subset; then, if asked, the benchmarks.
 # Usage on the device machine, from the checkout, with the wheels of tools/fetch_wheels.sh carried in .whl/:
 #   bash tools/gpu_suite.sh                                   (the suite)
-#   STEPS="suite bench" bash tools/gpu_suite.sh               (and `bench --full`, JSON and plot under $OUT)
+#   STEPS="suite bench" bash tools/gpu_suite.sh               (and `bench --full`, its JSON and plot)
 #   STEPS="qk add model" bash tools/gpu_suite.sh              (`bench --op qk_norm_rope`, `--op add_rms_norm`, `--op model`)
 #   SANITIZE="pytest -k expression" picks the sanitizer's subset.
+# $OUT gets few files (a device call brings back only a handful): summary.txt, logs.tgz (every log) and the
+# benchmarks' JSON and plots.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LOGS=/tmp/gpu_suite_logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=.:/tmp/site
@@ -17,6 +20,7 @@ else
 fi
 export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-suite}
+{
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 for step in $STEPS; do
   echo "== $step"
@@ -26,31 +30,33 @@ for step in $STEPS; do
       # The slowest parts split further: one RMSNorm backward process took over 400 s on an H200.
       backward=tests/rmsnorm/test_rmsnorm_backward_gpu.py
       gpu_tests tests/api tests/runtime tests/cli --ignore=tests/api/test_reliability_gpu.py \
-        > "$OUT/suite_other.log" 2>&1 &
-      gpu_tests tests/qk_norm_rope tests/torch > "$OUT/suite_qk_torch.log" 2>&1 &
-      gpu_tests tests/rope > "$OUT/suite_rope.log" 2>&1 &
+        > "$LOGS/suite_other.log" 2>&1 &
+      gpu_tests tests/qk_norm_rope tests/torch > "$LOGS/suite_qk_torch.log" 2>&1 &
+      gpu_tests tests/rope > "$LOGS/suite_rope.log" 2>&1 &
       gpu_tests tests/rmsnorm/test_rmsnorm_forward_gpu.py tests/rmsnorm/test_add_rms_norm_gpu.py \
-        > "$OUT/suite_rms_fwd.log" 2>&1 &
+        > "$LOGS/suite_rms_fwd.log" 2>&1 &
       gpu_tests "$backward" -k "test_backward[ or staged_rows or reread_rows or dweight or without_weight" \
-        > "$OUT/suite_rms_bwd_1.log" 2>&1 &
-      gpu_tests "$backward" -k "one_cluster or cluster_rounds or two_pass" > "$OUT/suite_rms_bwd_2.log" 2>&1 &
-      gpu_tests "$backward" -k "split_rows or shifted" > "$OUT/suite_rms_bwd_3.log" 2>&1 &
-      timeout 560 python3 -m pytest -q tests/api/test_reliability_gpu.py -p no:cacheprovider > "$OUT/reliability.log" 2>&1 &
-      timeout 300 python3 -m cupyrope check > "$OUT/check.log" 2>&1 &
-      timeout 560 bash tools/sanitize.sh "${SANITIZE:-decode or one_cluster or two_pass or outside_every or mrope_matches or (backward_matches and bfloat16 and cupy) or (add_rms_norm_views and cupy) or (residual_grad and cupy and 4096)}" > "$OUT/sanitize.log" 2>&1 &
+        > "$LOGS/suite_rms_bwd_1.log" 2>&1 &
+      gpu_tests "$backward" -k "one_cluster or cluster_rounds or two_pass" > "$LOGS/suite_rms_bwd_2.log" 2>&1 &
+      gpu_tests "$backward" -k "split_rows or shifted" > "$LOGS/suite_rms_bwd_3.log" 2>&1 &
+      timeout 560 python3 -m pytest -q tests/api/test_reliability_gpu.py -p no:cacheprovider > "$LOGS/reliability.log" 2>&1 &
+      timeout 300 python3 -m cupyrope check > "$LOGS/check.log" 2>&1 &
+      timeout 560 bash tools/sanitize.sh "${SANITIZE:-decode or one_cluster or two_pass or outside_every or mrope_matches or (backward_matches and bfloat16 and cupy) or (add_rms_norm_views and cupy) or (residual_grad and cupy and 4096)}" > "$LOGS/sanitize.log" 2>&1 &
       wait
-      for log in "$OUT"/suite_*.log "$OUT/reliability.log"; do echo "$(basename "$log"): $(tail -1 "$log")"; done
-      grep -E "FAIL|passed" "$OUT/check.log" | tail -3
-      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|==" "$OUT/sanitize.log" ;;
+      for log in "$LOGS"/suite_*.log "$LOGS/reliability.log"; do echo "$(basename "$log"): $(tail -1 "$log")"; done
+      grep -E "FAIL|passed" "$LOGS/check.log" | tail -3
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|==" "$LOGS/sanitize.log" ;;
     bench) timeout 560 python3 -m cupyrope bench --full --json "$OUT/bench.json" --plot "$OUT/bench.png" \
-             > "$OUT/bench.log" 2>&1; tail -5 "$OUT/bench.log" ;;
-    add) timeout 300 python3 -m cupyrope bench --op add_rms_norm --json "$OUT/add.json" > "$OUT/add.log" 2>&1
-        grep "^| add_" "$OUT/add.log" ;;
-    qk) timeout 300 python3 -m cupyrope bench --op qk_norm_rope --json "$OUT/qk.json" > "$OUT/qk.log" 2>&1
-        grep "^| qk_norm_rope\|^| rope_qk" "$OUT/qk.log" ;;
+             > "$LOGS/bench.log" 2>&1; tail -5 "$LOGS/bench.log" ;;
+    add) timeout 300 python3 -m cupyrope bench --op add_rms_norm --json "$OUT/add.json" > "$LOGS/add.log" 2>&1
+        grep "^| add_" "$LOGS/add.log" ;;
+    qk) timeout 300 python3 -m cupyrope bench --op qk_norm_rope --json "$OUT/qk.json" > "$LOGS/qk.log" 2>&1
+        grep "^| qk_norm_rope\|^| rope_qk" "$LOGS/qk.log" ;;
     model) timeout 560 python3 -m cupyrope bench --op model --rounds 2 --json "$OUT/model.json" \
-             --plot "$OUT/model.png" > "$OUT/model.log" 2>&1; tail -25 "$OUT/model.log" ;;
+             --plot "$OUT/model.png" > "$LOGS/model.log" 2>&1; tail -25 "$LOGS/model.log" ;;
     pytest-bench) timeout 400 python3 -m pytest -q tests/benchmarks --benchmark-only -p no:cacheprovider \
              --benchmark-json="$OUT/benchmarks.json" 2>&1 | tail -15 ;;
   esac
 done
+} 2>&1 | tee "$OUT/summary.txt"
+tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
