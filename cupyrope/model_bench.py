@@ -4,9 +4,11 @@ like-for-like patch (its RoPE and RMSNorm only). ``python -m cupyrope bench --op
 Each (family, variant) runs in a process of its own, so that a module-level patch (Liger's replaces transformers'
 classes and functions) cannot leak into another variant's numbers. A worker builds the model from a config with
 random bf16 weights and sdpa attention, runs each regime a few times to warm up, then times ``steps`` steps with
-CUDA events (a step's GPU timeline, host gaps included) and prints one JSON line. The parent takes the variants in
-turns over ``rounds`` rounds and reports, per family and regime, each variant's median step time, its spread over
-the rounds, and its speedup over the unpatched model in the same round.
+CUDA events (a step's GPU timeline, host gaps included), then the GPU's busy time in a step (its kernels' and copies'
+times summed, by the torch profiler: what the kernels cost without the host's gaps, which dominate decode at this
+size), and prints one JSON line. The parent takes the variants in turns over ``rounds`` rounds and reports, per family
+and regime, each variant's median step time, its spread over the rounds, its speedup over the unpatched model in the
+same round, and its median busy time.
 
 Regimes: ``prefill`` (one sequence, no grad, full logits), ``train`` (forward and backward of the language-model loss,
 no optimizer), ``decode`` (one token for each of a batch of sequences, with the KV cache of a prompt).
@@ -128,9 +130,25 @@ def regime_step(model, config, regime: str, device: str, tiny: bool):
     return _regime_steps(torch, model, regime, *shapes[regime], config.vocab_size, device)
 
 
+def gpu_kernel_times(torch, step, steps: int = 3) -> dict:
+    """{kernel name: (ms a step, launches a step)} of `steps` calls of step() under the torch profiler: every GPU
+    kernel, copy and memset, each by its own GPU time."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total, count = kernels.get(event.name, (0.0, 0))
+            kernels[event.name] = (total + event.device_time_total / 1e3 / steps, count + 1)
+    return {name: (total, count // steps) for name, (total, count) in kernels.items()}
+
+
 def worker(family: str, variant: str, regimes, steps: int, device: str, tiny: bool) -> dict:
     """Times one variant of one family in this process: {"family", "variant", "ms": {regime: [step times]},
-    "patched": patch report or None} or {"family", "variant", "skipped": why}."""
+    "busy_ms": {regime: GPU busy ms a step} (on a GPU), "patched": patch report or None} or {"family", "variant",
+    "skipped": why}."""
     import torch
 
     result = {"family": family, "variant": variant}
@@ -140,12 +158,14 @@ def worker(family: str, variant: str, regimes, steps: int, device: str, tiny: bo
         return {**result, "skipped": f"{e.name or e} is not installed"}
     result["patched"] = None if report is None else {key: len(value) for key, value in report.items()}
     clock = _clock(torch, device)
-    result["ms"] = {}
+    result["ms"], result["busy_ms"] = {}, {}
     for regime in regimes:
         step = regime_step(model, config, regime, device, tiny)
         for _ in range(2):
             step()
         result["ms"][regime] = [clock(step) for _ in range(steps)]
+        if device != "cpu":
+            result["busy_ms"][regime] = sum(ms for ms, _ in gpu_kernel_times(torch, step).values())
     return result
 
 
@@ -177,7 +197,8 @@ def run(families, variants, regimes, rounds: int = 2, steps: int = 10, device: s
 
 def summarize(results) -> list:
     """Rows of (family, regime, variant): median step time (ms) over all its steps, the spread of its round medians
-    (min, max), and its speedup over "transformers" per round (median, min, max); skipped variants with why."""
+    (min, max), its speedup over "transformers" per round (median, min, max) and its median GPU busy time a step
+    (None without one); skipped variants with why."""
     rows = []
     timed = [r for r in results if "ms" in r]
     order = {name: i for i, name in enumerate([*FAMILIES, *REGIMES, *VARIANTS])}
@@ -188,7 +209,9 @@ def summarize(results) -> list:
         base = {r["round"]: r["ms"][regime] for r in timed if (r["family"], r["variant"]) == (family, "transformers")}
         medians = [statistics.median(steps) for steps in mine.values()]
         speedups = [statistics.median(base[k]) / statistics.median(mine[k]) for k in mine if k in base]
-        rows.append(dict(family=family, regime=regime, variant=variant,
+        busy = [r["busy_ms"][regime] for r in timed
+                if (r["family"], r["variant"]) == (family, variant) and regime in r.get("busy_ms", {})]
+        rows.append(dict(family=family, regime=regime, variant=variant, busy=statistics.median(busy) if busy else None,
                          ms=statistics.median([t for steps in mine.values() for t in steps]),
                          spread=(min(medians), max(medians)),
                          speedup=(statistics.median(speedups), min(speedups), max(speedups)) if speedups else None))
@@ -198,16 +221,17 @@ def summarize(results) -> list:
 
 
 def table(rows) -> str:
-    lines = ["| model | regime | variant | ms a step (round medians) | speedup over transformers (range) |",
-             "|---|---|---|---|---|"]
+    lines = ["| model | regime | variant | ms a step (round medians) | speedup over transformers (range) | "
+             "GPU busy ms a step |", "|---|---|---|---|---|---|"]
     for row in rows:
         if "why" in row:
-            lines.append(f"| {row['family']} | | {row['variant']} | skipped: {row['why']} | |")
+            lines.append(f"| {row['family']} | | {row['variant']} | skipped: {row['why']} | | |")
             continue
         low, high = row["spread"]
         speed = "" if row["speedup"] is None else "{:.2f}x ({:.2f}-{:.2f})".format(*row["speedup"])
+        busy = "" if row.get("busy") is None else f"{row['busy']:.2f}"
         lines.append(f"| {row['family']} | {row['regime']} | {row['variant']} | {row['ms']:.2f} "
-                     f"({low:.2f}-{high:.2f}) | {speed} |")
+                     f"({low:.2f}-{high:.2f}) | {speed} | {busy} |")
     return "\n".join(lines)
 
 

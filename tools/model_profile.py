@@ -43,15 +43,7 @@ def main() -> None:
     for _ in range(3):
         step()
     timeline = statistics.median(clock(step) for _ in range(args.steps))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            step()
-        torch.cuda.synchronize()
-    kernels = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total, count = kernels.get(event.name, (0.0, 0))
-            kernels[event.name] = (total + event.device_time_total / 1e3 / args.steps, count + 1)
+    kernels = model_bench.gpu_kernel_times(torch, step, args.steps)
     busy = sum(total for total, _ in kernels.values())
     print(f"{args.family} {args.variant} {args.regime} on {torch.cuda.get_device_name()}: step {timeline:.2f} ms "
           f"(CUDA events), GPU busy {busy:.2f} ms ({100 * busy / timeline:.0f}%), idle {timeline - busy:.2f} ms")
@@ -62,7 +54,7 @@ def main() -> None:
         print(f"  {group:22s} {total:8.3f} ms  {100 * total / timeline:5.1f}%")
     print(f"top {args.top} kernels (ms a step, launches a step):")
     for name, (total, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:args.top]:
-        print(f"  {total:8.3f}  {count // args.steps:4d}  {name[:110]}")
+        print(f"  {total:8.3f}  {count:4d}  {name[:110]}")
 
 
 if __name__ == "__main__":

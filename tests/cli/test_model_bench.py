@@ -6,15 +6,16 @@ import pytest
 from cupyrope import model_bench
 
 
-def _result(family, variant, round_, prefill, train=None):
+def _result(family, variant, round_, prefill, train=None, busy=None):
     ms = {"prefill": prefill} if train is None else {"prefill": prefill, "train": train}
-    return {"family": family, "variant": variant, "round": round_, "ms": ms, "patched": None}
+    result = {"family": family, "variant": variant, "round": round_, "ms": ms, "patched": None}
+    return result if busy is None else {**result, "busy_ms": {"prefill": busy}}
 
 
 def test_summary_speedups_are_per_round_and_spread_over_rounds():
     results = [
-        _result("qwen3", "transformers", 0, [10.0, 12.0, 11.0]), _result("qwen3", "cupyrope", 0, [5.0, 5.5, 6.0]),
-        _result("qwen3", "transformers", 1, [14.0, 14.0, 14.0]), _result("qwen3", "cupyrope", 1, [7.0, 7.0, 7.0]),
+        _result("qwen3", "transformers", 0, [10.0, 12.0, 11.0]), _result("qwen3", "cupyrope", 0, [5.0, 5.5, 6.0], busy=4.0),
+        _result("qwen3", "transformers", 1, [14.0, 14.0, 14.0]), _result("qwen3", "cupyrope", 1, [7.0, 7.0, 7.0], busy=5.0),
         {"family": "qwen3", "variant": "liger", "round": 0, "skipped": "liger-kernel is not installed"},
     ]
     rows = model_bench.summarize(results)
@@ -22,11 +23,12 @@ def test_summary_speedups_are_per_round_and_spread_over_rounds():
     assert ours["ms"] == 6.5  # the median of every step of every round
     assert ours["spread"] == (5.5, 7.0)  # the rounds' medians
     assert ours["speedup"] == (2.0, 2.0, 2.0)  # 11 / 5.5 and 14 / 7, each within its round
+    assert ours["busy"] == 4.5 and rows[0]["busy"] is None  # the rounds' median; none measured (the CPU)
     assert [r["variant"] for r in rows] == ["transformers", "cupyrope", "liger"]
     assert rows[-1]["why"] == "liger-kernel is not installed"
     text = model_bench.table(rows)
-    assert "| qwen3 | prefill | cupyrope | 6.50 (5.50-7.00) | 2.00x (2.00-2.00) |" in text
-    assert "| qwen3 | | liger | skipped: liger-kernel is not installed | |" in text
+    assert "| qwen3 | prefill | cupyrope | 6.50 (5.50-7.00) | 2.00x (2.00-2.00) | 4.50 |" in text
+    assert "| qwen3 | | liger | skipped: liger-kernel is not installed | | |" in text
 
 
 def test_tiny_models_on_the_cpu_each_variant_in_a_process_of_its_own():
