@@ -61,9 +61,12 @@ def test_rms_norm_rows_are_batch_invariant(rng, dtype, hidden):
         y, rstd = cupyrope.rms_norm(x, w, return_rstd=True)
         dx_given, _ = cupyrope.rms_norm_backward(dy, x, w, rstd=rstd, offset=0.5)
         dx_recomputed, _ = cupyrope.rms_norm_backward(dy, x, w, offset=0.5)
+        add_y, add_s = cupyrope.add_rms_norm(x, r, w)  # out of place: before the in-place call below
+        dx_residual, _ = cupyrope.rms_norm_backward(dy, add_s, w, offset=0.5, residual_grad=r)
         cupyrope.fused_add_rms_norm(x, r, w)
         outputs = {"y": y, "rstd": rstd, "dx (rstd given)": dx_given, "dx (rstd recomputed)": dx_recomputed,
-                   "fused add x": x, "fused add residual": r}
+                   "fused add x": x, "fused add residual": r, "add_rms_norm y": add_y, "add_rms_norm s": add_s,
+                   "dx with residual_grad": dx_residual}
         return {name: host_bits(a, len(index)) for name, a in outputs.items()}
 
     big = run(np.arange(rows))
@@ -71,6 +74,10 @@ def test_rms_norm_rows_are_batch_invariant(rng, dtype, hidden):
     # The backward's recomputed rstd is the forward's: dx the same bits with rstd given or not.
     if bad := int(np.count_nonzero(np.any(big["dx (rstd given)"] != big["dx (rstd recomputed)"], axis=-1))):
         failures.append(f"dx: {bad} of {rows} rows differ between rstd given and rstd recomputed")
+    # Out of place and in place: the same additions and norm, the same bits.
+    for out_of_place, in_place in (("add_rms_norm y", "fused add x"), ("add_rms_norm s", "fused add residual")):
+        if bad := int(np.count_nonzero(np.any(big[out_of_place] != big[in_place], axis=-1))):
+            failures.append(f"{out_of_place}: {bad} of {rows} rows differ from {in_place}")
     for n in [n for n in counts if n < rows]:
         index = shuffled_rows(rows, n, hidden, itemsize, rng)
         small = run(index)
