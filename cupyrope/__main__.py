@@ -155,6 +155,8 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv=None) -> int:
+    from . import model_bench  # its families and regimes (the standard library only)
+
     parser = argparse.ArgumentParser(prog="python -m cupyrope", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +180,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=_positive_int, default=3,
                    help="calls under 50 us: time the providers this many times, taking turns, and keep medians; "
                         "--op model: rounds of every variant (at least 2)")
+    p.add_argument("--family", action="append", choices=tuple(model_bench.FAMILIES),
+                   help="--op model: only this model family (repeat for more; default every one)")
+    p.add_argument("--regime", action="append", choices=tuple(model_bench.REGIMES),
+                   help="--op model: only this regime (repeat for more; default every one)")
     p.add_argument("--json", help="also save the results (and environment) to this JSON file")
     p.add_argument("--from-json", help="re-render tables and plot from a saved --json file (no GPU needed)")
     p.set_defaults(func=_bench)

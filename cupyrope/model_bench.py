@@ -263,8 +263,15 @@ def plot(rows, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def selection(args) -> tuple:
+    """(families, variants, regimes) a ``bench --op model`` run times: args.family's and args.regime's (repeatable
+    options; default every one), every variant."""
+    return (getattr(args, "family", None) or list(FAMILIES), VARIANTS, getattr(args, "regime", None) or list(REGIMES))
+
+
 def main(args) -> int:
-    """``bench --op model``: every family and regime, the three variants, args.rounds rounds (at least 2)."""
+    """``bench --op model``: args.family's families and args.regime's regimes (default: all), the three variants,
+    args.rounds rounds (at least 2)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -277,7 +284,7 @@ def main(args) -> int:
         return 1
     print(f"{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}; each variant in a process of its own")
-    results = run(list(FAMILIES), VARIANTS, list(REGIMES), rounds=max(2, args.rounds))
+    results = run(*selection(args), rounds=max(2, args.rounds))
     rows = summarize(results)
     print(table(rows))
     if args.json:

@@ -6,7 +6,8 @@
 #   bash tools/gpu_suite.sh                                   (the suite)
 #   STEPS="suite bench" bash tools/gpu_suite.sh               (and `bench --full`, its JSON and plot)
 #   STEPS="qk add model" bash tools/gpu_suite.sh              (`bench --op qk_norm_rope`, `--op add_rms_norm`, `--op model`)
-#   SANITIZE="pytest -k expression" picks the sanitizer's subset.
+#   SANITIZE="pytest -k expression" picks the sanitizer's subset; MODEL_OPTIONS="--family llama-3 --regime prefill"
+#   narrows the model step.
 # $OUT gets few files (a device call brings back only a handful): summary.txt, logs.tgz (every log) and the
 # benchmarks' JSON and plots.
 set -u
@@ -52,7 +53,7 @@ for step in $STEPS; do
         grep "^| add_" "$LOGS/add.log" ;;
     qk) timeout 300 python3 -m cupyrope bench --op qk_norm_rope --json "$OUT/qk.json" > "$LOGS/qk.log" 2>&1
         grep "^| qk_norm_rope\|^| rope_qk" "$LOGS/qk.log" ;;
-    model) timeout 560 python3 -m cupyrope bench --op model --rounds 2 --json "$OUT/model.json" \
+    model) timeout 560 python3 -m cupyrope bench --op model --rounds 2 ${MODEL_OPTIONS:-} --json "$OUT/model.json" \
              --plot "$OUT/model.png" > "$LOGS/model.log" 2>&1; tail -25 "$LOGS/model.log" ;;
     pytest-bench) timeout 400 python3 -m pytest -q tests/benchmarks --benchmark-only -p no:cacheprovider \
              --benchmark-json="$OUT/benchmarks.json" 2>&1 | tail -15 ;;

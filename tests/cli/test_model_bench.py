@@ -45,3 +45,16 @@ def test_tiny_models_on_the_cpu_each_variant_in_a_process_of_its_own():
     rows = model_bench.summarize(results)
     assert {(r["regime"], r["variant"]) for r in rows if "speedup" in r} >= {("prefill", "cupyrope"),
                                                                                ("decode", "cupyrope")}
+
+
+def test_the_command_line_picks_families_and_regimes(monkeypatch):
+    """bench --op model --family F --regime R: only those (repeatable), every variant; by default every one."""
+    from cupyrope import __main__ as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_bench", lambda args: seen.append(model_bench.selection(args)) or cli.EXIT_OK)
+    assert cli.main(["bench", "--op", "model", "--family", "qwen3", "--regime", "prefill", "--regime", "decode"]) == 0
+    assert cli.main(["bench", "--op", "model"]) == 0
+    assert seen == [(["qwen3"], model_bench.VARIANTS, ["prefill", "decode"]),
+                    (list(model_bench.FAMILIES), model_bench.VARIANTS, list(model_bench.REGIMES))]
+
