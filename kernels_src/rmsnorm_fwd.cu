@@ -11,7 +11,7 @@ namespace cupyrope {
 struct NormParams {  // mirrored by rmsnorm.py's FWD_TAIL (after the pointers)
     const void* x;
     void* y;
-    const void* residual;
+    void* residual;
     void* residual_out;  // ADD with OUT: where x + residual goes (else into residual)
     const void* weight;  // may be null: no weight
     float* rstd;         // may be null: not returned
@@ -247,8 +247,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         constexpr bool HELD = !VEC || (ADD && NPT >= 2 && (SHIFT || (NPT >= 4 && sizeof(T) == 2)));
         const T* const x_row = row_base<HELD>(static_cast<const T*>(p.x) + row * p.x_stride);
         T* const y_row = row_base<HELD>(static_cast<T*>(p.y) + row * p.y_stride);
-        T* const res_row = ADD ? row_base<HELD>(static_cast<T*>(const_cast<void*>(p.residual)) + row * p.residual_stride)
-                               : nullptr;
+        T* const res_row = ADD ? row_base<HELD>(static_cast<T*>(p.residual) + row * p.residual_stride) : nullptr;
         T* const sum_row = OUT ? row_base<HELD>(static_cast<T*>(p.residual_out) + row * p.residual_out_stride) : res_row;
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         Pack<T, E> v[NPT];
@@ -299,7 +298,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         extern __shared__ __align__(16) unsigned char row_cache_bytes[];
         const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
         T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
-        T* const res_row = ADD ? static_cast<T*>(const_cast<void*>(p.residual)) + row * p.residual_stride : nullptr;
+        T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
         T* const sum_row = OUT ? static_cast<T*>(p.residual_out) + row * p.residual_out_stride : res_row;
         const int shift = row_shift<SHIFT, E>(x_row);
         const i64 first = (i64)lane * E - shift, cache_row = chunks_span<SHIFT, E>(p.hidden);
@@ -334,7 +333,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
         if (!active) return;
         if (p.rstd && lane == 0) p.rstd[row] = rstd;
-        // With ADD, the normalized values are the rounded sums this thread just stored in residual_out. The
+        // With ADD, the normalized values are the rounded sums this thread just stored (sum_row). The
         // row cache holds what this thread summed: each thread reads back only its own columns, so no
         // barrier.
         const T* const src = ADD ? sum_row : x_row;
@@ -375,7 +374,7 @@ __device__ __forceinline__ void narrow_to_part(NormParams& p, int shift) {
     const i64 length = cluster_part<16 / sizeof(T), SPLIT, SHIFT>(p.hidden, offset, shift);
     p.x = static_cast<const T*>(p.x) + offset;
     p.y = static_cast<T*>(p.y) + offset;
-    if (ADD) p.residual = static_cast<const T*>(p.residual) + offset;
+    if (ADD) p.residual = static_cast<T*>(p.residual) + offset;
     if (OUT) p.residual_out = static_cast<T*>(p.residual_out) + offset;
     if (p.weight) p.weight = static_cast<const W*>(p.weight) + offset;
     p.hidden = length;
