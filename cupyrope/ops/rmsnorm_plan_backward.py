@@ -25,7 +25,7 @@ from .._runtime.choices import choice
 from .._runtime.device import resident_clusters, runs_clusters
 from .rmsnorm_rows import (SHARED_OPTIN_LIMIT, SPLIT_SIZES, NormPlan, blocks_per_wave, cap_split_grid, chunks_span,
                            fit_clusters, flag, kernel_for, next_pow2, plan_rows, row_chunks, row_threads,
-                           row_variant_params, split_parts, whole_steps)
+                           row_variant_params, split_parts, whole_steps, with_flag)
 
 SOURCE = "rmsnorm_bwd.cu"
 # Elements a thread in rms_norm_bwd: fewer, fuller threads for rows of BackwardChoices.long_row_bytes or more.
@@ -255,13 +255,8 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     variant (its last template argument: every kernel's same rows and launch, and a load more a chunk)."""
     plan = _plan_rows_kernel(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, lean, clusters,
                              rounds, choices, residual_grad)
-    plan.name = with_grad_flag(plan.name, residual_grad is not None)
+    plan.name = with_flag(plan.name, residual_grad is not None)
     return plan
-
-
-def with_grad_flag(name: str, grad: bool) -> str:
-    """A backward kernel's name with its GRAD template argument (the last) appended."""
-    return f"{name[:-1]}, {flag(grad)}>"
 
 
 def _plan_rows_kernel(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, lean, clusters, rounds,
@@ -404,8 +399,8 @@ def variants():
         if name.startswith("cupyrope::rms_norm_dw"):
             yield source, name
         else:
-            yield source, with_grad_flag(name, False)
-            yield source, with_grad_flag(name, True)
+            yield source, with_flag(name, False)
+            yield source, with_flag(name, True)
 
 
 def _variants_without_grad():

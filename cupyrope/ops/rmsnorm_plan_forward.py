@@ -18,7 +18,7 @@ from .._runtime.choices import choice
 from .._runtime.compile import get_kernel
 from .._runtime.device import runs_clusters
 from .rmsnorm_rows import (MAX_WIDTH, SHARED_OPTIN_LIMIT, SPLIT_SIZES, NormPlan, chunks_span,
-                           fit_clusters, flag, plan_rows, row_variant_params, split_parts)
+                           fit_clusters, flag, plan_rows, row_variant_params, split_parts, with_flag)
 
 SOURCE = "rmsnorm_fwd.cu"
 # Elements a thread: 16 (one 16-byte chunk of fp32, two of fp16/bf16... up to the register slots) measured best.
@@ -120,14 +120,9 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
         split = plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, plan.shifted,
                                    choices=choices, residual_out=residual_out)
         plan = split or plan
-    if residual_out is not None:
-        plan.name = with_out_flag(plan.name)
+    if residual_out is not None:  # the OUT variant (in place: OUT's default, false, left out of the name)
+        plan.name = with_flag(plan.name, True)
     return plan
-
-
-def with_out_flag(name: str) -> str:
-    """A fused-add forward kernel's name with its OUT template argument (the last, false by default) set."""
-    return f"{name[:-1]}, true>"
 
 
 def plan_forward_split(x, y, residual, weight, row_strides, rows, hidden, min_blocks, shifted=False, *, choices,
@@ -188,10 +183,10 @@ def variants():
                     continue  # never planned: read twice instead
                 name = (f"cupyrope::rms_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
                         f"{flag(add)}, {flag(shift)}>")
-                yield from ((SOURCE, n) for n in ([name, with_out_flag(name)] if add else [name]))
+                yield from ((SOURCE, n) for n in ([name, with_flag(name, True)] if add else [name]))
                 min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add, itemsize, shift))
                 if vec and min_blocks and slots == split_slots(add, itemsize):  # parts: long rows
                     for split in (s for s in SPLIT_SIZES if s >= min_blocks):
                         name = (f"cupyrope::rms_norm_fwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
                                 f"{flag(add)}, {split}, {flag(shift)}>")
-                        yield from ((SOURCE, n) for n in ([name, with_out_flag(name)] if add else [name]))
+                        yield from ((SOURCE, n) for n in ([name, with_flag(name, True)] if add else [name]))

@@ -56,6 +56,11 @@ def flag(value: bool) -> str:
     return "true" if value else "false"
 
 
+def with_flag(name: str, value: bool) -> str:
+    """A kernel's name with one more bool template argument appended (the forward's OUT, the backward's GRAD)."""
+    return f"{name[:-1]}, {flag(value)}>"
+
+
 def row_variant_params(max_slots):
     """(dtype, weight dtype, vectorized, slots) of every variant of a row kernel (rms_norm_fwd, rms_norm_bwd): the
     weight fp32 or x's dtype, slots 0 (read twice) and the register slots up to max_slots[vectorized, element size]."""

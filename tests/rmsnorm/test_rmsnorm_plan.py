@@ -13,7 +13,7 @@ from cupyrope.ops import all_variants, rmsnorm_rows
 from cupyrope.ops import rmsnorm_plan_backward as backward
 from cupyrope.ops import rmsnorm_plan_forward as forward
 from cupyrope.ops.rmsnorm_plan_backward import cap_grid
-from cupyrope.ops.rmsnorm_rows import row_shape
+from cupyrope.ops.rmsnorm_rows import row_shape, with_flag
 
 H100 = PLANNING_PROFILE  # the plans below are an H100's
 plan_forward = functools.partial(forward.plan_forward, choices=H100.rms_norm_forward)
@@ -224,7 +224,7 @@ def test_rms_norm_backward_lean_rule():
         for hidden in (1024, 1027, 2048, 5120, 8192, 16384):
             plan = backward._plan_staged(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1, lean=True)
             assert plan is None or not backward.STAGED_LEAN_MAX_ROWS[plan.slots] or all(
-                backward.with_grad_flag(plan.name, grad) in names for grad in (False, True))
+                with_flag(plan.name, grad) in names for grad in (False, True))
 
 
 def test_rms_norm_backward_reread_plans():
@@ -464,7 +464,7 @@ def test_rms_norm_backward_one_cluster_rule():
     for dtype in ("float32", "float16", "bfloat16"):
         for hidden in (512, 1024, 1027, 2048, 5120, 8192, 16384):
             plan = backward._plan_one_cluster(dtype, "float32", 64, hidden, 227 * 1024, hidden % 2 == 1)
-            assert plan is None or all(backward.with_grad_flag(plan.name, grad) in names for grad in (False, True)), plan
+            assert plan is None or all(with_flag(plan.name, grad) in names for grad in (False, True)), plan
     # Rows the staged kernel would read twice (rms_norm_bwd_reread) give no one-cluster plan.
     for dtype, hidden in (("bfloat16", 8200), ("bfloat16", 20000)):
         assert backward._plan_one_cluster(dtype, "float32", 3, hidden, 227 * 1024) is None
