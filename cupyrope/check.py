@@ -3,7 +3,8 @@ planners pick -- fp32/fp16/bf16; RoPE's direct and block kernels, one pair or 16
 in-kernel, cached and per-token (transformers') cos/sin, both styles, partial rotary, q and k in one
 launch, M-RoPE and varlen positions; QK-norm + RoPE forward and backward; RMSNorm rows of 61 to 65536
 elements (element-wise, shifted, vectorized, staged, read twice from shared memory, split over a cluster;
-small backward calls in one cluster), forward, fused add, backward -- with the test suite's tolerances (fp32 1e-5 relative, fp16/bf16 one rounding of the output).
+small backward calls in one cluster), forward, fused add, backward -- with the test suite's tolerances (fp32
+1e-5 relative, fp16/bf16 one rounding of the output).
 Outputs that can be passed in are filled with NaN first. On a GPU the test suite has not run on, run
 this first.
 
