@@ -6,6 +6,7 @@ from ._runtime.compile import KernelCompileError, NoGPUError, vet_cache_dir
 from ._runtime.launch import pdl_mode, set_pdl
 from .ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_backward
 from .ops.rmsnorm import add_rms_norm, fused_add_rms_norm, rms_norm, rms_norm_backward
+from .ops.rmsnorm_fp8 import rms_norm_fp8
 from .ops.rope import rope, rope_, rope_cache, rope_qk, rope_qk_cos_sin
 
 __version__ = "0.1.0"
@@ -23,6 +24,7 @@ __all__ = [
     "reference",
     "rms_norm",
     "rms_norm_backward",
+    "rms_norm_fp8",
     "rope",
     "rope_",
     "rope_cache",

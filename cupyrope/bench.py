@@ -31,8 +31,8 @@ INTERLEAVE_BELOW_US = 50.0
 
 @dataclasses.dataclass
 class Case:
-    op: str  # "rope", "rms_fwd", "rms_bwd", "add_fwd", "add_bwd", "qk_norm_rope", "qk_norm_rope_bwd",
-    # "rope_qk_positions"
+    op: str  # "rope", "rms_fwd", "rms_bwd", "add_fwd", "add_bwd", "fp8_static", "fp8_token", "fp8_group",
+    # "qk_norm_rope", "qk_norm_rope_bwd", "rope_qk_positions"
     label: str  # shape, for tables
     dtype: str
     make: object  # () -> dict of inputs (torch tensors)
@@ -365,6 +365,72 @@ def add_providers(torch, backward):
     return providers
 
 
+FP8_MODES = {"fp8_static": {"scale": True}, "fp8_token": {}, "fp8_group": {"group_size": 128}}
+
+
+def _torch_rms_norm_fp8(torch, x, w, op, scale, eps=1e-6):
+    """RMSNorm then FP8 quantization as two torch steps (vLLM's unfused path): (y, scales), or y for a static
+    scale."""
+    y = torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps).float()
+    if op == "fp8_static":
+        return (y / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    groups = y.unflatten(-1, (-1, 128)) if op == "fp8_group" else y.unsqueeze(-2)
+    scales = (groups.abs().amax(-1, keepdim=True) / 448).clamp(min=1 / (448 * 512))
+    q = (groups / scales).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(-2)
+    return q, scales.squeeze(-1) if op == "fp8_group" else scales.squeeze(-1).squeeze(-1)
+
+
+def fp8_providers(torch, op):
+    """rms_norm_fp8 in one of its modes against RMSNorm then quantization in torch, eager and compiled."""
+    import cupyrope
+
+    options = {"group_size": 128} if op == "fp8_group" else {}
+    compiled = torch.compile(lambda x, w, scale: _torch_rms_norm_fp8(torch, x, w, op, scale))
+    providers = {
+        "cupyrope": lambda d: (lambda: cupyrope.rms_norm_fp8(d["x"], d["w"], 1e-6, **options,
+                                                             **({"scale": d["scale"]} if op == "fp8_static" else {}))),
+        "F.rms_norm, quantize": lambda d: (lambda: _torch_rms_norm_fp8(torch, d["x"], d["w"], op, d["scale"])),
+        "torch.compile": lambda d: (lambda: compiled(d["x"], d["w"], d["scale"])),
+    }
+    providers["cupyrope" + NO_PDL] = launched_plainly(providers["cupyrope"])
+    return providers
+
+
+def fp8_case(torch, rows, hidden, op):
+    """rms_norm_fp8 (bf16 in) at (rows, hidden): bytes x read, y written (one a value) and the scales."""
+
+    def make():
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+        return {"x": x, "w": w, "scale": torch.tensor([0.02], device="cuda")}
+
+    def ref(d):
+        return reference.rms_norm(_host(torch, d["x"][:CHECK_ROWS]), _host(torch, d["w"]), 1e-6)
+
+    scales = {"fp8_static": 0, "fp8_token": rows, "fp8_group": rows * hidden // 128}[op]
+    return Case(op, f"{rows}x{hidden}", "bfloat16", make, 3 * rows * hidden + 4 * scales + 2 * hidden, ref,
+                rows * hidden)
+
+
+def fp8_cases(torch, full=False):
+    shapes = [(32768, 4096), (8192, 7168), (4096, 4096), (64, 4096), (1, 4096)]
+    if full:
+        shapes += [(t, h) for h in (2048, 8192) for t in (16, 1024, 8192)]
+    return [fp8_case(torch, r, h, op) for op in FP8_MODES for r, h in shapes]
+
+
+def _dequantized(torch, out, op, scale):
+    """An FP8 provider's output as float64 values (codes times their scales)."""
+    if op == "fp8_static":
+        return _host(torch, out.float()) * float(scale)
+    y, scales = out
+    values = _host(torch, y.float())
+    scales = _host(torch, scales)
+    if op == "fp8_group":
+        return (values.reshape(*values.shape[:-1], -1, 128) * scales[..., None]).reshape(values.shape)
+    return values * scales[..., None]
+
+
 QWEN3_8B = (32, 8, 128)  # q heads, kv heads, head_dim
 
 
@@ -630,6 +696,13 @@ def check(case, provider, inputs, fn, torch):
     elif case.op == "add_bwd":  # dx (the peers' autograd: (dx, dresidual, dweight))
         got = _host(torch, out[0][: expected.shape[0]])
         ok = np.allclose(got, expected, rtol=0.05, atol=0.05 * np.abs(expected).max())
+    elif case.op.startswith("fp8_"):  # within two FP8 steps (3 mantissa bits) of the unquantized values
+        rows = expected.shape[0]
+        got = _dequantized(torch, out, case.op, inputs["scale"])[:rows]
+        scale = np.abs(expected).max()
+        if case.op == "fp8_static":
+            expected = np.clip(expected, -448 * 0.02, 448 * 0.02)
+        ok = np.allclose(got, expected, rtol=0.13, atol=0.01 * scale)
     elif case.op == "rms_bwd":
         got = [_host(torch, out[0][:CHECK_ROWS]), _host(torch, out[1])]
         ok = all(e is None or np.allclose(g, e, rtol=0.05, atol=0.05 * np.abs(e).max()) for g, e in zip(got, expected))
@@ -800,6 +873,9 @@ def main(args) -> int:
     if args.op in ("add_rms_norm", "all"):
         for case in add_cases(torch, args.full):
             results += run_case(torch, case, add_providers(torch, case.op == "add_bwd"), args.rounds)
+    if args.op in ("rms_norm_fp8", "all"):
+        for case in fp8_cases(torch, args.full):
+            results += run_case(torch, case, fp8_providers(torch, case.op), args.rounds)
     if args.op in ("qk_norm_rope", "all"):
         for case in qk_cases(torch, args.full):
             providers = (position_source_providers(torch) if case.op == "rope_qk_positions"

@@ -284,3 +284,60 @@ def _residual_add_norm(x, residual, weight, eps, offset, dtype, check):
         raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
     s = round_to(x + residual, dtype)
     return rms_norm(s, weight, eps, offset), s
+
+
+E4M3_MAX = 448.0
+MIN_FP8_SCALE = 1.0 / (448.0 * 512.0)
+
+
+def e4m3(values) -> np.ndarray:
+    """FP8 e4m3fn bytes (uint8) of float64 values as rms_norm_fp8 writes them: saturated to +-448 (+-Inf included),
+    rounded once to nearest even; NaN becomes 0x7F."""
+    values = np.asarray(values, dtype=np.float64)
+    magnitude = np.minimum(np.abs(np.nan_to_num(values)), E4M3_MAX)
+    exponent = np.floor(np.log2(np.maximum(magnitude, 2.0**-6)))  # subnormals: the step of 2^-6's binade
+    steps = np.rint(magnitude / 2.0 ** (exponent - 3))  # 3 mantissa bits: exact quotients, ties to even
+    exponent += steps >= 16  # rounded up into the next binade
+    steps = np.where(steps >= 16, steps / 2, steps)
+    normal = magnitude >= 2.0**-6
+    codes = np.where(normal, (exponent + 7) * 8 + steps - 8, steps).astype(np.uint8)
+    codes = np.where(np.signbit(values), codes | 0x80, codes)
+    return np.where(np.isnan(values), np.uint8(0x7F), codes).astype(np.uint8)
+
+
+def e4m3_values(codes) -> np.ndarray:
+    """The float64 values of FP8 e4m3fn bytes (0x7F and 0xFF: NaN)."""
+    codes = np.asarray(codes, dtype=np.uint8).astype(np.int64)
+    exponent, mantissa = (codes >> 3) & 15, codes & 7
+    magnitude = np.where(exponent > 0, (8 + mantissa) * 2.0 ** (exponent - 10), mantissa * 2.0**-9)
+    values = np.where(codes & 0x80, -magnitude, magnitude)
+    return np.where((codes & 0x7F) == 0x7F, np.nan, values)
+
+
+def rms_norm_fp8(x, weight=None, eps=1e-6, *, scale=None, group_size=None, residual=None, offset=0.0, scale_ub=None,
+                 dtype="float32"):
+    """rms_norm_fp8's values before their FP8 rounding, and its scales: (v / scale, scales) in float64, where v is
+    rms_norm's value (of round_to(x + residual, dtype) with a residual) and scale the static one or, dynamic, max |v|
+    over the row (group_size None) or over each group of group_size columns, bounded by scale_ub, / 448, at least
+    MIN_FP8_SCALE. scales: the dynamic scales' shape (see rms_norm_fp8), or the static scale. e4m3() of the first
+    gives the output's bytes."""
+    x, xa = _float64(x, "x")
+    weight, wa = _optional_float64(weight, "weight")
+    residual, ra = _optional_float64(residual, "residual")
+    scale_array, sa = _optional_float64(scale, "scale")
+    bound, ua = _optional_float64(scale_ub, "scale_ub")
+    rmsnorm_checks.check_fp8(xa, wa, ra, sa, ua, None, group_size=group_size, eps=eps, offset=offset, impl="auto",
+                             dtypes=_FLOAT64, scale_dtype="float64")
+    if dtype not in _ROUNDED:
+        raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
+    source = round_to(x + residual, dtype) if residual is not None else x
+    v = rms_norm(source, weight, eps, offset)
+    if scale is not None:
+        return v / scale_array.reshape(()), scale_array.reshape(())
+    groups = v.reshape(*v.shape[:-1], -1, group_size) if group_size else v[..., None, :]
+    amax = np.max(np.abs(np.nan_to_num(groups, nan=0.0)), axis=-1, initial=0.0)
+    if bound is not None:
+        amax = np.minimum(amax, bound.reshape(()))
+    scales = np.maximum(amax / E4M3_MAX, MIN_FP8_SCALE)
+    q = (groups / scales[..., None]).reshape(v.shape)
+    return q, scales if group_size else scales[..., 0]

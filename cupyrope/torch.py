@@ -26,13 +26,14 @@ from .ops.rmsnorm import add_rms_norm as _add_rms_norm
 from .ops.rmsnorm import fused_add_rms_norm as _fused_add_rms_norm
 from .ops.rmsnorm import rms_norm as _rms_norm
 from .ops.rmsnorm import rms_norm_backward as _rms_norm_backward
+from .ops.rmsnorm_fp8 import rms_norm_fp8 as _rms_norm_fp8
 from .ops.rope import rope as _rope
 from .ops.rope import rope_cache as _rope_cache
 from .ops.rope import rope_qk as _rope_qk
 from .ops.rope import rope_qk_cos_sin as _rope_qk_cos_sin
 
 __all__ = ["QKNormRotaryEmbedding", "RMSNorm", "RotaryEmbedding", "add_rms_norm", "fused_add_rms_norm", "qk_norm_rope",
-           "qk_norm_rope_", "rms_norm", "rope", "rope_qk", "rope_qk_",
+           "qk_norm_rope_", "rms_norm", "rms_norm_fp8", "rope", "rope_qk", "rope_qk_",
            "rope_qk_cos_sin"]
 
 
@@ -619,6 +620,71 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor], ep
     else:
         _fused_add_any(x, residual, weight, eps, offset)
     return x, residual
+
+
+def _rms_norm_fp8_cpu(x, weight, residual, scale, scale_ub, group_size, eps, offset):
+    """rms_norm_fp8() on CPU tensors: its checks, then the kernel's arithmetic in torch (fp32 values, the scale's
+    reciprocal, NaN left out of the maxima)."""
+    _norm_checks.check_fp8(_host(x, "x"), _optional_host(weight, "weight"), _optional_host(residual, "residual"),
+                           _optional_host(scale, "scale"), _optional_host(scale_ub, "scale_ub"), None,
+                           group_size=group_size, eps=eps, offset=offset, impl="auto")
+    if residual is not None:
+        residual.add_(x)
+    source = (x if residual is None else residual).float()
+    v = source * torch.rsqrt(source.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        v = v * (weight.float() + offset)
+    if scale is not None:
+        scales = torch.empty(0, device=x.device)
+        q = v * (1 / scale.float().reshape(()))
+    else:
+        groups = v.unflatten(-1, (-1, group_size or v.shape[-1]))
+        amax = groups.abs().nan_to_num(nan=0.0, posinf=float("inf")).amax(-1)
+        if scale_ub is not None:
+            amax = torch.minimum(amax, scale_ub.float().reshape(()))
+        scales = torch.clamp(amax / _reference.E4M3_MAX, min=_reference.MIN_FP8_SCALE)
+        q = (groups * (1 / scales).unsqueeze(-1)).flatten(-2)
+        scales = scales if group_size else scales.squeeze(-1)
+    q = torch.where(q.isnan(), q, q.clamp(-_reference.E4M3_MAX, _reference.E4M3_MAX))
+    return q.to(torch.float8_e4m3fn), scales
+
+
+def _rms_norm_fp8_any(x, weight, residual, scale, scale_ub, group_size, eps, offset):
+    """(y, scales) as the op returns them (scales empty with a static scale)."""
+    if not x.is_cuda:
+        return _rms_norm_fp8_cpu(x, weight, residual, scale, scale_ub, group_size, eps, offset)
+    result = _rms_norm_fp8(x, weight, eps, scale=scale, group_size=group_size, residual=residual, offset=offset,
+                           scale_ub=scale_ub)
+    return (result, torch.empty(0, device=x.device)) if scale is not None else result
+
+
+@torch.library.custom_op("cupyrope::rms_norm_fp8", mutates_args=("residual",), device_types=("cuda", "cpu"))
+def _rms_norm_fp8_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], scale: Optional[Tensor],
+                     scale_ub: Optional[Tensor], group_size: Optional[int], eps: float,
+                     offset: float) -> tuple[Tensor, Tensor]:
+    return _rms_norm_fp8_any(x, weight, residual, scale, scale_ub, group_size, eps, offset)
+
+
+@_rms_norm_fp8_op.register_fake
+def _(x, weight, residual, scale, scale_ub, group_size, eps, offset):
+    y = x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+    if scale is not None:
+        return y, x.new_empty(0, dtype=torch.float32)
+    lead = list(x.shape[:-1])
+    return y, x.new_empty(lead + [x.shape[-1] // group_size] if group_size else lead, dtype=torch.float32)
+
+
+def rms_norm_fp8(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *, scale: Optional[Tensor] = None,
+                 group_size: Optional[int] = None, residual: Optional[Tensor] = None, offset: float = 0.0,
+                 scale_ub: Optional[Tensor] = None):
+    """cupyrope.rms_norm_fp8 for torch (inference; not differentiable): y as torch.float8_e4m3fn, and with no
+    static scale (y, scales). On CPU tensors too, and under torch.compile as ``torch.ops.cupyrope.rms_norm_fp8``
+    (residual, when given, is updated in place)."""
+    if _compiling():
+        y, scales = _rms_norm_fp8_op(x, weight, residual, scale, scale_ub, group_size, eps, offset)
+    else:
+        y, scales = _rms_norm_fp8_any(x, weight, residual, scale, scale_ub, group_size, eps, offset)
+    return y if scale is not None else (y, scales)
 
 
 # -------------------------------------------------------------------------------------- QK-norm + RoPE

@@ -4,7 +4,7 @@ run the same ones and raise the same errors."""
 import math
 
 from .._runtime import checks
-from .._runtime.arrays import FLOAT_DTYPES, Array, is_contiguous, merge_dims
+from .._runtime.arrays import FLOAT_DTYPES, FP8_DTYPES, Array, is_contiguous, merge_dims
 
 
 def check_options(eps, offset, impl) -> None:
@@ -71,6 +71,48 @@ def check_backward(dy: Array, x: Array, weight: Array | None, rstd: Array | None
             raise ValueError(f"rstd: expected shape {x.shape[:-1]} (x's rows), got {rstd.shape}")
         if not is_contiguous(rstd) and rstd.size > 1:
             raise ValueError(f"rstd: expected a contiguous array, got strides {rstd.strides}")
+
+
+def check_scalar_scale(scale: Array | None, like: Array, name: str, dtype: str = "float32") -> None:
+    """A one-element float32 array on x's device (read by the kernel: never by the host)."""
+    if scale is None:
+        return
+    checks.check_same_device(like, scale, "x", name)
+    if scale.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {scale.dtype}")
+    if scale.size != 1 or len(scale.shape) > 1:
+        raise ValueError(f"{name}: expected one value, shape () or (1,), got shape {scale.shape}")
+
+
+def check_fp8(x: Array, weight: Array | None, residual: Array | None, scale: Array | None, scale_ub: Array | None,
+              out: Array | None, *, group_size, eps, offset, impl, dtypes=FLOAT_DTYPES, scale_dtype="float32") -> None:
+    """Every check of an rms_norm_fp8() call (the references' scales are float64: scale_dtype)."""
+    from .rmsnorm_plan_fp8 import GROUP_SIZES
+
+    check_options(eps, offset, impl)
+    checks.check_float_input(x, "x", "hidden", dtypes)
+    check_weight(weight, x, "x")
+    if residual is not None:
+        checks.check_like(residual, x, "x", "residual")
+        checks.check_not_overlapping(x, residual, "x", "residual")
+    check_scalar_scale(scale, x, "scale", scale_dtype)
+    check_scalar_scale(scale_ub, x, "scale_ub", scale_dtype)
+    if group_size is not None:
+        if not checks.is_int(group_size) or group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size: expected None or one of {GROUP_SIZES}, got {group_size!r}")
+        if x.shape[-1] % group_size:
+            raise ValueError(f"group_size: expected a divisor of x's hidden size {x.shape[-1]}, got {group_size}")
+    if scale is not None and group_size is not None:
+        raise ValueError("group_size: per-group scales are dynamic; pass scale=None (a static scale is one "
+                         "for the whole tensor)")
+    if scale is not None and scale_ub is not None:
+        raise ValueError("scale_ub: bounds dynamic scales only; pass scale_ub=None with a static scale")
+    if out is not None:
+        fp8 = FP8_DTYPES[x.kind]
+        checks.check_like(out, x, "x", "out", dtype=fp8)
+        for other, name in ((x, "x"), (residual, "residual")):
+            if other is not None:
+                checks.check_not_overlapping(other, out, name, "out")
 
 
 def row_strides(arrays, names) -> tuple:

@@ -21,6 +21,7 @@ ROPE_PROVIDERS = ["cupyrope vector", "cupyrope vector (no PDL)", "cupyrope scala
                   "torch.compile (cos/sin cache)", "cupyrope dropin (transformers cos/sin)", "liger"]
 RMS_PROVIDERS = ["cupyrope", "cupyrope (no PDL)", "F.rms_norm", "liger"]
 ADD_PROVIDERS = ["cupyrope", "cupyrope (no PDL)", "x + r, F.rms_norm", "torch.compile", "liger"]
+FP8_PROVIDERS = ["cupyrope", "cupyrope (no PDL)", "F.rms_norm, quantize", "torch.compile"]
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +70,12 @@ def test_rms_norm(benchmark, case, name, copy_gbps):
 @pytest.mark.parametrize("case", bench.add_cases(torch, FULL), ids=lambda c: f"{c.op}-{c.label}-{c.dtype}")
 def test_add_rms_norm(benchmark, case, name, copy_gbps):
     _run(benchmark, case, name, bench.add_providers(torch, case.op == "add_bwd"), copy_gbps)
+
+
+@pytest.mark.parametrize("name", FP8_PROVIDERS)
+@pytest.mark.parametrize("case", bench.fp8_cases(torch, FULL), ids=lambda c: f"{c.op}-{c.label}-{c.dtype}")
+def test_rms_norm_fp8(benchmark, case, name, copy_gbps):
+    _run(benchmark, case, name, bench.fp8_providers(torch, case.op), copy_gbps)
 
 
 @pytest.mark.parametrize("family", ["llama-3", "qwen3"])

@@ -12,6 +12,7 @@ from cupyrope._runtime.arrays import ITEMSIZE
 from cupyrope.ops import all_variants, rmsnorm_rows
 from cupyrope.ops import rmsnorm_plan_backward as backward
 from cupyrope.ops import rmsnorm_plan_forward as forward
+from cupyrope.ops import rmsnorm_plan_fp8 as fp8
 from cupyrope.ops.rmsnorm_plan_backward import cap_grid
 from cupyrope.ops.rmsnorm_rows import row_shape, with_flag
 
@@ -508,3 +509,42 @@ def test_rms_norm_backward_cluster_rounds_rule(monkeypatch):
         p = plan_backward(a, a, a, weight, (hidden,) * 3, a.shape[0], hidden, n_sm=132, clusters=True, rounds=True)
         assert not p.cluster_rounds and not p.name.startswith("cupyrope::rms_norm_bwd_cluster<"), p
         assert not backward.takes_cluster_rounds(p, weight is not None, 0)
+
+
+plan_fp8 = functools.partial(fp8.plan_fp8, choices=H100.rms_norm_forward)
+
+
+@pytest.mark.parametrize(
+    "dtype,hidden,group,vectorized,block,slots",
+    [("bfloat16", 4096, fp8.TOKEN_SCALE, True, (256, 1), 2),  # the forward's two 16-byte chunks a thread
+     ("bfloat16", 7168, 128, True, (448, 1), 2),
+     ("bfloat16", 128, 128, True, (16, 8), 1),  # a group's 16 lanes, though 8 threads would hold the row
+     ("float32", 128, 128, True, (32, 4), 1),  # fp32: 4 elements a chunk, a group is a whole warp
+     ("bfloat16", 64, 64, True, (8, 16), 1),
+     ("bfloat16", 1027, fp8.TOKEN_SCALE, False, (160, 1), 1),  # odd rows: 8-element chunks, element by element
+     ("bfloat16", 32768, fp8.STATIC_SCALE, True, (512, 1), 0),  # read again
+     ("float32", 16384, 64, True, (512, 1), 8)],
+)
+def test_rms_norm_fp8_plans(dtype, hidden, group, vectorized, block, slots):
+    """Rows map as the forward's, in 16-byte chunks whatever the alignment, with a group's lanes in one row."""
+    x, y = arr((300, hidden), dtype), arr((300, hidden), "uint8", ptr=BASE + 2**28)
+    plan = plan_fp8(x, y, None, None, (hidden, hidden, 0), 300, hidden, group)
+    assert (plan.vectorized, plan.block, plan.slots) == (vectorized, block, slots)
+    assert plan.grid == -(-300 // block[1])
+    lanes = group // (16 // ITEMSIZE[dtype]) if group > fp8.TOKEN_SCALE else 1
+    assert plan.block[0] % lanes == 0
+    assert (fp8.SOURCE, plan.name) in set(all_variants())
+
+
+def test_rms_norm_fp8_alignment():
+    """16-byte accesses need x (and residual, weight) 16-byte aligned and y's rows aligned to a chunk's bytes; a
+    misaligned out or x moves element by element; impl='vector' then refuses."""
+    x, r = arr((8, 4096)), arr((8, 4096), ptr=BASE + 2**27)
+    y = arr((8, 4096), "uint8", ptr=BASE + 2**28)
+    assert plan_fp8(x, y, r, None, (4096, 4096, 4096), 8, 4096, 64).vectorized
+    odd_out = arr((8, 4096), "uint8", ptr=BASE + 2**28 + 4)
+    assert not plan_fp8(x, odd_out, r, None, (4096, 4096, 4096), 8, 4096, 64).vectorized
+    odd_x = arr((8, 4096), ptr=BASE + 2)
+    assert not plan_fp8(odd_x, y, None, None, (4096, 4096, 0), 8, 4096, 64).vectorized
+    with pytest.raises(ValueError, match="impl: 'vector' needs"):
+        plan_fp8(odd_x, y, None, None, (4096, 4096, 0), 8, 4096, 64, "vector")

@@ -1,0 +1,246 @@
+// RMSNorm with an FP8 (e4m3fn) output, for FP8-weight serving: y = quantize(x / sqrt(mean(x^2) + eps) * (w + offset)),
+// and with ADD the fused residual add first (residual <- x + residual, rounded to T, is what is normalized).
+// The normalized value v is the fp32 value rms_norm rounds to T; it is quantized as saturate(v / scale) with one
+// rounding to e4m3 (to nearest even; +-Inf and finite values past +-448 saturate to +-448, NaN stays NaN, 0x7F).
+// GROUP picks the scale:
+//   STATIC_SCALE    the caller's one scale (p.scale, fp32 on the device);
+//   TOKEN_SCALE     one a row, written to p.scales: max |v| over the row (bounded by *p.scale_ub when given) / 448;
+//   64, 128         one per GROUP consecutive columns of a row (DeepSeek-V3's blocks), p.scales (rows, hidden / GROUP).
+// A dynamic scale is at least MIN_SCALE, so that a row or group of zeros quantizes to zeros. Values are multiplied by
+// the scale's reciprocal (one division a scale).
+//
+// Row layout as rmsnorm_common.cuh's, except that chunks are always E = 16 / sizeof(T) elements: VEC rows move them
+// as 16-byte accesses (and 4- or 8-byte stores of y), the others element by element, so that a group of GROUP columns
+// is GROUP / E consecutive lanes of one warp in every kind of row (the planner gives rows at least that many threads).
+// NPT > 0: a thread's NPT chunks stay in registers between the passes; NPT == 0: long rows are read again for each
+// pass (the sum of squares; with TOKEN_SCALE the row's maximum; the output), mostly from the L2.
+#include "rmsnorm_common.cuh"
+
+namespace cupyrope {
+
+struct Fp8NormParams {  // mirrored by rmsnorm_fp8.py's TAIL (after the pointers)
+    const void* x;
+    unsigned char* y;
+    void* residual;          // ADD: x + residual is written here, then normalized
+    const void* weight;      // may be null: no weight
+    const float* scale;      // STATIC_SCALE: the scale
+    float* scales;           // dynamic: where the scales go
+    const float* scale_ub;   // dynamic, may be null: the bound of the maximum a scale is computed from
+    i64 rows, hidden;
+    i64 x_stride, y_stride, residual_stride;
+    float eps, offset;
+    float inv_hidden;  // 1 / hidden, rounded to float (as rms_norm_fwd's)
+};
+
+constexpr int STATIC_SCALE = 0;
+constexpr int TOKEN_SCALE = 1;
+constexpr float E4M3_MAX = 448.f;
+constexpr float MIN_SCALE = 1.f / (E4M3_MAX * 512.f);
+
+// v as an e4m3fn byte, saturating (see above): what GPUs before sm_89 run, and the reference the kernel
+// e4m3_encode checks against the hardware conversion.
+__device__ __forceinline__ unsigned e4m3_by_software(float v) {
+    const unsigned sign = (__float_as_uint(v) >> 24) & 0x80u;
+    float a = fabsf(v);
+    if (a != a) return 0x7fu;
+    a = fminf(a, E4M3_MAX);
+    if (a < 0.015625f) return sign | (unsigned)__float2int_rn(a * 512.f);  // subnormal steps of 2^-9 (8: 2^-6)
+    unsigned bits = __float_as_uint(a);
+    bits += 0x7ffffu + ((bits >> 20) & 1u);  // to 3 mantissa bits, nearest even (a carry moves the exponent)
+    return sign | (((bits >> 23) - 120u) << 3) | ((bits >> 20) & 7u);
+}
+
+// Two values as e4m3fn bytes: low in bits 0-7, high in bits 8-15.
+template <bool SOFTWARE = false>
+__device__ __forceinline__ unsigned e4m3_pair(float low, float high) {
+#if __CUDA_ARCH__ >= 890
+    if constexpr (!SOFTWARE) {
+        unsigned short pair;
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(high), "f"(low));
+        return pair;
+    }
+#endif
+    return e4m3_by_software(low) | (e4m3_by_software(high) << 8);
+}
+
+// The maximum of v over a row's `width` threads (as row_sum: every thread of the block calls it).
+__device__ __forceinline__ float row_max(float v, int width, float* scratch) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+        if (offset < width) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    if (width <= 32) return v;
+    const int warps = width / 32;
+    float* partials = scratch + threadIdx.y * warps;
+    __syncthreads();  // the sum of squares may still read scratch
+    if (threadIdx.x % 32 == 0) partials[threadIdx.x / 32] = v;
+    __syncthreads();
+    for (int w = 0; w < warps; ++w) v = fmaxf(v, partials[w]);
+    return v;
+}
+
+// The maximum of v over the LANES consecutive lanes of a group (LANES a power of two up to 32, aligned in the warp;
+// only they call it).
+template <int LANES>
+__device__ __forceinline__ float group_max(float v) {
+    const unsigned lane = (threadIdx.x + threadIdx.y * blockDim.x) % 32;
+    const unsigned mask = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << (lane / LANES * LANES);
+#pragma unroll
+    for (int offset = LANES / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(mask, v, offset));
+    return v;
+}
+
+// A dynamic scale from the maximum |v| it covers.
+__device__ __forceinline__ float scale_of(float amax, const float* scale_ub) {
+    if (scale_ub) amax = fminf(amax, *scale_ub);
+    return fmaxf(amax / E4M3_MAX, MIN_SCALE);
+}
+
+// E elements of a row from column col (VEC: one 16-byte access; else element by element, 0 past the row's end).
+template <bool VEC, int E, typename T>
+__device__ __forceinline__ Pack<T, E> load_elems(const T* row, i64 col, i64 hidden) {
+    if constexpr (VEC) return load_pack<true, E>(row + col);
+    Pack<T, E> pk;
+#pragma unroll
+    for (int e = 0; e < E; ++e) pk.v[e] = col + e < hidden ? row[col + e] : from_float<T>(0.f);
+    return pk;
+}
+
+template <bool VEC, int E, typename T>
+__device__ __forceinline__ void store_elems(T* row, i64 col, i64 hidden, const Pack<T, E>& pk) {
+    if constexpr (VEC) {
+        store_pack<true, E>(row + col, pk);
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e)
+            if (col + e < hidden) row[col + e] = pk.v[e];
+    }
+}
+
+// E quantized values from col as bytes: VEC one 4- or 8-byte store, else byte by byte within the row.
+template <bool VEC, int E>
+__device__ __forceinline__ void store_fp8(unsigned char* row, i64 col, i64 hidden, const float (&q)[E]) {
+    unsigned words[E / 4];
+#pragma unroll
+    for (int k = 0; k < E / 4; ++k)
+        words[k] = e4m3_pair(q[4 * k], q[4 * k + 1]) | (e4m3_pair(q[4 * k + 2], q[4 * k + 3]) << 16);
+    if constexpr (VEC && E == 8) {
+        store_words(row + col, make_uint2(words[0], words[1]));
+    } else if constexpr (VEC) {
+        *reinterpret_cast<unsigned*>(row + col) = words[0];
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e)
+            if (col + e < hidden) row[col + e] = (unsigned char)(words[e / 4] >> (8 * (e % 4)));
+    }
+}
+
+// Calls f(i, col) for a thread's chunks of a row: i its register slot (NPT > 0; 0 when read again), col its first
+// column.
+template <int NPT, int E, typename F>
+__device__ __forceinline__ void for_chunks(int lane, int width, i64 hidden, F f) {
+    if constexpr (NPT > 0) {
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const i64 col = (i64)(lane + i * width) * E;
+            if (col < hidden) f(i, col);
+        }
+    } else {
+        for (i64 col = (i64)lane * E; col < hidden; col += (i64)width * E) f(0, col);
+    }
+}
+
+template <typename T, typename W, bool VEC, int NPT, bool ADD, int GROUP>
+__global__ void __launch_bounds__(512) rms_norm_fp8(const Fp8NormParams p) {
+    wait_for_previous_grid();
+    constexpr int E = 16 / sizeof(T);
+    static_assert(GROUP <= TOKEN_SCALE || (GROUP % E == 0 && GROUP / E <= 32), "a group: whole chunks of one warp");
+    __shared__ float scratch[32];
+    const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    const bool active = row < p.rows;  // inactive threads still join the row reductions
+    const int lane = threadIdx.x, width = blockDim.x;
+    const i64 hidden = active ? p.hidden : 0;  // no chunks
+    const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+    T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
+    const T* const src = ADD ? res_row : x_row;  // what is normalized
+    unsigned char* const y_row = p.y + row * p.y_stride;
+
+    Pack<T, E> held[NPT > 0 ? NPT : 1];
+    float sum_sq = 0.f;
+    for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
+        Pack<T, E> v = load_elems<VEC, E>(x_row, col, hidden);
+        if constexpr (ADD) {
+            const Pack<T, E> r = load_elems<VEC, E>(res_row, col, hidden);
+#pragma unroll
+            for (int e = 0; e < E; ++e) v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(r.v[e]));
+            store_elems<VEC, E>(res_row, col, hidden, v);
+        }
+        if constexpr (NPT > 0) held[i] = v;
+#pragma unroll
+        for (int e = 0; e < E; ++e) sum_sq = fmaf(to_float(v.v[e]), to_float(v.v[e]), sum_sq);
+    });
+    const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
+
+    // The normalized values of chunk (i, col), as rms_norm computes them before its rounding.
+    const auto normalized = [&](int i, i64 col, float (&v)[E]) {
+        Pack<T, E> s;
+        if constexpr (NPT > 0) s = held[i];
+        else s = load_elems<VEC, E>(src, col, hidden);
+        Pack<W, E> w;
+        if (p.weight) w = load_elems<VEC, E>(static_cast<const W*>(p.weight), col, hidden);
+#pragma unroll
+        for (int e = 0; e < E; ++e) v[e] = to_float(s.v[e]) * rstd * scale<W, E>(p.weight, p.offset, w, e);
+    };
+    const auto chunk_max = [](const float (&v)[E]) {
+        float m = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) m = fmaxf(m, fabsf(v[e]));
+        return m;
+    };
+
+    float inverse = 0.f;  // 1 / scale: STATIC_SCALE and TOKEN_SCALE's, for the whole row
+    if constexpr (GROUP == STATIC_SCALE) {
+        inverse = 1.f / *p.scale;
+    } else if constexpr (GROUP == TOKEN_SCALE) {
+        float amax = 0.f;
+        for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
+            float v[E];
+            normalized(i, col, v);
+            amax = fmaxf(amax, chunk_max(v));
+        });
+        const float scale = scale_of(row_max(amax, width, scratch), p.scale_ub);
+        if (active && lane == 0) p.scales[row] = scale;
+        inverse = 1.f / scale;
+    }
+    for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
+        float v[E];
+        normalized(i, col, v);
+        float group_inverse = inverse;
+        if constexpr (GROUP > TOKEN_SCALE) {  // the group's lanes are all here: a group lies in the row or past it
+            const float scale = scale_of(group_max<GROUP / E>(chunk_max(v)), p.scale_ub);
+            if (col % GROUP == 0) p.scales[row * (p.hidden / GROUP) + col / GROUP] = scale;
+            group_inverse = 1.f / scale;
+        }
+#pragma unroll
+        for (int e = 0; e < E; ++e) v[e] *= group_inverse;
+        store_fp8<VEC, E>(y_row, col, hidden, v);
+    });
+}
+
+// The e4m3 conversion on its own, for the tests: y[i] = the byte of x[i], by the hardware's conversion (sm_89+) or
+// with SOFTWARE by e4m3_by_software (what older GPUs run), so that both can be checked on one GPU.
+struct EncodeParams {  // mirrored by the test's launch
+    const float* x;
+    unsigned char* y;
+    i64 n;
+};
+
+template <bool SOFTWARE>
+__global__ void e4m3_encode(const EncodeParams p) {
+    const i64 i = 2 * ((i64)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= p.n) return;
+    const unsigned pair = e4m3_pair<SOFTWARE>(p.x[i], i + 1 < p.n ? p.x[i + 1] : 0.f);
+    p.y[i] = (unsigned char)pair;
+    if (i + 1 < p.n) p.y[i + 1] = (unsigned char)(pair >> 8);
+}
+
+}  // namespace cupyrope
