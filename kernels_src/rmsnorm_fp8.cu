@@ -89,20 +89,22 @@ __device__ __forceinline__ float group_max(float v) {
     return v;
 }
 
-// A dynamic scale from the maximum |v| it covers.
-__device__ __forceinline__ float scale_of(float amax, const float* scale_ub) {
-    if (scale_ub) amax = fminf(amax, *scale_ub);
-    return fmaxf(amax / E4M3_MAX, MIN_SCALE);
+// A dynamic scale from the maximum |v| it covers and the bound of that maximum (scale_ub; none: Inf).
+__device__ __forceinline__ float scale_of(float amax, float bound) {
+    return fmaxf(fminf(amax, bound) / E4M3_MAX, MIN_SCALE);
 }
 
 // E elements of a row from column col (VEC: one 16-byte access; else element by element, 0 past the row's end).
 template <bool VEC, int E, typename T>
 __device__ __forceinline__ Pack<T, E> load_elems(const T* row, i64 col, i64 hidden) {
-    if constexpr (VEC) return load_pack<true, E>(row + col);
-    Pack<T, E> pk;
+    if constexpr (VEC) {
+        return load_pack<true, E>(row + col);
+    } else {
+        Pack<T, E> pk;
 #pragma unroll
-    for (int e = 0; e < E; ++e) pk.v[e] = col + e < hidden ? row[col + e] : from_float<T>(0.f);
-    return pk;
+        for (int e = 0; e < E; ++e) pk.v[e] = col + e < hidden ? row[col + e] : from_float<T>(0.f);
+        return pk;
+    }
 }
 
 template <bool VEC, int E, typename T>
@@ -149,12 +151,25 @@ __device__ __forceinline__ void for_chunks(int lane, int width, i64 hidden, F f)
     }
 }
 
+// Weight bytes a thread holds from the first pass (loaded with x) rather than loading them after the reduction, where
+// each load adds a memory round trip to the row's chain (as the forward's FWD_EARLY_BYTES).
+constexpr int FP8_EARLY_BYTES = 64;
+template <typename W, int NPT, int E>
+__device__ constexpr bool fp8_weight_early() {
+    return NPT > 0 && NPT * E * (int)sizeof(W) <= FP8_EARLY_BYTES;
+}
+
 template <typename T, typename W, bool VEC, int NPT, bool ADD, int GROUP>
 __global__ void __launch_bounds__(512) rms_norm_fp8(const Fp8NormParams p) {
     wait_for_previous_grid();
     constexpr int E = 16 / sizeof(T);
+    constexpr bool EARLY = fp8_weight_early<W, NPT, E>();
     static_assert(GROUP <= TOKEN_SCALE || (GROUP % E == 0 && GROUP / E <= 32), "a group: whole chunks of one warp");
     __shared__ float scratch[32];
+    // The scalars first, so that their loads overlap the row's.
+    const float static_scale = GROUP == STATIC_SCALE ? *p.scale : 1.f;
+    const float* const scale_ub = p.scale_ub;
+    const float bound = GROUP != STATIC_SCALE && scale_ub ? *scale_ub : __int_as_float(0x7f800000);  // Inf
     const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     const bool active = row < p.rows;  // inactive threads still join the row reductions
     const int lane = threadIdx.x, width = blockDim.x;
@@ -163,11 +178,16 @@ __global__ void __launch_bounds__(512) rms_norm_fp8(const Fp8NormParams p) {
     T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
     const T* const src = ADD ? res_row : x_row;  // what is normalized
     unsigned char* const y_row = p.y + row * p.y_stride;
+    const W* const weight = static_cast<const W*>(p.weight);
 
     Pack<T, E> held[NPT > 0 ? NPT : 1];
+    Pack<W, E> weights[EARLY ? NPT : 1];
     float sum_sq = 0.f;
     for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
         Pack<T, E> v = load_elems<VEC, E>(x_row, col, hidden);
+        if constexpr (EARLY) {
+            if (weight) weights[EARLY ? i : 0] = load_elems<VEC, E>(weight, col, hidden);
+        }
         if constexpr (ADD) {
             const Pack<T, E> r = load_elems<VEC, E>(res_row, col, hidden);
 #pragma unroll
@@ -186,9 +206,10 @@ __global__ void __launch_bounds__(512) rms_norm_fp8(const Fp8NormParams p) {
         if constexpr (NPT > 0) s = held[i];
         else s = load_elems<VEC, E>(src, col, hidden);
         Pack<W, E> w;
-        if (p.weight) w = load_elems<VEC, E>(static_cast<const W*>(p.weight), col, hidden);
+        if constexpr (EARLY) w = weights[EARLY ? i : 0];
+        else if (weight) w = load_elems<VEC, E>(weight, col, hidden);
 #pragma unroll
-        for (int e = 0; e < E; ++e) v[e] = to_float(s.v[e]) * rstd * scale<W, E>(p.weight, p.offset, w, e);
+        for (int e = 0; e < E; ++e) v[e] = to_float(s.v[e]) * rstd * scale<W, E>(weight, p.offset, w, e);
     };
     const auto chunk_max = [](const float (&v)[E]) {
         float m = 0.f;
@@ -197,17 +218,15 @@ __global__ void __launch_bounds__(512) rms_norm_fp8(const Fp8NormParams p) {
         return m;
     };
 
-    float inverse = 0.f;  // 1 / scale: STATIC_SCALE and TOKEN_SCALE's, for the whole row
-    if constexpr (GROUP == STATIC_SCALE) {
-        inverse = 1.f / *p.scale;
-    } else if constexpr (GROUP == TOKEN_SCALE) {
+    float inverse = 1.f / static_scale;  // 1 / scale: STATIC_SCALE and TOKEN_SCALE's, for the whole row
+    if constexpr (GROUP == TOKEN_SCALE) {
         float amax = 0.f;
         for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
             float v[E];
             normalized(i, col, v);
             amax = fmaxf(amax, chunk_max(v));
         });
-        const float scale = scale_of(row_max(amax, width, scratch), p.scale_ub);
+        const float scale = scale_of(row_max(amax, width, scratch), bound);
         if (active && lane == 0) p.scales[row] = scale;
         inverse = 1.f / scale;
     }
@@ -216,7 +235,7 @@ __global__ void __launch_bounds__(512) rms_norm_fp8(const Fp8NormParams p) {
         normalized(i, col, v);
         float group_inverse = inverse;
         if constexpr (GROUP > TOKEN_SCALE) {  // the group's lanes are all here: a group lies in the row or past it
-            const float scale = scale_of(group_max<GROUP / E>(chunk_max(v)), p.scale_ub);
+            const float scale = scale_of(group_max<GROUP / E>(chunk_max(v)), bound);
             if (col % GROUP == 0) p.scales[row * (p.hidden / GROUP) + col / GROUP] = scale;
             group_inverse = 1.f / scale;
         }
