@@ -233,3 +233,37 @@ def test_a_cupy_table_without_a_gpu_says_what_to_pass_instead():
     pytest.importorskip("cupy")
     with pytest.raises(cupyrope.NoGPUError, match="kind='cupy': no CUDA GPU/driver found.*kind='numpy'"):
         cupyrope.rope_cache(100, 16)
+
+
+def test_e4m3_is_torchs_cast_of_saturated_values():
+    """reference.e4m3 gives torch's float8_e4m3fn cast of the value clamped to +-448, bit for bit, over random
+    magnitudes, every FP8 value, the midpoints between neighbours (ties to even) and the specials; e4m3_values
+    decodes every byte back."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    grid = reference.e4m3_values(np.arange(256, dtype=np.uint8))
+    finite = np.sort(grid[np.isfinite(grid)])
+    values = np.concatenate([rng.standard_normal(50000) * 2.0 ** rng.uniform(-12, 10, 50000), finite,
+                             (finite[1:] + finite[:-1]) / 2, [448.0, 464.0, 479.0, 500.0, -1e30, np.inf, -np.inf]])
+    values = values.astype(np.float32)
+    expected = torch.from_numpy(np.clip(values, -448, 448)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    np.testing.assert_array_equal(reference.e4m3(values.astype(np.float64)), expected)
+    assert reference.e4m3(np.nan) == 0x7F
+    codes = np.arange(256, dtype=np.uint8)
+    decoded = torch.from_numpy(codes).view(torch.float8_e4m3fn).float().numpy()
+    np.testing.assert_array_equal(reference.e4m3_values(codes), decoded)
+
+
+def test_rms_norm_fp8_reference_scales():
+    """Dynamic scales: max |v| / 448 over a row or group (bounded by scale_ub, at least 1 / (448 * 512)); the
+    quantized values' largest magnitude is then 448 exactly where no bound applies."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 256))
+    x[2] = 0.0
+    v = reference.rms_norm(x[:2], None, 1e-6)
+    q, scales = reference.rms_norm_fp8(x, group_size=128)
+    np.testing.assert_allclose(scales[:2], np.abs(v).reshape(2, 2, 128).max(-1) / 448)
+    np.testing.assert_array_equal(scales[2], [1 / (448 * 512)] * 2)
+    np.testing.assert_allclose(np.abs(q[:2]).reshape(2, 2, 128).max(-1), 448)
+    q, scales = reference.rms_norm_fp8(x, scale_ub=0.5)
+    np.testing.assert_allclose(scales, [0.5 / 448, 0.5 / 448, 1 / (448 * 512)])

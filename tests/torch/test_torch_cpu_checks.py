@@ -128,3 +128,29 @@ def test_cos_sin_table_devices_are_checked():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="torch has no CUDA device here.*pass device='cpu'"):
             ct.rope_cache(64, 32)
+
+
+@pytest.mark.parametrize("options", [{}, {"group_size": 64}, {"scale_ub": 0.5}, {"scale": 0.02}])
+def test_rms_norm_fp8_on_the_cpu(options):
+    """The CPU path: the reference's FP8 bytes (within one step where the value is on a rounding boundary), its scales,
+    the residual updated in place; bad input raises the GPU path's errors and leaves the residual as it was."""
+    x_, w, r = torch.randn(5, 128, dtype=torch.bfloat16), torch.randn(128), torch.randn(5, 128, dtype=torch.bfloat16)
+    r0 = r.clone()
+    device = {k: torch.tensor([v]) if k in ("scale", "scale_ub") else v for k, v in options.items()}
+    result = ct.rms_norm_fp8(x_, w, residual=r, **device)
+    y, scales = (result, None) if "scale" in options else result
+    assert y.dtype == torch.float8_e4m3fn and y.shape == x_.shape
+    assert torch.equal(r, (x_.float() + r0.float()).to(torch.bfloat16))
+    host = {k: np.float32(v) if k in ("scale", "scale_ub") else v for k, v in options.items()}
+    q, ref_scales = reference.rms_norm_fp8(x_.float().numpy(), w.numpy(), residual=r0.float().numpy(),
+                                           dtype="bfloat16", **host)
+    codes = y.view(torch.uint8).numpy().astype(int)
+    assert np.abs(codes - reference.e4m3(q).astype(int)).max() <= 1 and np.mean(codes == reference.e4m3(q)) > 0.99
+    if scales is not None:
+        np.testing.assert_allclose(scales.numpy(), ref_scales, rtol=1e-6)
+    with pytest.raises(ValueError, match="group_size: expected a divisor of x's hidden size 96, got 64"):
+        ct.rms_norm_fp8(torch.randn(5, 96), group_size=64)
+    kept = r.clone()
+    with pytest.raises(ValueError, match="scale_ub: bounds dynamic scales only"):
+        ct.rms_norm_fp8(x_, w, residual=r, scale=torch.tensor([1.0]), scale_ub=torch.tensor([1.0]))
+    assert torch.equal(r, kept)
