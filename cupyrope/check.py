@@ -3,8 +3,9 @@ planners pick -- fp32/fp16/bf16; RoPE's direct and block kernels, one pair or 16
 in-kernel, cached and per-token (transformers') cos/sin, both styles, partial rotary, q and k in one
 launch, M-RoPE and varlen positions; QK-norm + RoPE forward and backward; RMSNorm rows of 61 to 65536
 elements (element-wise, shifted, vectorized, staged, read twice from shared memory, split over a cluster;
-small backward calls in one cluster), forward, fused add, backward -- with the test suite's tolerances (fp32
-1e-5 relative, fp16/bf16 one rounding of the output).
+small backward calls in one cluster), forward, fused add, backward; RMSNorm's FP8 output per row and per group --
+with the test suite's tolerances (fp32
+1e-5 relative, fp16/bf16/FP8 one rounding of the output).
 Outputs that can be passed in are filled with NaN first. On a GPU the test suite has not run on, run
 this first.
 
@@ -168,12 +169,29 @@ def _rms_norm_cases(xp, ops, rng):
             yield f"rms_norm_backward {label} (dweight)", xp.host(dw), ref_dw, dtype, 4.0 * terms
 
 
+def _rms_norm_fp8_cases(xp, ops, rng):
+    """The FP8 output's values against the reference's unrounded ones (within one FP8 step: its one rounding) and its
+    scales, per row and per group of 128; odd rows go element by element. On GPUs before sm_89 this checks the
+    software conversion."""
+    for dtype in DTYPES:
+        for hidden, rows in ((1027, 300), (4096, 300), (7168, 64), (32768, 4)):
+            x, w = _random(rng, (rows, hidden), dtype), _random(rng, (hidden,), dtype)
+            for group_size in (None, 128) if hidden % 128 == 0 else (None,):
+                y, scales = ops.rms_norm_fp8(xp.asarray(x, dtype), xp.asarray(w, dtype), 1e-6, group_size=group_size)
+                q, ref_scales = reference.rms_norm_fp8(x, w, 1e-6, group_size=group_size, dtype=dtype)
+                label = f"{dtype} [{rows}, {hidden}] {'groups of 128' if group_size else 'per token'}"
+                values = reference.e4m3_values(xp.host(y).astype(np.uint8))
+                yield f"rms_norm_fp8 {label} (y)", values, q, "float8_e4m3fn", 0.0
+                yield f"rms_norm_fp8 {label} (scales)", xp.host(scales), ref_scales, "float32", 0.0
+
+
 def cases(xp, ops, rng):
     """(name, output, float64 reference, dtype, scale) of every check."""
     yield from _rope_cases(xp, ops, rng)
     yield from _position_source_cases(xp, ops, rng)
     yield from _qk_norm_rope_cases(xp, ops, rng)
     yield from _rms_norm_cases(xp, ops, rng)
+    yield from _rms_norm_fp8_cases(xp, ops, rng)
 
 
 def worst_miss(got, expected, dtype, scale) -> tuple[int, float]:

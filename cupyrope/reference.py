@@ -48,8 +48,8 @@ def round_to(values, dtype: str) -> np.ndarray:
 
 def ulp(values, dtype: str) -> np.ndarray:
     """Spacing of ``dtype`` at |values| (one rounding step of an output)."""
-    mantissa = {"float32": 23, "float16": 10, "bfloat16": 7}[dtype]
-    smallest = {"float32": 2.0**-149, "float16": 2.0**-24, "bfloat16": 2.0**-133}[dtype]
+    mantissa = {"float32": 23, "float16": 10, "bfloat16": 7, "float8_e4m3fn": 3}[dtype]
+    smallest = {"float32": 2.0**-149, "float16": 2.0**-24, "bfloat16": 2.0**-133, "float8_e4m3fn": 2.0**-9}[dtype]
     magnitude = np.abs(values)
     exponent = np.floor(np.log2(np.where(magnitude > 0, magnitude, 1.0)))
     return np.maximum(2.0 ** (exponent - mantissa), smallest)

@@ -29,9 +29,10 @@ def f64(array):
     return None if array is None else np.asarray(array, dtype=np.float64)
 
 
-def reference_ops(rope_style=None, skip_rows=0):
+def reference_ops(rope_style=None, skip_rows=0, fp8_steps=0):
     """The ops, computed by the references. rope_style forces one style (a wrong kernel); skip_rows
-    leaves that many rows of rms_norm's output unwritten."""
+    leaves that many rows of rms_norm's output unwritten; fp8_steps moves rms_norm_fp8's bytes that many FP8 steps
+    (a wrong rounding)."""
 
     def rotate(x, positions, style="neox", rotary_dim=None, cos_sin_cache=None, inverse=False):
         return reference.rope(f64(x), np.asarray(positions), style=rope_style or style, rotary_dim=rotary_dim,
@@ -84,9 +85,16 @@ def reference_ops(rope_style=None, skip_rows=0):
         dx, dw = reference.rms_norm_backward(f64(dy), f64(x), f64(w))
         return dx.astype(x.dtype), dw.astype(w.dtype)
 
+    def rms_norm_fp8(x, w, eps, group_size=None):
+        q, scales = reference.rms_norm_fp8(f64(x), f64(w), eps, group_size=group_size)
+        codes = reference.e4m3(q).astype(np.int64)
+        moved = np.where((codes & 0x7F) < 0x7E - fp8_steps, codes + fp8_steps, codes)  # within the finite codes
+        return moved.astype(np.uint8), scales.astype(np.float32)
+
     return SimpleNamespace(rope=rope, rope_qk=rope_qk, rope_qk_cos_sin=rope_qk_cos_sin, rms_norm=rms_norm,
                            fused_add_rms_norm=fused_add_rms_norm, rms_norm_backward=rms_norm_backward,
-                           qk_norm_rope=qk_norm_rope, qk_norm_rope_backward=qk_norm_rope_backward)
+                           qk_norm_rope=qk_norm_rope, qk_norm_rope_backward=qk_norm_rope_backward,
+                           rms_norm_fp8=rms_norm_fp8)
 
 
 def test_correct_ops_pass_every_check(capsys):
@@ -99,7 +107,8 @@ def test_correct_ops_pass_every_check(capsys):
                  "rope_qk_cos_sin float16 neox freq_step 1 (k)", "rms_norm_backward bfloat16 [300, 1027] (dweight)",
                  "fused_add_rms_norm float16 [64, 16384] (residual)", "rope bfloat16 M-RoPE interleaved",
                  "rope float16 varlen", "qk_norm_rope bfloat16 300 tokens neox (q)",
-                 "qk_norm_rope_backward float32 37 tokens gptj (dk_weight)"):
+                 "qk_norm_rope_backward float32 37 tokens gptj (dk_weight)",
+                 "rms_norm_fp8 bfloat16 [64, 7168] groups of 128 (y)", "rms_norm_fp8 float16 [300, 1027] per token (scales)"):
         assert any(line.startswith(f"ok   {what}:") for line in lines), what
     assert len(lines) > 100
 
@@ -110,6 +119,12 @@ def test_a_wrong_rotation_fails_its_checks(capsys):
     failed = [line for line in out.splitlines() if line.startswith("FAIL")]
     assert failed and all(" gptj " in line for line in failed)
     assert out.strip().endswith(f"{len(failed)} checks FAILED")
+
+
+def test_fp8_bytes_two_steps_off_fail(capsys):
+    assert not check.run_checks(HOST, reference_ops(fp8_steps=2))
+    failed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL")]
+    assert failed and all(line.startswith("FAIL rms_norm_fp8") and "(y)" in line for line in failed)
 
 
 def test_unwritten_outputs_fail(capsys):
