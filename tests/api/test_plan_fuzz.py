@@ -14,7 +14,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from cupyrope._runtime.arrays import FLOAT_DTYPES, ITEMSIZE, Array  # noqa: E402
 from cupyrope._runtime.checks import IN_PLACE, NEW, OUT, output_mode  # noqa: E402
-from cupyrope.ops import all_variants, profiles, rmsnorm, rope  # noqa: E402
+from cupyrope.ops import all_variants, profiles, rmsnorm, rmsnorm_fp8, rope  # noqa: E402
+from cupyrope.ops.rmsnorm_plan_fp8 import TOKEN_SCALE  # noqa: E402
 from cupyrope.ops import rmsnorm_plan_backward as backward  # noqa: E402
 from cupyrope.ops.rmsnorm_rows import STATIC_SHARED_BYTES  # noqa: E402
 from cupyrope.ops.rope_plan import _TAIL, NORM_POINTERS  # noqa: E402
@@ -26,7 +27,7 @@ SHARED_OPTIN = 99 * 1024  # an L4's or RTX 4090's: below the H100's, so the limi
 DEFAULT_SHARED = 48 * 1024  # what a kernel gets without opting in (the RoPE kernels do not)
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ARGUMENTS = ("x:", "q:", "k:", "positions:", "cos_sin_cache:", "cos:", "sin:", "freq_step:", "out:", "out[0]:",
-             "out[1]:", "rotary_dim:", "impl:", "weight:", "residual:", "dy:", "rstd:", "eps:")
+             "out[1]:", "rotary_dim:", "impl:", "weight:", "residual:", "dy:", "rstd:", "eps:", "group_size:")
 
 
 @pytest.fixture(autouse=True)
@@ -279,3 +280,42 @@ def test_rope_qk_out_of_place_reads_overlapping_inputs_but_never_writes_overlapp
     assert new.grid and len(new.new_output) == 2 and new.disjoint == []
     with pytest.raises(ValueError, match="k: overlaps q"):  # in place
         rope._plan_rope_qk_call(q, q, pos, None, None, None, None, None, IN_PLACE, True, **options)
+
+
+@SETTINGS
+@given(norm_calls(), st.sampled_from(["static", "token", 64, 128]), st.booleans(), st.booleans(), launch_profiles())
+def test_rms_norm_fp8_plans_are_runnable_or_refused_clearly(call, mode, add, out, profile):
+    """rms_norm_fp8's plans: a compiled variant; rows covered by their threads' chunks (or read again on 512 threads);
+    a quantization group's lanes within one row; 16-byte accesses only where x, residual and the weight are 16-byte
+    aligned and y's rows are aligned to a chunk's bytes."""
+    x, weight, other, eps, offset, impl = call
+    scale = Array(None, "cupy", BASE + 2**34, "float32", (1,), (1,), 0)
+    y = Array(None, "cupy", BASE + 2**35 + (x.ptr - BASE) // ITEMSIZE[x.dtype], "uint8", x.shape, x.strides, 0)
+    group_size = mode if isinstance(mode, int) else None
+    with profiles.planning_with(profile):
+        try:
+            plan = rmsnorm_fp8._plan_call(x, weight, other if add else None, scale if mode == "static" else None, None,
+                                          y if out else None, weight is None, not add, mode != "static", True, not out,
+                                          group_size, eps, offset, impl)
+        except (TypeError, ValueError) as error:
+            assert_clear_error(error)
+            return
+    if not plan.grid:
+        return
+    event(f"planned: rms_norm_fp8, vectorized {plan.vectorized}, slots {plan.slots}")
+    assert plan.name in VARIANTS, plan.name
+    assert 1 <= plan.grid < 2**31 and 1 <= plan.block[0] * plan.block[1] <= 512
+    hidden, elems = x.shape[-1], 16 // ITEMSIZE[x.dtype]
+    width = plan.block[0]
+    assert width * plan.slots * elems >= hidden if plan.slots else width == 512
+    assert plan.grid * plan.block[1] >= math.prod(x.shape[:-1])
+    if group_size:
+        lanes = group_size // elems
+        assert width >= lanes and width % lanes == 0
+        assert plan.name.endswith(f", {group_size}>")
+    else:
+        assert plan.name.endswith(f", {0 if mode == 'static' else TOKEN_SCALE}>")
+    if plan.vectorized:
+        assert all(aligned_16(a) for a in (x, other if add else None, weight) if a is not None)
+        y_out = y if out else None
+        assert y_out is None or (y_out.ptr % elems == 0 and all(s % elems == 0 for s in y_out.strides[:-1]))
