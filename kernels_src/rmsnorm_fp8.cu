@@ -20,7 +20,7 @@ namespace cupyrope {
 
 struct Fp8NormParams {  // mirrored by rmsnorm_fp8.py's TAIL (after the pointers)
     const void* x;
-    unsigned char* y;
+    void* y;                 // e4m3fn bytes
     void* residual;          // ADD: x + residual is written here, then normalized
     const void* weight;      // may be null: no weight
     const float* scale;      // STATIC_SCALE: the scale
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(512, fp8_min_blocks<NPT>()) rms_norm_fp8(const
     const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
     T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
     const T* const src = ADD ? res_row : x_row;  // what is normalized
-    unsigned char* const y_row = p.y + row * p.y_stride;
+    unsigned char* const y_row = static_cast<unsigned char*>(p.y) + row * p.y_stride;
     const W* const weight = static_cast<const W*>(p.weight);
 
     Pack<T, E> held[NPT > 0 ? NPT : 1];

@@ -41,7 +41,11 @@ def test_variant_list_covers_both_ops_and_is_unique():
     # x 2 position types x 2 styles x scalar/vector x forward/backward
     assert len(norm_rope) == (1 * 2 + 2 * (2 * 3)) * 2 * 2 * 2 * 2
     assert sum("qk_norm_rope_bwd_kernel<" in name for name in norm_rope) == len(norm_rope) // 2
-    assert len(rope) + len(forward) + len(backward) + len(norm_rope) == len(variants)
+    fp8 = [name for source, name in variants if source == "rmsnorm_fp8.cu"]
+    # fp32: 1 weight dtype x 5 slot counts (0, 1, 2, 4, 8); fp16, bf16: 2 x 4 (0, 1, 2, 4); x scalar/vector x fused
+    # add or not x 4 scale modes (static, per token, groups of 64 and 128); and the two conversion kernels
+    assert len(fp8) == (1 * 5 + 2 * 2 * 4) * 2 * 2 * 4 + 2
+    assert len(rope) + len(forward) + len(backward) + len(norm_rope) + len(fp8) == len(variants)
 
 
 def test_cuda_headers_are_found():

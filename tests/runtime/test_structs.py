@@ -46,6 +46,7 @@ def _expand(fmt: str) -> str:
     ("rmsnorm_fwd.cu", "NormParams", 6, "cupyrope.ops.rmsnorm:FWD_TAIL"),
     ("rmsnorm_bwd.cu", "NormBwdParams", 7, "cupyrope.ops.rmsnorm:BWD_TAIL"),
     ("rmsnorm_bwd.cu", "DweightParams", 2, "cupyrope.ops.rmsnorm:DW_TAIL"),
+    ("rmsnorm_fp8.cu", "Fp8NormParams", 7, "cupyrope.ops.rmsnorm_fp8:FP8_TAIL"),
 ])
 def test_parameter_structs_mirror_the_kernels(source, name, pointers, tail):
     """The launcher packs pointers then the planner's tail: field for field what the kernel's struct holds."""
