@@ -365,7 +365,8 @@ def add_providers(torch, backward):
     return providers
 
 
-FP8_MODES = {"fp8_static": {"scale": True}, "fp8_token": {}, "fp8_group": {"group_size": 128}}
+FP8_OPS = ("fp8_static", "fp8_token", "fp8_group")  # a static scale, one a row, one per group of 128
+FP8_STATIC_SCALE = 0.02
 
 
 def _torch_rms_norm_fp8(torch, x, w, op, scale, eps=1e-6):
@@ -384,11 +385,14 @@ def fp8_providers(torch, op):
     """rms_norm_fp8 in one of its modes against RMSNorm then quantization in torch, eager and compiled."""
     import cupyrope
 
-    options = {"group_size": 128} if op == "fp8_group" else {}
     compiled = torch.compile(lambda x, w, scale: _torch_rms_norm_fp8(torch, x, w, op, scale))
+
+    def cupyrope_call(d):
+        options = {"scale": d["scale"]} if op == "fp8_static" else {"group_size": 128} if op == "fp8_group" else {}
+        return lambda: cupyrope.rms_norm_fp8(d["x"], d["w"], 1e-6, **options)
+
     providers = {
-        "cupyrope": lambda d: (lambda: cupyrope.rms_norm_fp8(d["x"], d["w"], 1e-6, **options,
-                                                             **({"scale": d["scale"]} if op == "fp8_static" else {}))),
+        "cupyrope": cupyrope_call,
         "F.rms_norm, quantize": lambda d: (lambda: _torch_rms_norm_fp8(torch, d["x"], d["w"], op, d["scale"])),
         "torch.compile": lambda d: (lambda: compiled(d["x"], d["w"], d["scale"])),
     }
@@ -402,7 +406,7 @@ def fp8_case(torch, rows, hidden, op):
     def make():
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-        return {"x": x, "w": w, "scale": torch.tensor([0.02], device="cuda")}
+        return {"x": x, "w": w, "scale": torch.tensor([FP8_STATIC_SCALE], device="cuda")}
 
     def ref(d):
         return reference.rms_norm(_host(torch, d["x"][:CHECK_ROWS]), _host(torch, d["w"]), 1e-6)
@@ -416,7 +420,7 @@ def fp8_cases(torch, full=False):
     shapes = [(32768, 4096), (8192, 7168), (4096, 4096), (64, 4096), (1, 4096)]
     if full:
         shapes += [(t, h) for h in (2048, 8192) for t in (16, 1024, 8192)]
-    return [fp8_case(torch, r, h, op) for op in FP8_MODES for r, h in shapes]
+    return [fp8_case(torch, r, h, op) for op in FP8_OPS for r, h in shapes]
 
 
 def _dequantized(torch, out, op, scale):
@@ -701,7 +705,7 @@ def check(case, provider, inputs, fn, torch):
         got = _dequantized(torch, out, case.op, inputs["scale"])[:rows]
         scale = np.abs(expected).max()
         if case.op == "fp8_static":
-            expected = np.clip(expected, -448 * 0.02, 448 * 0.02)
+            expected = np.clip(expected, -448 * FP8_STATIC_SCALE, 448 * FP8_STATIC_SCALE)
         ok = np.allclose(got, expected, rtol=0.13, atol=0.01 * scale)
     elif case.op == "rms_bwd":
         got = [_host(torch, out[0][:CHECK_ROWS]), _host(torch, out[1])]

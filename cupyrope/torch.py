@@ -635,7 +635,7 @@ def _rms_norm_fp8_cpu(x, weight, residual, scale, scale_ub, group_size, eps, off
     if weight is not None:
         v = v * (weight.float() + offset)
     if scale is not None:
-        scales = torch.empty(0, device=x.device)
+        scales = x.new_empty(0, dtype=torch.float32)
         q = v * (1 / scale.float().reshape(()))
     else:
         groups = v.unflatten(-1, (-1, group_size or v.shape[-1]))
@@ -649,20 +649,16 @@ def _rms_norm_fp8_cpu(x, weight, residual, scale, scale_ub, group_size, eps, off
     return q.to(torch.float8_e4m3fn), scales
 
 
-def _rms_norm_fp8_any(x, weight, residual, scale, scale_ub, group_size, eps, offset):
-    """(y, scales) as the op returns them (scales empty with a static scale)."""
-    if not x.is_cuda:
-        return _rms_norm_fp8_cpu(x, weight, residual, scale, scale_ub, group_size, eps, offset)
-    result = _rms_norm_fp8(x, weight, eps, scale=scale, group_size=group_size, residual=residual, offset=offset,
-                           scale_ub=scale_ub)
-    return (result, torch.empty(0, device=x.device)) if scale is not None else result
-
-
 @torch.library.custom_op("cupyrope::rms_norm_fp8", mutates_args=("residual",), device_types=("cuda", "cpu"))
 def _rms_norm_fp8_op(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], scale: Optional[Tensor],
                      scale_ub: Optional[Tensor], group_size: Optional[int], eps: float,
                      offset: float) -> tuple[Tensor, Tensor]:
-    return _rms_norm_fp8_any(x, weight, residual, scale, scale_ub, group_size, eps, offset)
+    """(y, scales); scales is an empty tensor with a static scale (ops cannot return None)."""
+    if not x.is_cuda:
+        return _rms_norm_fp8_cpu(x, weight, residual, scale, scale_ub, group_size, eps, offset)
+    result = _rms_norm_fp8(x, weight, eps, scale=scale, group_size=group_size, residual=residual, offset=offset,
+                           scale_ub=scale_ub)
+    return (result, x.new_empty(0, dtype=torch.float32)) if scale is not None else result
 
 
 @_rms_norm_fp8_op.register_fake
@@ -680,10 +676,10 @@ def rms_norm_fp8(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, 
     """cupyrope.rms_norm_fp8 for torch (inference; not differentiable): y as torch.float8_e4m3fn, and with no
     static scale (y, scales). On CPU tensors too, and under torch.compile as ``torch.ops.cupyrope.rms_norm_fp8``
     (residual, when given, is updated in place)."""
-    if _compiling():
-        y, scales = _rms_norm_fp8_op(x, weight, residual, scale, scale_ub, group_size, eps, offset)
-    else:
-        y, scales = _rms_norm_fp8_any(x, weight, residual, scale, scale_ub, group_size, eps, offset)
+    if x.is_cuda and not _compiling():  # eager: straight to the kernel
+        return _rms_norm_fp8(x, weight, eps, scale=scale, group_size=group_size, residual=residual, offset=offset,
+                             scale_ub=scale_ub)
+    y, scales = _rms_norm_fp8_op(x, weight, residual, scale, scale_ub, group_size, eps, offset)
     return y if scale is not None else (y, scales)
 
 

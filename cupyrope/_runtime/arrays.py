@@ -14,7 +14,7 @@ CTYPE = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "float64": 8, "uint8": 1,
             "float8_e4m3fn": 1}
 # An FP8 (e4m3fn) output's dtype by kind of array: CuPy has no FP8 dtype, so its arrays hold the same bytes as uint8.
-FP8_DTYPES = {"torch": "float8_e4m3fn", "cupy": "uint8", "numpy": "uint8"}
+FP8_DTYPES = {"torch": "float8_e4m3fn", "cupy": "uint8"}
 HOST = "cpu"  # the device of a host (NumPy, CPU torch) array
 
 

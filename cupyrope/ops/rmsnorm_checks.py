@@ -5,6 +5,7 @@ import math
 
 from .._runtime import checks
 from .._runtime.arrays import FLOAT_DTYPES, FP8_DTYPES, Array, is_contiguous, merge_dims
+from .rmsnorm_plan_fp8 import GROUP_SIZES
 
 
 def check_options(eps, offset, impl) -> None:
@@ -74,7 +75,7 @@ def check_backward(dy: Array, x: Array, weight: Array | None, rstd: Array | None
 
 
 def check_scalar_scale(scale: Array | None, like: Array, name: str, dtype: str = "float32") -> None:
-    """A one-element float32 array on x's device (read by the kernel: never by the host)."""
+    """A one-element array of `dtype` on x's device (read by the kernel: never by the host)."""
     if scale is None:
         return
     checks.check_same_device(like, scale, "x", name)
@@ -87,8 +88,6 @@ def check_scalar_scale(scale: Array | None, like: Array, name: str, dtype: str =
 def check_fp8(x: Array, weight: Array | None, residual: Array | None, scale: Array | None, scale_ub: Array | None,
               out: Array | None, *, group_size, eps, offset, impl, dtypes=FLOAT_DTYPES, scale_dtype="float32") -> None:
     """Every check of an rms_norm_fp8() call (the references' scales are float64: scale_dtype)."""
-    from .rmsnorm_plan_fp8 import GROUP_SIZES
-
     check_options(eps, offset, impl)
     checks.check_float_input(x, "x", "hidden", dtypes)
     check_weight(weight, x, "x")
@@ -108,8 +107,7 @@ def check_fp8(x: Array, weight: Array | None, residual: Array | None, scale: Arr
     if scale is not None and scale_ub is not None:
         raise ValueError("scale_ub: bounds dynamic scales only; pass scale_ub=None with a static scale")
     if out is not None:
-        fp8 = FP8_DTYPES[x.kind]
-        checks.check_like(out, x, "x", "out", dtype=fp8)
+        checks.check_like(out, x, "x", "out", dtype=FP8_DTYPES[x.kind])
         for other, name in ((x, "x"), (residual, "residual")):
             if other is not None:
                 checks.check_not_overlapping(other, out, name, "out")

@@ -70,12 +70,11 @@ def _plan_call(xa, wa, ra, sa, ua, oa, _no_weight, _no_residual, _no_scale, _no_
         arrays, names = [xa, ya], ["x", "out"]
         if ra is not None:
             arrays, names = [*arrays, ra], [*names, "residual"]
-        strides = row_strides(arrays, names)
+        strides = (*row_strides(arrays, names), 0)[:3]  # x, y, residual (0: none)
         n_rows = rows(xa.shape)
-        plan = plan_fp8(xa, ya, ra, wa, (*strides[:2], strides[2] if ra is not None else 0), n_rows, hidden, group,
-                        impl, choices=profiles.profile_for(xa.device).rms_norm_forward)
-        tail = FP8_TAIL.pack(n_rows, hidden, strides[0], strides[1], strides[2] if ra is not None else 0,
-                             *_scalars(eps, offset, hidden))
+        plan = plan_fp8(xa, ya, ra, wa, strides, n_rows, hidden, group, impl,
+                        choices=profiles.profile_for(xa.device).rms_norm_forward)
+        tail = FP8_TAIL.pack(n_rows, hidden, *strides, *_scalars(eps, offset, hidden))
         plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, FP8_POINTERS, tail, xa.device,
                              xa.kind)
         plan.extents = tuple(None if a is None else checks.layout_key(a) for a in (xa, ra, oa))
