@@ -87,11 +87,12 @@ _LIVE_POOLS: list = []
 
 
 @contextlib.contextmanager
-def poisoned_allocations(kind: str, shapes, dtype: str):
+def poisoned_allocations(kind: str, shapes, dtype: str, value=np.nan):
     """Inside, new arrays come from a private pool of the caller's allocator (CuPy's or torch's) that
-    first held NaN-filled arrays of these shapes, freed again: the next allocations of those sizes get
-    those blocks, so the outputs a call allocates itself start out poisoned. Yields the blocks'
-    pointers (the test asserts its outputs got them). Make the call's inputs before entering."""
+    first held arrays of these shapes filled with `value` (NaN; for byte outputs e.g. 0x7F, FP8's NaN), freed
+    again: the next allocations of those sizes get those blocks, so the outputs a call allocates itself start out
+    poisoned. Yields the blocks' pointers (the test asserts its outputs got them). Make the call's inputs before
+    entering."""
     if kind == "torch":
         import torch
 
@@ -99,7 +100,7 @@ def poisoned_allocations(kind: str, shapes, dtype: str):
         _LIVE_POOLS.append(pool)  # the outputs outlive the block: their pool must too
         with torch.cuda.use_mem_pool(pool):
             blocks = [torch.empty(shape, dtype=getattr(torch, dtype), device="cuda") for shape in shapes]
-            ptrs = {data_ptr(poison(block)) for block in blocks}
+            ptrs = {data_ptr(block.fill_(value)) for block in blocks}
             del blocks
             yield ptrs
     else:
@@ -109,7 +110,9 @@ def poisoned_allocations(kind: str, shapes, dtype: str):
 
         with cupy.cuda.using_allocator(cupy.cuda.MemoryPool().malloc):
             blocks = [cupy.empty(shape, dtype=numpy_dtype(dtype)) for shape in shapes]
-            ptrs = {data_ptr(poison(block)) for block in blocks}
+            for block in blocks:
+                block.fill(value)
+            ptrs = {data_ptr(block) for block in blocks}
             del blocks
             yield ptrs
 

@@ -4,15 +4,13 @@ residual add, over the kernel's row paths (element by element, 16-byte chunks he
 with outputs poisoned (FP8 NaN bytes) and inputs checked unchanged; saturation, NaN and Inf; the conversion itself
 (hardware and software) bit for bit; torch's dtype, op and torch.compile."""
 
-import contextlib
-
 import numpy as np
 import pytest
 
 import cupyrope
 from cupyrope import reference
-from helpers import (DTYPES, KINDS, data_ptr, random_host, requires_gpu, requires_torch_cuda, to_device, to_host,
-                     unaligned_view)
+from helpers import (DTYPES, KINDS, data_ptr, poisoned_allocations, random_host, requires_gpu, requires_torch_cuda,
+                     to_device, to_host, unaligned_view)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -25,10 +23,10 @@ MODES = ["static", "token", "token_ub", "group64", "group128"]
 SLACK = 2e-6
 
 
-def mode_options(mode, kind, rng_scale=0.02):
-    """The call's options for a mode (the scales as device arrays of x's kind) and the reference's."""
+def mode_options(mode, static_scale=0.02):
+    """The call's options for a mode (scales as numbers: device_options makes them arrays) and the reference's."""
     if mode == "static":
-        return {"scale": rng_scale}, {"scale": np.float32(rng_scale)}
+        return {"scale": static_scale}, {"scale": np.float32(static_scale)}
     if mode == "token_ub":
         return {"scale_ub": 1.5}, {"scale_ub": np.float32(1.5)}
     if mode.startswith("group"):
@@ -62,40 +60,13 @@ def assert_fp8_matches(codes, q):
     assert np.mean(codes == reference.e4m3(q)) > 0.99  # ties: without a weight, q is 448 x_i / max |x| (x in 8 bits)
 
 
-@contextlib.contextmanager
-def poisoned_bytes(kind, sizes):
-    """Inside, new arrays of these byte sizes come from blocks first filled with 0x7F (FP8 NaN; as float32 a huge
-    finite value), so that bytes or scales a kernel fails to write fail the comparison."""
-    if kind == "torch":
-        import torch
-
-        pool = torch.cuda.MemPool()
-        _LIVE.append(pool)
-        with torch.cuda.use_mem_pool(pool):
-            blocks = [torch.full((n,), 0x7F, dtype=torch.uint8, device="cuda") for n in sizes]
-            ptrs = {b.data_ptr() for b in blocks}
-            del blocks
-            yield ptrs
-    else:
-        import cupy
-
-        with cupy.cuda.using_allocator(cupy.cuda.MemoryPool().malloc):
-            blocks = [cupy.full((n,), 0x7F, dtype=cupy.uint8) for n in sizes]
-            ptrs = {b.data.ptr for b in blocks}
-            del blocks
-            yield ptrs
-
-
-_LIVE: list = []
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,hidden", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("add", [False, True])
 def test_rms_norm_fp8(rng, kind, dtype, rows, hidden, mode, add):
-    options, ref_options = mode_options(mode, kind)
+    options, ref_options = mode_options(mode)
     if options.get("group_size") and hidden % options["group_size"]:
         pytest.skip("group_size must divide hidden")
     x_host, r_host = random_host((rows, hidden), dtype, rng, scale=2.0), random_host((rows, hidden), dtype, rng)
@@ -108,7 +79,7 @@ def test_rms_norm_fp8(rng, kind, dtype, rows, hidden, mode, add):
     sizes = [rows * hidden] + ([rows * groups * 4] if dynamic else [])
     warm_up = to_device(r_host, dtype, kind) if add else None  # planned and compiled before the poisoned pool
     cupyrope.rms_norm_fp8(x, w, 1e-6, residual=warm_up, offset=0.5, **call_options)
-    with poisoned_bytes(kind, sizes) as blocks:
+    with poisoned_allocations(kind, [(n,) for n in sizes], "uint8", 0x7F) as blocks:  # 0x7F: FP8 NaN (a huge float32 scale)
         result = cupyrope.rms_norm_fp8(x, w, 1e-6, residual=r, offset=0.5, **call_options)
     y, scales = result if dynamic else (result, None)
     assert {data_ptr(y)} | ({data_ptr(scales)} if dynamic else set()) == blocks, "outputs not in the poisoned blocks"
@@ -132,7 +103,7 @@ def test_views_and_out(rng, kind, dtype, hidden, start, mode):
     """x and residual as views with NaN around their rows (16-byte aligned or not), y into the caller's out (a
     strided view whose neighbours stay untouched): the reference's bytes, nothing around the rows read."""
     rows = 37
-    options, ref_options = mode_options(mode, kind)
+    options, ref_options = mode_options(mode)
     x_host, r_host = random_host((rows, hidden), dtype, rng), random_host((rows, hidden), dtype, rng)
     _, x = unaligned_view(x_host, dtype, kind, start, 8)
     _, r = unaligned_view(r_host, dtype, kind, start, 8)
@@ -167,7 +138,7 @@ def test_saturation_nan_and_inf(rng, kind, mode):
     w_host[[3, 70]] = np.nan
     if mode == "static":
         w_host[[5, 200]] = [np.inf, -np.inf]
-    options, ref_options = mode_options(mode, kind, rng_scale=1e-3)
+    options, ref_options = mode_options(mode, static_scale=1e-3)
     x, w = to_device(x_host, "bfloat16", kind), to_device(w_host, "float32", kind)
     result = cupyrope.rms_norm_fp8(x, w, **device_options(options, kind))
     y = result if mode == "static" else result[0]
@@ -227,7 +198,7 @@ def test_batch_invariant(rng, kind, mode):
     hidden = 4096
     x_host = random_host((513, hidden), "bfloat16", rng)
     x = to_device(x_host, "bfloat16", kind)
-    options = device_options(mode_options(mode, kind)[0], kind)
+    options = device_options(mode_options(mode)[0], kind)
     many, one = cupyrope.rms_norm_fp8(x, **options), cupyrope.rms_norm_fp8(x[5:6], **options)
     if mode == "static":
         many, one = (many, None), (one, None)
