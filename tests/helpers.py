@@ -109,9 +109,7 @@ def poisoned_allocations(kind: str, shapes, dtype: str, value=np.nan):
         from cupyrope._runtime.arrays import numpy_dtype
 
         with cupy.cuda.using_allocator(cupy.cuda.MemoryPool().malloc):
-            blocks = [cupy.empty(shape, dtype=numpy_dtype(dtype)) for shape in shapes]
-            for block in blocks:
-                block.fill(value)
+            blocks = [cupy.full(shape, value, dtype=numpy_dtype(dtype)) for shape in shapes]  # no name outlives `del`
             ptrs = {data_ptr(block) for block in blocks}
             del blocks
             yield ptrs
