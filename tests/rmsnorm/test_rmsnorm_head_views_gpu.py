@@ -76,10 +76,10 @@ def test_rms_norm_of_head_views(rng, monkeypatch, kind, dtype, tokens, q_heads, 
 @pytest.mark.parametrize("kind", KINDS)
 def test_views_the_kernels_do_not_take_are_refused(rng, kind):
     """Rows too long for registers (read twice), and the fused adds and FP8 on runs: a ValueError, inputs unchanged."""
-    host, qkv, q, _ = fused_qkv(rng, 3, 2, 1, 20000, "float32", kind)
-    r_host, r_qkv, r, _ = fused_qkv(rng, 3, 2, 1, 20000, "float32", kind)
-    w = to_device(random_host((20000,), "float32", rng), "float32", kind)
-    with pytest.raises(ValueError, match="x: rows in runs .* rows of 20000 elements do not"):
+    host, qkv, q, _ = fused_qkv(rng, 2, 2, 1, 65536, "float32", kind)
+    r_host, r_qkv, r, _ = fused_qkv(rng, 2, 2, 1, 65536, "float32", kind)
+    w = to_device(random_host((65536,), "float32", rng), "float32", kind)
+    with pytest.raises(ValueError, match="x: rows in runs .* rows of 65536 elements do not"):
         cupyrope.rms_norm(q, w)
     with pytest.raises(ValueError, match="x: rows in runs"):
         cupyrope.rms_norm_backward(r, q, w)
