@@ -27,8 +27,7 @@ struct NormBwdParams {  // mirrored by rmsnorm.py's BWD_TAIL
     float* partial;      // [gridDim.x (clusters: gridDim.x / CLUSTER), hidden]; unused without weight
     const void* residual_grad;  // may be null; else added to dx (add_rms_norm: x is the new residual, dx its gradient)
     i64 rows, hidden;
-    RowStrides dy_stride, x_stride, dx_stride, residual_grad_stride;
-    i64 inner_rows;  // see RowStrides
+    i64 dy_stride, x_stride, dx_stride, residual_grad_stride;
     i64 shared_acc;  // 1: dynamic shared memory holds [blockDim.y, hidden] floats of dweight sums
     float offset;
     float inv_hidden;  // 1 / hidden, as in NormParams
@@ -37,10 +36,9 @@ struct NormBwdParams {  // mirrored by rmsnorm.py's BWD_TAIL
 // Row `row` of residual_grad for bwd_chunk: the kernels' GRAD variants (add_rms_norm's backward) take one; the
 // others pass a constant null, and their code is what it is without residual_grad (a runtime test of the pointer
 // made ptxas spill in the staged and read-twice kernels).
-template <bool GRAD, typename T, bool RUNS = false>
+template <bool GRAD, typename T>
 __device__ __forceinline__ const T* residual_grad_row(const NormBwdParams& p, i64 row) {
-    if constexpr (!GRAD) return nullptr;
-    return static_cast<const T*>(p.residual_grad) + row_offset<RUNS>(row, p.residual_grad_stride, p.inner_rows);
+    return GRAD ? static_cast<const T*>(p.residual_grad) + row * p.residual_grad_stride : nullptr;
 }
 
 // dx for E columns from column col (returned), plus the chunk of grad_row there (a row of residual_grad) where given,
@@ -88,12 +86,12 @@ __device__ __forceinline__ Pack<float, E> zeros() {
 
 // This thread's chunks of dy and x of one row (none past the last row) into registers; `first` is the
 // thread's first column (the same in every row it visits, SHIFT included: see the kernel).
-template <typename T, bool VEC, int NPT, bool SHIFT, int E, bool RUNS>
+template <typename T, bool VEC, int NPT, bool SHIFT, int E>
 __device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, int first, int step, Pack<T, E> (&dyv)[NPT],
                                              Pack<T, E> (&xv)[NPT]) {
     if (row >= p.rows) return;
-    const T* dy_row = static_cast<const T*>(p.dy) + row_offset<RUNS>(row, p.dy_stride, p.inner_rows);
-    const T* x_row = static_cast<const T*>(p.x) + row_offset<RUNS>(row, p.x_stride, p.inner_rows);
+    const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
+    const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
     const int hidden = (int)p.hidden;  // rows in registers: see first_column
 #pragma unroll
     for (int i = 0; i < NPT; ++i) {
@@ -105,11 +103,9 @@ __device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, in
     }
 }
 
-// RUNS: rows in runs (RowStrides), planned for rows held in registers only (NPT > 0).
-template <typename T, typename W, bool VEC, int NPT, bool SHIFT, bool GRAD, bool RUNS = false>
+template <typename T, typename W, bool VEC, int NPT, bool SHIFT, bool GRAD>
 __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLOCKS_2)
     rms_norm_bwd(const NormBwdParams p) {
-    static_assert(!RUNS || NPT > 0, "RUNS: rows held in registers");
     wait_for_previous_grid();
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
@@ -125,10 +121,9 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
     // above), so that a row's chunks are whole 16-byte chunks of the sums too (acc_row: chunks_span).
     const bool acc_shifted = SHIFT && NPT == 0 && p.shared_acc;
     const i64 acc_row = acc_shifted ? chunks_span<true, E>(p.hidden) : p.hidden;
-    const i64 first_row = (i64)blockIdx.x * blockDim.y + threadIdx.y;  // this rows slot's first row
-    const int acc_shift =
-        acc_shifted ? row_shift<SHIFT, E>(static_cast<const T*>(p.x) + row_offset<RUNS>(first_row, p.x_stride, p.inner_rows))
-                    : 0;
+    const int acc_shift = acc_shifted ? row_shift<SHIFT, E>(static_cast<const T*>(p.x) +
+                                                            ((i64)blockIdx.x * blockDim.y + threadIdx.y) * p.x_stride)
+                                      : 0;
     float* const my_acc = p.shared_acc ? dw_acc + threadIdx.y * acc_row : my_partial;
     Pack<float, E> dw[SLOTS];  // NPT > 0: a thread owns the same columns in every row it visits
 #pragma unroll
@@ -144,9 +139,10 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
     // fp32 rows of up to 8 elements a thread prefetch.
     constexpr bool PREFETCH = VEC && NPT > 0 && sizeof(T) == 4 && NPT * E <= 8;
     Pack<T, E> dyv[SLOTS], xv[SLOTS];
+    const i64 first_row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     // A thread's columns are the same in every row it visits (SHIFT: one shift per rows slot, see above).
-    const int first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + row_offset<RUNS>(first_row, p.x_stride, p.inner_rows), lane);
-    if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E, RUNS>(p, first_row, first, step, dyv, xv);
+    const int first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + first_row * p.x_stride, lane);
+    if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, first_row, first, step, dyv, xv);
     // SHIFT reads the weight element by element (8 loads a 16-bit chunk): once, kept in registers.
     constexpr bool WEIGHT_ONCE = SHIFT;
     Pack<W, E> wv[SLOTS];
@@ -161,13 +157,13 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
     for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += rows_per_pass) {
         const i64 row = base + threadIdx.y;
         const bool active = row < p.rows;
-        const T* dy_row = static_cast<const T*>(p.dy) + row_offset<RUNS>(row, p.dy_stride, p.inner_rows);
-        const T* x_row = static_cast<const T*>(p.x) + row_offset<RUNS>(row, p.x_stride, p.inner_rows);
-        T* dx_row = static_cast<T*>(p.dx) + row_offset<RUNS>(row, p.dx_stride, p.inner_rows);
-        const T* grad_row = residual_grad_row<GRAD, T, RUNS>(p, row);
+        const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
+        const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+        T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
+        const T* grad_row = residual_grad_row<GRAD, T>(p, row);
         float dot = 0.f;
         if constexpr (NPT > 0) {
-            if constexpr (!PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E, RUNS>(p, row, first, step, dyv, xv);
+            if constexpr (!PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row, first, step, dyv, xv);
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
                 const int col = first + i * step;
@@ -188,7 +184,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
             }
         }
         Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
-        if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E, RUNS>(p, row + rows_per_pass, first, step, next_dy, next_x);
+        if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row + rows_per_pass, first, step, next_dy, next_x);
         const float row_dot = row_sum<LANES_JUMP>(dot, width, scratch);
         const float rstd = active ? p.rstd[row] : 0.f;
         const float coef = row_coef(p, rstd, row_dot);
@@ -313,8 +309,8 @@ template <typename T, int NPT, bool SHIFT>
 __device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged, i64 row, int stage, int first) {
     constexpr int E = 16 / sizeof(T);
     if (row < p.rows) {
-        const T* dy_row = static_cast<const T*>(p.dy) + row_offset(row, p.dy_stride, p.inner_rows);
-        const T* x_row = static_cast<const T*>(p.x) + row_offset(row, p.x_stride, p.inner_rows);
+        const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
+        const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             // Aligned rows: their own expression (see staged_column).
@@ -400,7 +396,7 @@ __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* 
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
     const i64 row_step = gridDim.x;
-    first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + row_offset(blockIdx.x, p.x_stride, p.inner_rows), lane);
+    first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + (i64)blockIdx.x * p.x_stride, lane);
     constexpr bool HOLD = SHIFT || LEAN;  // the weights stay in registers for all rows
     Pack<W, E> wv[HOLD ? NPT : 1];
 #pragma unroll
@@ -439,7 +435,7 @@ __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* 
         stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
         stage = stage + 1 == STAGES ? 0 : stage + 1;
         const float coef = row_coef(p, rstd, row_sum<LANES_JUMP>(dot, width, scratch));
-        T* dx_row = static_cast<T*>(p.dx) + row_offset(row, p.dx_stride, p.inner_rows);
+        T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
         const T* grad_row = residual_grad_row<GRAD, T>(p, row);
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
@@ -545,7 +541,7 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]; SHIFT: then the weight
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
-    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + row_offset(first_row, p.x_stride, p.inner_rows));
+    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + first_row * p.x_stride);
     const int first = SHIFT ? lane * E - shift : 0;  // aligned rows: their own expressions (see staged_column)
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, first_row + s * row_step, s, first);
@@ -586,7 +582,7 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
         const float row_dot = cluster_sum<SPLIT>(row_sum<LANES_JUMP>(dot, width, scratch), cluster_slots[parity]);
         parity ^= 1;
         const float coef = row_coef(p, rstd, row_dot);
-        T* dx_row = static_cast<T*>(p.dx) + row_offset(row, p.dx_stride, p.inner_rows);
+        T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
         const T* grad_row = residual_grad_row<GRAD, T>(p, row);
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
@@ -674,7 +670,7 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(walks_classes(SHIFT, SPLIT
 #if CUPYROPE_CLUSTERS
     constexpr int E = 16 / sizeof(T);
     constexpr bool WALK = walks_classes(SHIFT, SPLIT);
-    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + row_offset(blockIdx.x / SPLIT, p.x_stride, p.inner_rows));  // not WALK
+    const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + blockIdx.x / SPLIT * p.x_stride);  // not WALK
     i64 offset;
     const i64 length = WALK ? cluster_columns<E, SPLIT>(p.hidden, offset) : cluster_part<E, SPLIT, SHIFT>(p.hidden, offset, shift);
     NormBwdParams mine = p;  // the block's part of the rows; inv_hidden stays the whole row's

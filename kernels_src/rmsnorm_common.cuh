@@ -63,23 +63,6 @@ template <bool HELD, typename P> __device__ __forceinline__ P* row_base(P* row) 
     return row;
 }
 
-// An array's row strides: rows lie in runs of the launch's inner_rows rows, `stride` apart, the runs `outer` apart.
-// Per-head views such as q's heads, (tokens, heads, head_dim) inside a fused qkv tensor, are such runs: their rows
-// are not one evenly strided run. inner_rows == 0: one run (outer unused).
-struct RowStrides {
-    i64 stride, outer;
-};
-
-// Where row `row` starts. RUNS (a template flag of the register-row kernels, so that one-run rows keep their code:
-// a runtime test of inner_rows measured up to 25% slower on small calls) divides by inner_rows in 32 bits (the planner
-// keeps rows below 2^32 there); the quotient is shared by every array's offset of one row (inlined, same operands).
-template <bool RUNS = false>
-__device__ __forceinline__ i64 row_offset(i64 row, RowStrides s, i64 inner_rows) {
-    if constexpr (!RUNS) return row * s.stride;
-    const unsigned r = (unsigned)row, n = (unsigned)inner_rows;
-    return (i64)(r / n) * s.outer + (i64)(r % n) * s.stride;
-}
-
 // Rows held in registers (NPT > 0) have at most 1024 threads x 8 slots x 8 elements, so their
 // column indices are ints (I = int): 64-bit indices cost a dozen extra instructions a chunk (wide
 // multiplies and compares, recomputed under each chunk's predicate), which every warp runs after its

@@ -27,8 +27,7 @@ struct Fp8NormParams {  // mirrored by rmsnorm_fp8.py's TAIL (after the pointers
     float* scales;           // dynamic: where the scales go
     const float* scale_ub;   // dynamic, may be null: the bound of the maximum a scale is computed from
     i64 rows, hidden;
-    RowStrides x_stride, y_stride, residual_stride;  // y's in bytes
-    i64 inner_rows;  // see RowStrides
+    i64 x_stride, y_stride, residual_stride;
     float eps, offset;
     float inv_hidden;  // 1 / hidden, rounded to float (as rms_norm_fwd's)
 };
@@ -178,10 +177,10 @@ __global__ void __launch_bounds__(512, fp8_min_blocks<NPT>()) rms_norm_fp8(const
     const bool active = row < p.rows;  // inactive threads still join the row reductions
     const int lane = threadIdx.x, width = blockDim.x;
     const i64 hidden = active ? p.hidden : 0;  // no chunks
-    const T* const x_row = static_cast<const T*>(p.x) + row_offset(row, p.x_stride, p.inner_rows);
-    T* const res_row = ADD ? static_cast<T*>(p.residual) + row_offset(row, p.residual_stride, p.inner_rows) : nullptr;
+    const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+    T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
     const T* const src = ADD ? res_row : x_row;  // what is normalized
-    unsigned char* const y_row = static_cast<unsigned char*>(p.y) + row_offset(row, p.y_stride, p.inner_rows);
+    unsigned char* const y_row = static_cast<unsigned char*>(p.y) + row * p.y_stride;
     const W* const weight = static_cast<const W*>(p.weight);
 
     Pack<T, E> held[NPT > 0 ? NPT : 1];

@@ -16,8 +16,7 @@ struct NormParams {  // mirrored by rmsnorm.py's FWD_TAIL (after the pointers)
     const void* weight;  // may be null: no weight
     float* rstd;         // may be null: not returned
     i64 rows, hidden;
-    RowStrides x_stride, y_stride, residual_stride, residual_out_stride;
-    i64 inner_rows;  // see RowStrides
+    i64 x_stride, y_stride, residual_stride, residual_out_stride;
     float eps, offset;
     float inv_hidden;  // 1 / hidden, rounded to float: a multiply instead of a division on the row's critical path
 };
@@ -160,7 +159,7 @@ __device__ __forceinline__ float split_row_sum(float v, int width, float* scratc
 
 // Row `row` of rms_norm_fwd (SPLIT 1; threadIdx.y's row of the block), or of rms_norm_fwd_split (SPLIT > 1: p
 // describes the block's part of the rows, in registers; cluster_slots: see there).
-template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, int SPLIT, bool OUT, bool RUNS = false>
+template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, int SPLIT, bool OUT>
 __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&cluster_slots)[SPLIT]) {
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     static_assert(SPLIT == 1 || (VEC && NPT > 0), "SPLIT: rows of 16-byte chunks in registers");
@@ -182,8 +181,8 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
     // Rows held as words (see half_of): a branch of its own, so that the words are what the loads produce and the
     // loop holds (the Pack path below with only its output converting from word_of(v[i], k) kept 54-56 registers).
     if constexpr (sizeof(T) == 2 && VEC && NPT >= 2 && !ADD) {
-        const T* const x_row = row_base<true>(static_cast<const T*>(p.x) + row_offset<RUNS>(row, p.x_stride, p.inner_rows));
-        T* const y_row = row_base<true>(static_cast<T*>(p.y) + row_offset<RUNS>(row, p.y_stride, p.inner_rows));
+        const T* const x_row = row_base<true>(static_cast<const T*>(p.x) + row * p.x_stride);
+        T* const y_row = row_base<true>(static_cast<T*>(p.y) + row * p.y_stride);
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         unsigned words[NPT][4] = {};  // chunks outside the row stay 0 and add nothing to the sum
         // EARLY: the weight's chunks held as loaded words too (held as Packs: 64 instead of 56 registers
@@ -246,14 +245,10 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         // to 19% faster). Elsewhere they changed nothing or were slower: 1% for the 2-chunk fused add, 11-14% for
         // the fp32 fused add of 4+ chunks.
         constexpr bool HELD = !VEC || (ADD && NPT >= 2 && (SHIFT || (NPT >= 4 && sizeof(T) == 2)));
-        const T* const x_row = row_base<HELD>(static_cast<const T*>(p.x) + row_offset<RUNS>(row, p.x_stride, p.inner_rows));
-        T* const y_row = row_base<HELD>(static_cast<T*>(p.y) + row_offset<RUNS>(row, p.y_stride, p.inner_rows));
-        T* const res_row =
-            ADD ? row_base<HELD>(static_cast<T*>(p.residual) + row_offset<RUNS>(row, p.residual_stride, p.inner_rows))
-                : nullptr;
-        T* const sum_row = OUT ? row_base<HELD>(static_cast<T*>(p.residual_out) +
-                                                row_offset<RUNS>(row, p.residual_out_stride, p.inner_rows))
-                               : res_row;
+        const T* const x_row = row_base<HELD>(static_cast<const T*>(p.x) + row * p.x_stride);
+        T* const y_row = row_base<HELD>(static_cast<T*>(p.y) + row * p.y_stride);
+        T* const res_row = ADD ? row_base<HELD>(static_cast<T*>(p.residual) + row * p.residual_stride) : nullptr;
+        T* const sum_row = OUT ? row_base<HELD>(static_cast<T*>(p.residual_out) + row * p.residual_out_stride) : res_row;
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         Pack<T, E> v[NPT];
         Pack<W, E> w[NPT];
@@ -301,10 +296,10 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         // pass in the row cache, where the launch gave the block's rows (row_cache_bytes in the planner: each
         // row slot's chunks from c * E, chunks_span); else it is read back.
         extern __shared__ __align__(16) unsigned char row_cache_bytes[];
-        const T* const x_row = static_cast<const T*>(p.x) + row_offset(row, p.x_stride, p.inner_rows);
-        T* const y_row = static_cast<T*>(p.y) + row_offset(row, p.y_stride, p.inner_rows);
-        T* const res_row = ADD ? static_cast<T*>(p.residual) + row_offset(row, p.residual_stride, p.inner_rows) : nullptr;
-        T* const sum_row = OUT ? static_cast<T*>(p.residual_out) + row_offset(row, p.residual_out_stride, p.inner_rows) : res_row;
+        const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+        T* const y_row = static_cast<T*>(p.y) + row * p.y_stride;
+        T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
+        T* const sum_row = OUT ? static_cast<T*>(p.residual_out) + row * p.residual_out_stride : res_row;
         const int shift = row_shift<SHIFT, E>(x_row);
         const i64 first = (i64)lane * E - shift, cache_row = chunks_span<SHIFT, E>(p.hidden);
         T* const row_cache = reinterpret_cast<T*>(row_cache_bytes) + threadIdx.y * cache_row + shift;
@@ -362,13 +357,11 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
     }
 }
 
-// RUNS: rows in runs (RowStrides), planned for rows held in registers only (NPT > 0).
-template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, bool OUT = false, bool RUNS = false>
+template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, bool OUT = false>
 __global__ void __launch_bounds__(FwdBounds<NPT, ADD>::threads, FwdBounds<NPT, ADD>::min_blocks) rms_norm_fwd(const NormParams p) {
-    static_assert(!RUNS || NPT > 0, "RUNS: rows held in registers");
     wait_for_previous_grid();
     float no_cluster[1];  // unused: one block sums its rows
-    norm_row<T, W, VEC, NPT, ADD, SHIFT, 1, OUT, RUNS>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
+    norm_row<T, W, VEC, NPT, ADD, SHIFT, 1, OUT>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
 }
 
 // Narrows the rows that `p` describes to this block's part when a cluster splits them (cluster_part; SHIFT: rows
@@ -409,7 +402,7 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT, ADD>::threa
     for (i64 row = blockIdx.x / SPLIT; row < p.rows; row += gridDim.x / SPLIT, parity ^= 1) {
         if constexpr (SHIFT) {
             NormParams row_part = p;
-            const int shift = row_shift<true, 16 / sizeof(T)>(static_cast<const T*>(p.x) + row_offset(row, p.x_stride, p.inner_rows));
+            const int shift = row_shift<true, 16 / sizeof(T)>(static_cast<const T*>(p.x) + row * p.x_stride);
             narrow_to_part<T, W, ADD, SPLIT, true, OUT>(row_part, shift);
             norm_row<T, W, true, NPT, ADD, true, SPLIT, OUT>(row_part, row, cluster_slots[parity]);
         } else {

@@ -36,7 +36,7 @@ for step in $STEPS; do
       gpu_tests tests/qk_norm_rope tests/torch > "$LOGS/suite_qk_torch.log" 2>&1 &
       gpu_tests tests/rope > "$LOGS/suite_rope.log" 2>&1 &
       gpu_tests tests/rmsnorm/test_rmsnorm_forward_gpu.py tests/rmsnorm/test_add_rms_norm_gpu.py \
-        tests/rmsnorm/test_rmsnorm_head_views_gpu.py > "$LOGS/suite_rms_fwd.log" 2>&1 &
+        > "$LOGS/suite_rms_fwd.log" 2>&1 &
       gpu_tests tests/rmsnorm/test_rms_norm_fp8_gpu.py > "$LOGS/suite_rms_fp8.log" 2>&1 &
       gpu_tests "$backward" -k "test_backward[ or staged_rows or reread_rows or dweight or without_weight" \
         > "$LOGS/suite_rms_bwd_1.log" 2>&1 &
@@ -44,7 +44,7 @@ for step in $STEPS; do
       gpu_tests "$backward" -k "split_rows or shifted" > "$LOGS/suite_rms_bwd_3.log" 2>&1 &
       timeout 560 python3 -m pytest -q tests/api/test_reliability_gpu.py -p no:cacheprovider > "$LOGS/reliability.log" 2>&1 &
       timeout 300 python3 -m cupyrope check > "$LOGS/check.log" 2>&1 &
-      timeout 560 bash tools/sanitize.sh "${SANITIZE:-decode or one_cluster or two_pass or outside_every or mrope_matches or (backward_matches and bfloat16 and cupy) or (add_rms_norm_views and cupy) or (residual_grad and cupy and 4096) or (fp8 and cupy and (views or saturation or conversion)) or (head_views and cupy and (float32 or bfloat16))}" > "$LOGS/sanitize.log" 2>&1 &
+      timeout 560 bash tools/sanitize.sh "${SANITIZE:-decode or one_cluster or two_pass or outside_every or mrope_matches or (backward_matches and bfloat16 and cupy) or (add_rms_norm_views and cupy) or (residual_grad and cupy and 4096) or (fp8 and cupy and (views or saturation or conversion))}" > "$LOGS/sanitize.log" 2>&1 &
       wait
       for log in "$LOGS"/suite_*.log "$LOGS/reliability.log"; do echo "$(basename "$log"): $(tail -1 "$log")"; done
       grep -E "FAIL|passed" "$LOGS/check.log" | tail -3

@@ -12,14 +12,14 @@ from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import profiles, rmsnorm_checks
 from .rmsnorm import _scalars
-from .rmsnorm_checks import row_layout, rows
+from .rmsnorm_checks import row_strides, rows
 from .rmsnorm_plan_fp8 import TOKEN_SCALE, kernel_group, plan_fp8
 from .rmsnorm_rows import kernel_for
 
-# Mirrors Fp8NormParams in kernels_src/rmsnorm_fp8.cu: its 7 pointers, then rows, hidden, three RowStrides,
-# inner_rows, eps, offset, 1 / hidden.
+# Mirrors Fp8NormParams in kernels_src/rmsnorm_fp8.cu: its 7 pointers, then rows, hidden, three row strides, eps,
+# offset, 1 / hidden.
 FP8_POINTERS = 7
-FP8_TAIL = struct.Struct("<9q3f")
+FP8_TAIL = struct.Struct("<5q3f")
 
 
 def rms_norm_fp8(x, weight=None, eps=1e-6, *, scale=None, group_size=None, residual=None, offset=0.0, scale_ub=None,
@@ -70,12 +70,11 @@ def _plan_call(xa, wa, ra, sa, ua, oa, _no_weight, _no_residual, _no_scale, _no_
         arrays, names = [xa, ya], ["x", "out"]
         if ra is not None:
             arrays, names = [*arrays, ra], [*names, "residual"]
-        layout = row_layout(arrays, names, runs=False)
+        strides = (*row_strides(arrays, names), 0)[:3]  # x, y, residual (0: none)
         n_rows = rows(xa.shape)
-        plan = plan_fp8(xa, ya, ra, wa, (*layout.aligned_strides(), 0)[:3], n_rows, hidden, group, impl,
+        plan = plan_fp8(xa, ya, ra, wa, strides, n_rows, hidden, group, impl,
                         choices=profiles.profile_for(xa.device).rms_norm_forward)
-        tail = FP8_TAIL.pack(n_rows, hidden, *layout.tail(0, 1, None if ra is None else 2),
-                             *_scalars(eps, offset, hidden))
+        tail = FP8_TAIL.pack(n_rows, hidden, *strides, *_scalars(eps, offset, hidden))
         plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, FP8_POINTERS, tail, xa.device,
                              xa.kind)
         plan.extents = tuple(None if a is None else checks.layout_key(a) for a in (xa, ra, oa))

@@ -30,7 +30,7 @@ def kernel_group(scale_given: bool, group_size) -> int:
 def plan_fp8(x, y, residual, weight, row_strides, rows, hidden, group, impl="auto", *,
              choices: ForwardChoices) -> NormPlan:
     """The plan of an rms_norm_fp8 launch. row_strides: x's, y's (in bytes: FP8 elements) and residual's (None:
-    no residual), as RowLayout.aligned_strides gives them. group: kernel_group's."""
+    no residual). group: kernel_group's."""
     itemsize = ITEMSIZE[x.dtype]
     elems = 16 // itemsize
     x_stride, y_stride, residual_stride = row_strides

@@ -72,21 +72,6 @@ def row_variant_params(max_slots):
                         yield dtype, weight, vec, slots
 
 
-def runs_variant(name: str) -> str:
-    """A register-row kernel's RUNS variant (rms_norm_fwd, rms_norm_bwd): rows in runs (RowLayout), its flag after
-    OUT / GRAD (those false)."""
-    return with_flag(with_flag(name, False), True)
-
-
-def take_runs(plan, hidden: int):
-    """A row plan renamed to its RUNS variant, or a ValueError where its rows are read twice (no RUNS variant)."""
-    if not plan.slots:
-        raise ValueError(f"x: rows in runs (such as heads of a fused qkv view) are taken where a row fits the "
-                         f"kernels' registers; rows of {hidden} elements do not: pass a contiguous array")
-    plan.name = runs_variant(plan.name)
-    return plan
-
-
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -129,8 +114,7 @@ def vectorizable(arrays, row_strides, hidden, dtype) -> bool:
 
 def shiftable(arrays, row_strides, hidden, dtype) -> bool:
     """Rows that are not 16-byte aligned still move in 16-byte chunks (the kernels' SHIFT) when every
-    array's row starts at the same offset from a 16-byte boundary as the first array's, in every row. A 0 among
-    row_strides (rows in runs: RowLayout.plan_strides) asks for every row at the first row's offset."""
+    array's row starts at the same offset from a 16-byte boundary as the first array's, in every row."""
     itemsize = ITEMSIZE[dtype]
     elems = 16 // itemsize
     x = arrays[0]

@@ -22,7 +22,7 @@ def _struct_format(source: str, name: str) -> str:
 
 def _declaration_codes(declaration: str) -> str:
     kind, names = re.match(r"((?:const )?\w+\*?)\s+(.*)", declaration, re.S).groups()
-    code = "Q" if kind.endswith("*") else {"i64": "q", "double": "d", "float": "f", "RowStrides": "qq"}[kind]
+    code = "Q" if kind.endswith("*") else {"i64": "q", "double": "d", "float": "f"}[kind]
     codes = ""
     for field in names.split(","):
         count = re.search(r"\[(\d+)\]", field)
