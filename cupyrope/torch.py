@@ -17,6 +17,7 @@ from . import reference as _reference
 from . import rope_scaling as _rope_scaling
 from ._runtime import checks as _checks
 from ._runtime.arrays import describe_host as _host
+from ._runtime.arrays import merge_dims as _merge_dims
 from .ops import qk_norm_rope_checks as _qk_norm_checks
 from .ops import rmsnorm_checks as _norm_checks
 from .ops import rope_checks as _rope_checks
@@ -390,17 +391,19 @@ def _from_row_order(t: Tensor, order, rows_only: bool = False) -> Tensor:
     return t.permute(back if rows_only else [*back, t.dim() - 1])
 
 
-def _rows_in_one_run(t: Tensor) -> Tensor:
-    """t, or a contiguous copy where its rows are not one evenly strided run (the kernels take one row stride): e.g.
-    q's heads as a (T, H, D) view of a fused qkv tensor, which cupyrope.qk_norm_rope normalizes where they lie."""
-    if t.is_contiguous() or t.numel() == 0:
-        return t
-    t = _contiguous_last(t)
-    try:
-        t.view(-1, t.shape[-1])  # possible exactly when the leading dimensions merge into one stride
-        return t
-    except RuntimeError:
-        return t.contiguous()
+def _rows_in_runs(*tensors, levels=2):
+    """The tensors (None passes through), or contiguous copies where their rows together need more than `levels`
+    levels of strides: 2, evenly strided runs of evenly strided rows (rms_norm's and its backward's RowStrides; q's
+    heads as a (T, H, D) view of a fused qkv tensor are such runs, normalized where they lie); 1, one run (the fused
+    adds)."""
+    if all(t is None or t.is_contiguous() for t in tensors):
+        return tensors
+    tensors = [None if t is None else _contiguous_last(t) for t in tensors]
+    given = [t for t in tensors if t is not None]
+    dims = [(n, tuple(t.stride(j) for t in given)) for j, n in enumerate(given[0].shape[:-1]) if n != 1]
+    if len(_merge_dims(dims)) <= levels:
+        return tensors
+    return [None if t is None else t.contiguous() for t in tensors]
 
 
 def _rms_norm_any(x, weight, eps, offset, return_rstd=True):
@@ -411,9 +414,9 @@ def _rms_norm_any(x, weight, eps, offset, return_rstd=True):
     if not x.is_cuda:
         y, rstd = _rms_norm_cpu(x, weight, eps, offset)
     elif return_rstd:
-        y, rstd = _rms_norm(_rows_in_one_run(x), weight, eps, offset=offset, return_rstd=True)
+        y, rstd = _rms_norm(_rows_in_runs(x)[0], weight, eps, offset=offset, return_rstd=True)
     else:
-        y, rstd = _rms_norm(_rows_in_one_run(x), weight, eps, offset=offset), None
+        y, rstd = _rms_norm(_rows_in_runs(x)[0], weight, eps, offset=offset), None
     if order is None:  # contiguous x: nothing to put back
         return y, rstd
     return _from_row_order(y, order), (None if rstd is None else _from_row_order(rstd, order, rows_only=True))
@@ -429,9 +432,8 @@ def _rms_norm_backward_any(dy, x, weight, rstd, eps, offset, residual_grad=None)
         residual_grad = None if residual_grad is None else _contiguous_last(residual_grad)
         dx, dw = _rms_norm_backward_cpu(_contiguous_last(dy), x, weight, rstd, eps, offset, residual_grad)
     else:
-        residual_grad = None if residual_grad is None else _rows_in_one_run(residual_grad)
-        dx, dw = _rms_norm_backward(_rows_in_one_run(dy), _rows_in_one_run(x), weight, rstd, eps, offset,
-                                    residual_grad=residual_grad)
+        dy, x, residual_grad = _rows_in_runs(dy, x, residual_grad, levels=2 if residual_grad is None else 1)
+        dx, dw = _rms_norm_backward(dy, x, weight, rstd, eps, offset, residual_grad=residual_grad)
     return _from_row_order(dx, order), dw
 
 
@@ -520,7 +522,8 @@ def _add_rms_norm_any(x, residual, weight, eps, offset):
         s = (x.float() + residual.float()).to(x.dtype).contiguous()
         y, rstd = _rms_norm_cpu(s, weight, eps, offset)
         return y, s, rstd
-    return _add_rms_norm(_rows_in_one_run(x), _rows_in_one_run(residual), weight, eps, offset=offset, return_rstd=True)
+    x, residual = _rows_in_runs(x, residual, levels=1)
+    return _add_rms_norm(x, residual, weight, eps, offset=offset, return_rstd=True)
 
 
 @torch.library.custom_op("cupyrope::add_rms_norm", mutates_args=(), device_types=("cuda", "cpu"))

@@ -33,6 +33,25 @@ struct NormBwdParams {  // mirrored by rmsnorm.py's BWD_TAIL
     float inv_hidden;  // 1 / hidden, as in NormParams
 };
 
+// rms_norm_bwd_runs' parameters: rows in runs (row_in_runs).
+struct NormBwdRunsParams : NormBwdParams {  // mirrored by rmsnorm.py's BWD_RUNS_TAIL (after BWD_TAIL)
+    i64 inner_rows, dy_outer, x_outer, dx_outer;
+};
+
+// Where row `row` of dy, x or dx starts in rms_norm_bwd_runs (p a NormBwdRunsParams), as the forward's x_in_runs.
+__device__ __forceinline__ i64 dy_in_runs(const NormBwdParams& p, i64 row) {
+    const auto& runs = runs_of<NormBwdRunsParams>(p);
+    return row_in_runs(row, p.dy_stride, runs.dy_outer, runs.inner_rows);
+}
+__device__ __forceinline__ i64 x_in_runs(const NormBwdParams& p, i64 row) {
+    const auto& runs = runs_of<NormBwdRunsParams>(p);
+    return row_in_runs(row, p.x_stride, runs.x_outer, runs.inner_rows);
+}
+__device__ __forceinline__ i64 dx_in_runs(const NormBwdParams& p, i64 row) {
+    const auto& runs = runs_of<NormBwdRunsParams>(p);
+    return row_in_runs(row, p.dx_stride, runs.dx_outer, runs.inner_rows);
+}
+
 // Row `row` of residual_grad for bwd_chunk: the kernels' GRAD variants (add_rms_norm's backward) take one; the
 // others pass a constant null, and their code is what it is without residual_grad (a runtime test of the pointer
 // made ptxas spill in the staged and read-twice kernels).
@@ -86,12 +105,12 @@ __device__ __forceinline__ Pack<float, E> zeros() {
 
 // This thread's chunks of dy and x of one row (none past the last row) into registers; `first` is the
 // thread's first column (the same in every row it visits, SHIFT included: see the kernel).
-template <typename T, bool VEC, int NPT, bool SHIFT, int E>
+template <typename T, bool VEC, int NPT, bool SHIFT, int E, bool RUNS>
 __device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, int first, int step, Pack<T, E> (&dyv)[NPT],
                                              Pack<T, E> (&xv)[NPT]) {
     if (row >= p.rows) return;
-    const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
-    const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+    const T* dy_row = static_cast<const T*>(p.dy) + (RUNS ? dy_in_runs(p, row) : row * p.dy_stride);
+    const T* x_row = static_cast<const T*>(p.x) + (RUNS ? x_in_runs(p, row) : row * p.x_stride);
     const int hidden = (int)p.hidden;  // rows in registers: see first_column
 #pragma unroll
     for (int i = 0; i < NPT; ++i) {
@@ -103,10 +122,9 @@ __device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, in
     }
 }
 
-template <typename T, typename W, bool VEC, int NPT, bool SHIFT, bool GRAD>
-__global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLOCKS_2)
-    rms_norm_bwd(const NormBwdParams p) {
-    wait_for_previous_grid();
+// rms_norm_bwd's rows (RUNS: rms_norm_bwd_runs', p a NormBwdRunsParams).
+template <typename T, typename W, bool VEC, int NPT, bool SHIFT, bool GRAD, bool RUNS>
+__device__ __forceinline__ void bwd_rows(const NormBwdParams& p) {
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
@@ -141,8 +159,9 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
     Pack<T, E> dyv[SLOTS], xv[SLOTS];
     const i64 first_row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     // A thread's columns are the same in every row it visits (SHIFT: one shift per rows slot, see above).
-    const int first = first_column<SHIFT, E>(static_cast<const T*>(p.x) + first_row * p.x_stride, lane);
-    if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, first_row, first, step, dyv, xv);
+    const int first = first_column<SHIFT, E>(
+        static_cast<const T*>(p.x) + (RUNS ? x_in_runs(p, first_row) : first_row * p.x_stride), lane);
+    if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E, RUNS>(p, first_row, first, step, dyv, xv);
     // SHIFT reads the weight element by element (8 loads a 16-bit chunk): once, kept in registers.
     constexpr bool WEIGHT_ONCE = SHIFT;
     Pack<W, E> wv[SLOTS];
@@ -157,13 +176,13 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
     for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += rows_per_pass) {
         const i64 row = base + threadIdx.y;
         const bool active = row < p.rows;
-        const T* dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
-        const T* x_row = static_cast<const T*>(p.x) + row * p.x_stride;
-        T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
+        const T* dy_row = static_cast<const T*>(p.dy) + (RUNS ? dy_in_runs(p, row) : row * p.dy_stride);
+        const T* x_row = static_cast<const T*>(p.x) + (RUNS ? x_in_runs(p, row) : row * p.x_stride);
+        T* dx_row = static_cast<T*>(p.dx) + (RUNS ? dx_in_runs(p, row) : row * p.dx_stride);
         const T* grad_row = residual_grad_row<GRAD, T>(p, row);
         float dot = 0.f;
         if constexpr (NPT > 0) {
-            if constexpr (!PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row, first, step, dyv, xv);
+            if constexpr (!PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E, RUNS>(p, row, first, step, dyv, xv);
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
                 const int col = first + i * step;
@@ -184,7 +203,7 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
             }
         }
         Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
-        if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E>(p, row + rows_per_pass, first, step, next_dy, next_x);
+        if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E, RUNS>(p, row + rows_per_pass, first, step, next_dy, next_x);
         const float row_dot = row_sum<LANES_JUMP>(dot, width, scratch);
         const float rstd = active ? p.rstd[row] : 0.f;
         const float coef = row_coef(p, rstd, row_dot);
@@ -251,6 +270,22 @@ __global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLO
         for (int r = 0; r < (int)blockDim.y; ++r) total += dw_acc[r * acc_row + acc_shift + col];
         my_partial[col] = total;
     }
+}
+
+template <typename T, typename W, bool VEC, int NPT, bool SHIFT, bool GRAD>
+__global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLOCKS_2)
+    rms_norm_bwd(const NormBwdParams p) {
+    wait_for_previous_grid();
+    bwd_rows<T, W, VEC, NPT, SHIFT, GRAD, false>(p);
+}
+
+// rms_norm_bwd on rows in runs (row_in_runs), held in registers, without residual_grad.
+template <typename T, typename W, bool VEC, int NPT, bool SHIFT>
+__global__ void __launch_bounds__(512, NPT == 1 ? BWD_MIN_BLOCKS_1 : BWD_MIN_BLOCKS_2)
+    rms_norm_bwd_runs(const NormBwdRunsParams p) {
+    static_assert(NPT > 0, "rows held in registers");
+    wait_for_previous_grid();
+    bwd_rows<T, W, VEC, NPT, SHIFT, false, true>(p);
 }
 
 // ----------------------------------------------------------------------- backward, staged rows

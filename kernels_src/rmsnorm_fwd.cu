@@ -21,6 +21,22 @@ struct NormParams {  // mirrored by rmsnorm.py's FWD_TAIL (after the pointers)
     float inv_hidden;  // 1 / hidden, rounded to float: a multiply instead of a division on the row's critical path
 };
 
+// rms_norm_fwd_runs' parameters: rows in runs (row_in_runs).
+struct NormRunsParams : NormParams {  // mirrored by rmsnorm.py's FWD_RUNS_TAIL (after FWD_TAIL)
+    i64 inner_rows, x_outer, y_outer;
+};
+
+// Where row `row` of x or y starts in rms_norm_fwd_runs (p a NormRunsParams). Callers write `RUNS ? ... : row *
+// stride` in place: one function for both forms changed the split kernels' code.
+__device__ __forceinline__ i64 x_in_runs(const NormParams& p, i64 row) {
+    const auto& runs = runs_of<NormRunsParams>(p);
+    return row_in_runs(row, p.x_stride, runs.x_outer, runs.inner_rows);
+}
+__device__ __forceinline__ i64 y_in_runs(const NormParams& p, i64 row) {
+    const auto& runs = runs_of<NormRunsParams>(p);
+    return row_in_runs(row, p.y_stride, runs.y_outer, runs.inner_rows);
+}
+
 // A thread's sum of squares in the forward's rows of 1-2 chunks a thread, as SUM_CHAINS independent partial sums
 // added pairwise at the end: one chain of 8-16 dependent FMAs sits on a small call's critical path (ncu: bf16
 // [16, 4096] ran ~160 cycles longer with one). Rows of 4+ chunks a thread keep one chain: they are bandwidth-bound,
@@ -159,7 +175,7 @@ __device__ __forceinline__ float split_row_sum(float v, int width, float* scratc
 
 // Row `row` of rms_norm_fwd (SPLIT 1; threadIdx.y's row of the block), or of rms_norm_fwd_split (SPLIT > 1: p
 // describes the block's part of the rows, in registers; cluster_slots: see there).
-template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, int SPLIT, bool OUT>
+template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, int SPLIT, bool OUT, bool RUNS = false>
 __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&cluster_slots)[SPLIT]) {
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     static_assert(SPLIT == 1 || (VEC && NPT > 0), "SPLIT: rows of 16-byte chunks in registers");
@@ -181,8 +197,8 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
     // Rows held as words (see half_of): a branch of its own, so that the words are what the loads produce and the
     // loop holds (the Pack path below with only its output converting from word_of(v[i], k) kept 54-56 registers).
     if constexpr (sizeof(T) == 2 && VEC && NPT >= 2 && !ADD) {
-        const T* const x_row = row_base<true>(static_cast<const T*>(p.x) + row * p.x_stride);
-        T* const y_row = row_base<true>(static_cast<T*>(p.y) + row * p.y_stride);
+        const T* const x_row = row_base<true>(static_cast<const T*>(p.x) + (RUNS ? x_in_runs(p, row) : row * p.x_stride));
+        T* const y_row = row_base<true>(static_cast<T*>(p.y) + (RUNS ? y_in_runs(p, row) : row * p.y_stride));
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         unsigned words[NPT][4] = {};  // chunks outside the row stay 0 and add nothing to the sum
         // EARLY: the weight's chunks held as loaded words too (held as Packs: 64 instead of 56 registers
@@ -245,8 +261,8 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         // to 19% faster). Elsewhere they changed nothing or were slower: 1% for the 2-chunk fused add, 11-14% for
         // the fp32 fused add of 4+ chunks.
         constexpr bool HELD = !VEC || (ADD && NPT >= 2 && (SHIFT || (NPT >= 4 && sizeof(T) == 2)));
-        const T* const x_row = row_base<HELD>(static_cast<const T*>(p.x) + row * p.x_stride);
-        T* const y_row = row_base<HELD>(static_cast<T*>(p.y) + row * p.y_stride);
+        const T* const x_row = row_base<HELD>(static_cast<const T*>(p.x) + (RUNS ? x_in_runs(p, row) : row * p.x_stride));
+        T* const y_row = row_base<HELD>(static_cast<T*>(p.y) + (RUNS ? y_in_runs(p, row) : row * p.y_stride));
         T* const res_row = ADD ? row_base<HELD>(static_cast<T*>(p.residual) + row * p.residual_stride) : nullptr;
         T* const sum_row = OUT ? row_base<HELD>(static_cast<T*>(p.residual_out) + row * p.residual_out_stride) : res_row;
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
@@ -362,6 +378,16 @@ __global__ void __launch_bounds__(FwdBounds<NPT, ADD>::threads, FwdBounds<NPT, A
     wait_for_previous_grid();
     float no_cluster[1];  // unused: one block sums its rows
     norm_row<T, W, VEC, NPT, ADD, SHIFT, 1, OUT>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
+}
+
+// rms_norm_fwd on rows in runs (row_in_runs), held in registers, without the fused add.
+template <typename T, typename W, bool VEC, int NPT, bool SHIFT>
+__global__ void __launch_bounds__(FwdBounds<NPT, false>::threads, FwdBounds<NPT, false>::min_blocks)
+    rms_norm_fwd_runs(const NormRunsParams p) {
+    static_assert(NPT > 0, "rows held in registers");
+    wait_for_previous_grid();
+    float no_cluster[1];
+    norm_row<T, W, VEC, NPT, false, SHIFT, 1, false, true>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
 }
 
 // Narrows the rows that `p` describes to this block's part when a cluster splits them (cluster_part; SHIFT: rows

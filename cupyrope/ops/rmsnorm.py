@@ -15,7 +15,7 @@ from .._runtime.device import sm_count
 from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import profiles, rmsnorm_checks
-from .rmsnorm_checks import row_strides, rows
+from .rmsnorm_checks import row_layout, rows
 from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name, plan_backward_for_device
 from .rmsnorm_plan_forward import plan_forward_for_device, row_cache_bytes
 from .rmsnorm_rows import kernel_for, shared_limit
@@ -23,6 +23,10 @@ from .rmsnorm_rows import kernel_for, shared_limit
 # Mirror NormParams, NormBwdParams and DweightParams in kernels_src: pointers, then these.
 FWD_TAIL = struct.Struct("<6q3f")  # rows, hidden, four row strides, then _scalars()
 BWD_TAIL = struct.Struct("<7q2f")  # rows, hidden, four row strides, shared_acc, offset, 1 / hidden
+# The rms_norm_*_runs kernels' structs extend those: inner_rows and the outer strides of x and y (forward, after the
+# padding to 8 bytes), of dy, x and dx (backward).
+FWD_RUNS_TAIL = struct.Struct("<4x3q")
+BWD_RUNS_TAIL = struct.Struct("<4q")
 DW_TAIL = struct.Struct("<2q")
 
 
@@ -122,12 +126,14 @@ def _plan_forward_call(xa, wa, oa, mode, _no_weight, eps, offset, return_rstd, i
     if xa.size:
         ya = xa if mode == IN_PLACE else oa if mode == OUT else contiguous_like(xa, xa.shape, xa.dtype)
         n_rows, hidden = rows(xa.shape), xa.shape[-1]
-        strides = row_strides([xa, ya], ["x", "out"])
-        plan = plan_forward_for_device(xa, ya, None, wa, strides, n_rows, hidden, impl, xa.device,
-                                      profiles.profile_for(xa.device).rms_norm_forward)
+        layout = row_layout([xa, ya], ["x", "out"])
+        plan = plan_forward_for_device(xa, ya, None, wa, layout.plan_strides(), n_rows, hidden, impl, xa.device,
+                                      profiles.profile_for(xa.device).rms_norm_forward, runs=layout.inner_rows > 0)
         if mode == OUT:
             plan.out_layouts = checks.out_layouts(xa, oa)
-        tail = FWD_TAIL.pack(n_rows, hidden, strides[0], strides[1], 0, 0, *_scalars(eps, offset, hidden))
+        tail = FWD_TAIL.pack(n_rows, hidden, *layout.strides_of(0, 1, None, None), *_scalars(eps, offset, hidden))
+        if layout.inner_rows:
+            tail += FWD_RUNS_TAIL.pack(*layout.runs_of(0, 1))
         plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, 6, tail, xa.device, xa.kind,
                              plan.shared_mem)
     else:
@@ -142,12 +148,13 @@ def _plan_add_kernel(xa, ya, ra, sa, wa, eps, offset, impl) -> object:
     out; in place (fused_add_rms_norm) ya is xa and sa None: the sum goes into residual."""
     n_rows, hidden = rows(xa.shape), xa.shape[-1]
     arrays = [xa, ya, ra] + ([] if sa is None else [sa])
-    strides = row_strides(arrays, ["x", "y", "residual", "s"])
+    layout = row_layout(arrays, ["x", "y", "residual", "s"], runs=False)
     choices = profiles.profile_for(xa.device).rms_norm_forward
-    plan = plan_forward_for_device(xa, ya, ra, wa, strides, n_rows, hidden, impl, xa.device, choices, residual_out=sa)
+    plan = plan_forward_for_device(xa, ya, ra, wa, layout.plan_strides(), n_rows, hidden, impl, xa.device, choices,
+                                  residual_out=sa)
     plan.shared_mem = row_cache_bytes(plan, hidden, xa.dtype, shared_limit(xa.device), choices)
-    sum_stride = strides[2] if sa is None else strides[3]
-    tail = FWD_TAIL.pack(n_rows, hidden, *strides[:3], sum_stride, *_scalars(eps, offset, hidden))
+    strides = layout.strides_of(0, 1, 2, 2 if sa is None else 3)
+    tail = FWD_TAIL.pack(n_rows, hidden, *strides, *_scalars(eps, offset, hidden))
     plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, 6, tail, xa.device, xa.kind,
                          plan.shared_mem)
     return plan
@@ -181,12 +188,16 @@ def _plan_backward_call(da, xa, wa, ra, ga, _no_weight, _no_rstd, _no_residual_g
     if xa.size:
         dxa = contiguous_like(xa, xa.shape, xa.dtype)
         grads = [] if ga is None else [ga]
-        strides = row_strides([da, xa, dxa, *grads], ["dy", "x", "dx", "residual_grad"])
-        plan, kernel = plan_backward_for_device(da, xa, dxa, wa, strides, n_rows, hidden, sm_count(xa.device), impl,
+        layout = row_layout([da, xa, dxa, *grads], ["dy", "x", "dx", "residual_grad"], runs=not grads)
+        plan, kernel = plan_backward_for_device(da, xa, dxa, wa, layout.plan_strides(), n_rows, hidden,
+                                                sm_count(xa.device), impl,
                                                 shared_limit(xa.device), xa.device,
-                                                profiles.profile_for(xa.device).rms_norm_backward, residual_grad=ga)
-        grad_stride = strides[3] if grads else 0
-        tail = BWD_TAIL.pack(n_rows, hidden, *strides[:3], grad_stride, int(plan.shared_acc), float(offset), 1 / hidden)
+                                                profiles.profile_for(xa.device).rms_norm_backward, residual_grad=ga,
+                                                runs=layout.inner_rows > 0)
+        tail = BWD_TAIL.pack(n_rows, hidden, *layout.strides_of(0, 1, 2, 3 if grads else None),
+                             int(plan.shared_acc), float(offset), 1 / hidden)
+        if layout.inner_rows:
+            tail += BWD_RUNS_TAIL.pack(*layout.runs_of(0, 1, 2))
         plan.launch = Launch(kernel, plan.grid, plan.block, 7, tail, xa.device, xa.kind, plan.shared_mem)
         if wa is not None and not plan.one_cluster:
             partials = plan.grid // plan.split  # one partial row a block, or a cluster

@@ -113,15 +113,55 @@ def check_fp8(x: Array, weight: Array | None, residual: Array | None, scale: Arr
                 checks.check_not_overlapping(other, out, name, "out")
 
 
-def row_strides(arrays, names) -> tuple:
-    """One row stride per array (the kernels take rows as one strided run), or a ValueError saying so."""
+class RowLayout:
+    """Where the rows of a call's arrays lie: one evenly strided run (inner_rows 0), or runs of inner_rows rows, as
+    q's heads (tokens, heads, head_dim) inside a fused qkv tensor. strides: each array's between neighbouring rows of
+    a run; outer: between runs (0s for one run). The kernels' strides and, for rows in runs, the rms_norm_*_runs
+    kernels' parameters (row_in_runs)."""
+
+    __slots__ = ("strides", "outer", "inner_rows")
+
+    def __init__(self, strides, outer, inner_rows):
+        self.strides, self.outer, self.inner_rows = tuple(strides), tuple(outer), inner_rows
+
+    def strides_of(self, *which) -> tuple:
+        """The strides of the arrays named by index in which (0 for None): the kernels' row strides."""
+        return tuple(0 if i is None else self.strides[i] for i in which)
+
+    def runs_of(self, *which) -> tuple:
+        """inner_rows, then the outer strides of the arrays named by index in which (0 for None): the kernels' RUNS
+        parameters."""
+        return (self.inner_rows, *(0 if i is None else self.outer[i] for i in which))
+
+    def plan_strides(self) -> tuple:
+        """The row strides the row planner's alignment checks see (rmsnorm_rows.vectorizable, shiftable): each
+        array's stride, or with runs the gcd of its two (a multiple of 16 bytes exactly when both are) and a 0, so
+        that shifted rows need every row at the first row's offset from a 16-byte boundary (rms_norm_bwd takes a
+        thread's shift once)."""
+        if not self.inner_rows:
+            return self.strides
+        return (*(math.gcd(s, o) for s, o in zip(self.strides, self.outer)), 0)
+
+
+def row_layout(arrays, names, runs=True) -> RowLayout:
+    """The RowLayout of arrays' rows (all dimensions but the last), or a ValueError where they need more than two
+    levels of strides (runs: rms_norm and rms_norm_backward), or more than one (the fused adds, FP8)."""
     lead = arrays[0].shape[:-1]
     dims = [(n, tuple(a.strides[j] for a in arrays)) for j, n in enumerate(lead) if n != 1]
     merged = merge_dims(dims)
-    if len(merged) > 1:
-        raise ValueError(f"{names[0]}: its rows (all dimensions but the last) must be evenly strided, got strides "
+    none = (0,) * len(arrays)
+    if len(merged) > (2 if runs else 1):
+        where = ("lie in evenly strided runs, evenly strided (such as the (tokens, heads) of a fused qkv tensor's q)"
+                 if runs else "be evenly strided")
+        raise ValueError(f"{names[0]}: its rows (all dimensions but the last) must {where}, got strides "
                          f"{arrays[0].strides} for shape {arrays[0].shape}; pass a contiguous array")
-    return merged[0][1] if merged else tuple(arrays[0].shape[-1] for _ in arrays)
+    if len(merged) == 2:
+        (runs, outer), (inner_rows, strides) = merged
+        if runs * inner_rows >= 2**32:
+            raise ValueError(f"{names[0]}: rows in runs (strides {arrays[0].strides}) must number below 2^32, got "
+                             f"{runs * inner_rows}; pass a contiguous array")
+        return RowLayout(strides, outer, inner_rows)
+    return RowLayout(merged[0][1] if merged else tuple(arrays[0].shape[-1] for _ in arrays), none, 0)
 
 
 def rows(shape) -> int:

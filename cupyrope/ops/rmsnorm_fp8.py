@@ -12,7 +12,7 @@ from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import profiles, rmsnorm_checks
 from .rmsnorm import _scalars
-from .rmsnorm_checks import row_strides, rows
+from .rmsnorm_checks import row_layout, rows
 from .rmsnorm_plan_fp8 import TOKEN_SCALE, kernel_group, plan_fp8
 from .rmsnorm_rows import kernel_for
 
@@ -70,8 +70,9 @@ def _plan_call(xa, wa, ra, sa, ua, oa, _no_weight, _no_residual, _no_scale, _no_
         arrays, names = [xa, ya], ["x", "out"]
         if ra is not None:
             arrays, names = [*arrays, ra], [*names, "residual"]
-        strides = (*row_strides(arrays, names), 0)[:3]  # x, y, residual (0: none)
+        layout = row_layout(arrays, names, runs=False)
         n_rows = rows(xa.shape)
+        strides = layout.strides_of(0, 1, None if ra is None else 2)  # x, y, residual (0: none)
         plan = plan_fp8(xa, ya, ra, wa, strides, n_rows, hidden, group, impl,
                         choices=profiles.profile_for(xa.device).rms_norm_forward)
         tail = FP8_TAIL.pack(n_rows, hidden, *strides, *_scalars(eps, offset, hidden))

@@ -25,7 +25,7 @@ from .._runtime.choices import choice
 from .._runtime.device import resident_clusters, runs_clusters
 from .rmsnorm_rows import (SHARED_OPTIN_LIMIT, SPLIT_SIZES, NormPlan, blocks_per_wave, cap_split_grid, chunks_span,
                            fit_clusters, flag, kernel_for, next_pow2, plan_rows, row_chunks, row_threads,
-                           row_variant_params, split_parts, whole_steps, with_flag)
+                           row_variant_params, runs_variant, split_parts, take_runs, whole_steps, with_flag)
 
 SOURCE = "rmsnorm_bwd.cu"
 # Elements a thread in rms_norm_bwd: fewer, fuller threads for rows of BackwardChoices.long_row_bytes or more.
@@ -246,21 +246,24 @@ def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=Non
 
 def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto",
                   shared_limit=SHARED_OPTIN_LIMIT, lean=False, clusters=False, rounds=False, *,
-                  choices: BackwardChoices, residual_grad=None) -> NormPlan:
+                  choices: BackwardChoices, residual_grad=None, runs=False) -> NormPlan:
     """choices: the launch profile's. lean: a staged plan takes the LEAN variant (the caller decides, see
     lean_staged). clusters: the GPU runs thread block clusters (sm_90+), so rows past rms_norm_bwd_reread may be
     split over one. rounds: aligned staged rows take rms_norm_bwd_cluster over rounds of clusters where it can (the
     caller decides, see takes_cluster_rounds; resident_grid sets the grid). residual_grad: the array added to dx
     (add_rms_norm's backward), or None; with it, row_strides has its stride last, and the plan the kernel's GRAD
-    variant (its last template argument: every kernel's same rows and launch, and a load more a chunk)."""
+    variant (its last template argument: every kernel's same rows and launch, and a load more a chunk). runs: rows in
+    runs (RowLayout; no residual_grad), which the RUNS variants of rms_norm_bwd's rows held in registers take."""
     plan = _plan_rows_kernel(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, lean, clusters,
-                             rounds, choices, residual_grad)
+                             rounds, choices, residual_grad, runs)
+    if runs:
+        return take_runs(plan, hidden)
     plan.name = with_flag(plan.name, residual_grad is not None)
     return plan
 
 
 def _plan_rows_kernel(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, lean, clusters, rounds,
-                      choices, residual_grad) -> NormPlan:
+                      choices, residual_grad, runs) -> NormPlan:
     """plan_backward's plan, its kernel named without GRAD."""
     weight_dtype = weight.dtype if weight is not None else "float32"
     long_rows = hidden * ITEMSIZE[x.dtype] >= choices.long_row_bytes
@@ -271,7 +274,7 @@ def _plan_rows_kernel(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, 
     # rms_norm_bwd's own register prefetch (fp32 rows of up to 8 elements a thread: its PREFETCH)
     # measured a little faster than staging; everywhere else aligned rows are staged.
     prefetches = plan.vectorized and plan.slots and ITEMSIZE[x.dtype] == 4 and plan.slots * 4 <= 8
-    if plan.vectorized and not prefetches:
+    if plan.vectorized and not prefetches and not runs:
         if clusters and weight is not None and rows <= choices.one_cluster_max_rows:  # one launch, where it applies
             one = _plan_one_cluster(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted)
             if one:
@@ -282,7 +285,7 @@ def _plan_rows_kernel(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, 
                 many.cluster_rounds = True
                 return many
         plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean) or plan
-    if clusters and plan.vectorized and not (plan.staged or plan.slots):  # else read twice
+    if clusters and plan.vectorized and not (plan.staged or plan.slots or runs):  # else read twice
         plan = _plan_backward_split(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted) or plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.
     threads = plan.block[0] * plan.block[1]
@@ -368,12 +371,13 @@ def resident_grid(plan, rows: int, device: int, dtype):
 
 
 def plan_backward_for_device(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, device,
-                             choices, residual_grad=None):
+                             choices, residual_grad=None, runs=False):
     """(plan, its kernel) of a checked backward call on the device: plan_backward's, with its grid fitted to what
     the device holds at once, then re-planned where that grid decides (lean_staged, takes_cluster_rounds) or where
     no cluster fits."""
     planning = (dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit)
-    plan = plan_backward(*planning, clusters=runs_clusters(device), choices=choices, residual_grad=residual_grad)
+    plan = plan_backward(*planning, clusters=runs_clusters(device), choices=choices, residual_grad=residual_grad,
+                         runs=runs)
     kernel = resident_grid(plan, rows, device, x.dtype)
     if kernel is None:  # no cluster fits: rows read twice, or two launches
         plan = plan_backward(*planning, choices=choices, residual_grad=residual_grad)
@@ -389,6 +393,11 @@ def plan_backward_for_device(dy, x, dx, weight, row_strides, rows, hidden, n_sm,
     return plan, kernel
 
 
+def _register_kernel(dtype, weight, vec, slots, shift) -> str:
+    """rms_norm_bwd's name without GRAD (and RUNS)."""
+    return f"cupyrope::rms_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, {flag(shift)}>"
+
+
 def dweight_kernel_name(weight_dtype: str) -> str:
     return f"cupyrope::rms_norm_dw<{CTYPE[weight_dtype]}>"
 
@@ -401,12 +410,15 @@ def variants():
         else:
             yield source, with_flag(name, False)
             yield source, with_flag(name, True)
+    for dtype, weight, vec, slots in row_variant_params(BWD_MAX_SLOTS):  # rows in runs: held in registers
+        for shift in ((False, True) if vec else (False,)) if slots else ():
+            yield SOURCE, runs_variant(_register_kernel(dtype, weight, vec, slots, shift))
 
 
 def _variants_without_grad():
     for dtype, weight, vec, slots in row_variant_params(BWD_MAX_SLOTS):
         for shift in (False, True) if vec else (False,):
-            yield SOURCE, f"cupyrope::rms_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, {flag(shift)}>"
+            yield SOURCE, _register_kernel(dtype, weight, vec, slots, shift)
     for dtype in FLOAT_DTYPES:
         itemsize = ITEMSIZE[dtype]
         for weight in sorted({"float32", dtype}):

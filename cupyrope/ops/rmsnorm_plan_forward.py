@@ -18,7 +18,8 @@ from .._runtime.choices import choice
 from .._runtime.compile import get_kernel
 from .._runtime.device import runs_clusters
 from .rmsnorm_rows import (MAX_WIDTH, SHARED_OPTIN_LIMIT, SPLIT_SIZES, NormPlan, chunks_span,
-                           fit_clusters, flag, plan_rows, row_variant_params, split_parts, with_flag)
+                           fit_clusters, flag, plan_rows, row_variant_params, runs_variant, split_parts, take_runs,
+                           with_flag)
 
 SOURCE = "rmsnorm_fwd.cu"
 # Elements a thread: 16 (one 16-byte chunk of fp32, two of fp16/bf16... up to the register slots) measured best.
@@ -92,11 +93,12 @@ def fwd_max_slots(add: bool, shifted: bool) -> dict:
 
 
 def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto", clusters=False, *,
-                 choices: ForwardChoices, residual_out=None) -> NormPlan:
+                 choices: ForwardChoices, residual_out=None, runs=False) -> NormPlan:
     """clusters: the GPU runs thread block clusters (sm_90+), so rows past the registers may be split over one
     (plan_forward_split). choices: the launch profile's. residual_out: where the fused add writes x + residual
     (add_rms_norm; None: into residual, in place); row_strides then has four strides (x, y, residual, residual_out)
-    and the plan names the kernel's OUT variant (its last template argument)."""
+    and the plan names the kernel's OUT variant (its last template argument). runs: rows in runs (RowLayout; no
+    residual), which the RUNS variants of rows held in registers take."""
     arrays = [x, y, residual, residual_out, weight]
     add = flag(residual is not None)
     weight_dtype = weight.dtype if weight is not None else "float32"
@@ -114,6 +116,8 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     add_slots = fwd_max_slots(residual is not None, plan.shifted)
     if plan.vectorized and plan.slots > add_slots[True, itemsize]:
         plan = plan_with(add_slots)
+    if runs:
+        return take_runs(plan, hidden)
     long_row = hidden * itemsize >= choices.split_min_row_bytes
     min_blocks = FWD_SPLIT_MIN_BLOCKS.get((*key, plan.shifted)) if long_row else None
     if clusters and min_blocks and plan.vectorized and not plan.slots:  # else read twice
@@ -154,10 +158,11 @@ def split_slots(add: bool, itemsize: int) -> int:
 
 
 def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, impl, device, choices,
-                            residual_out=None) -> NormPlan:
+                            residual_out=None, runs=False) -> NormPlan:
     """plan_forward's plan, split over a cluster where the GPU runs clusters and places one, else read twice."""
     planning = (x, y, residual, weight, row_strides, rows, hidden, impl)
-    plan = plan_forward(*planning, clusters=runs_clusters(device), choices=choices, residual_out=residual_out)
+    plan = plan_forward(*planning, clusters=runs_clusters(device), choices=choices, residual_out=residual_out,
+                        runs=runs)
     if plan.split > 1 and not fit_clusters(plan, get_kernel(SOURCE, plan.name, device), rows, device):
         plan = plan_forward(*planning, choices=choices, residual_out=residual_out)  # no cluster fits: read twice
     return plan
@@ -184,6 +189,8 @@ def variants():
                 name = (f"cupyrope::rms_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
                         f"{flag(add)}, {flag(shift)}>")
                 yield from ((SOURCE, n) for n in ([name, with_flag(name, True)] if add else [name]))
+                if slots and not add:
+                    yield SOURCE, runs_variant(name)
                 min_blocks = FWD_SPLIT_MIN_BLOCKS.get((add, itemsize, shift))
                 if vec and min_blocks and slots == split_slots(add, itemsize):  # parts: long rows
                     for split in (s for s in SPLIT_SIZES if s >= min_blocks):

@@ -72,6 +72,23 @@ def row_variant_params(max_slots):
                         yield dtype, weight, vec, slots
 
 
+def runs_variant(name: str) -> str:
+    """A register-row kernel's variant for rows in runs (RowLayout): rms_norm_fwd<T, W, VEC, NPT, ADD false, SHIFT> or
+    rms_norm_bwd<T, W, VEC, NPT, SHIFT> becomes rms_norm_fwd_runs / rms_norm_bwd_runs<T, W, VEC, NPT, SHIFT>."""
+    kernel, args = name[:-1].split("<", 1)
+    args = args.split(", ")
+    return f"{kernel}_runs<{', '.join(args[:4] + args[-1:])}>"
+
+
+def take_runs(plan, hidden: int):
+    """A row plan renamed to its RUNS variant, or a ValueError where its rows are read twice (no RUNS variant)."""
+    if not plan.slots:
+        raise ValueError(f"x: rows in runs (such as heads of a fused qkv view) are taken where a row fits the "
+                         f"kernels' registers; rows of {hidden} elements do not: pass a contiguous array")
+    plan.name = runs_variant(plan.name)
+    return plan
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -114,7 +131,8 @@ def vectorizable(arrays, row_strides, hidden, dtype) -> bool:
 
 def shiftable(arrays, row_strides, hidden, dtype) -> bool:
     """Rows that are not 16-byte aligned still move in 16-byte chunks (the kernels' SHIFT) when every
-    array's row starts at the same offset from a 16-byte boundary as the first array's, in every row."""
+    array's row starts at the same offset from a 16-byte boundary as the first array's, in every row. A 0 among
+    row_strides (rows in runs: RowLayout.plan_strides) asks for every row at the first row's offset."""
     itemsize = ITEMSIZE[dtype]
     elems = 16 // itemsize
     x = arrays[0]

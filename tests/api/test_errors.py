@@ -121,6 +121,11 @@ NORM_CASES = [
     (lambda: cupyrope.rms_norm(A(H), A((130,)), offset=float("nan")), ValueError, "offset"),
     (lambda: cupyrope.rms_norm(A(H), A((130,), device=1)), ValueError, "weight: expected a cupy array on cuda:0"),
     (lambda: cupyrope.rms_norm(A(H), out=A((7, 131))), ValueError, "out: expected shape"),
+    # rows over three levels of strides (runs of runs); two levels (q's heads in a fused qkv tensor) are taken
+    (lambda: cupyrope.rms_norm(A((4, 4, 5, 16), strides=(700, 200, 20, 1))), ValueError, "x: its rows .* evenly strided runs"),
+    (lambda: cupyrope.rms_norm_backward(A((4, 3, 5, 16), strides=(300, 80, 16, 1)),
+                                        A((4, 3, 5, 16), strides=(270, 90, 16, 1), ptr=1 << 44)),
+     ValueError, "dy: its rows .* evenly strided runs"),
     (lambda: cupyrope.rms_norm_backward(A((7, 131)), A(H), A((130,))), ValueError, r"dy: expected shape \(7, 130\)"),
     (lambda: cupyrope.rms_norm_backward(A(H, "float16"), A(H), A((130,))), TypeError, "dy: expected dtype float32"),
     (lambda: cupyrope.rms_norm_backward(A(H, ptr=1 << 44), A(H), A((130,)), rstd=A((6,))), ValueError, r"rstd: expected shape \(7,\)"),

@@ -53,3 +53,15 @@ def test_parameter_structs_mirror_the_kernels(source, name, pointers, tail):
     module, attribute = tail.split(":")
     packed = getattr(importlib.import_module(module), attribute)
     assert _struct_format(source, name) == "Q" * pointers + _expand(packed.format)
+
+
+@pytest.mark.parametrize("source,name,pointers,base,runs", [
+    ("rmsnorm_fwd.cu", "NormRunsParams : NormParams", 6, "FWD_TAIL", "FWD_RUNS_TAIL"),
+    ("rmsnorm_bwd.cu", "NormBwdRunsParams : NormBwdParams", 7, "BWD_TAIL", "BWD_RUNS_TAIL"),
+])
+def test_runs_structs_extend_their_ops(source, name, pointers, base, runs):
+    """The rms_norm_*_runs kernels' structs: their own fields after their op's struct, from its size rounded up to 8
+    bytes (the padding the tail skips)."""
+    module = importlib.import_module("cupyrope.ops.rmsnorm")
+    base_bytes = 8 * pointers + getattr(module, base).size
+    assert _expand(getattr(module, runs).format) == "x" * (-base_bytes % 8) + _struct_format(source, name)

@@ -121,16 +121,21 @@ def test_modules_are_drop_in_on_cpu():
 
 def test_norm_rows_in_memory_order_need_no_copy():
     """Per-head norms: q's heads after view(B, S, H, D).transpose(1, 2) (Gemma 3's q_norm) are taken in memory order,
-    one strided run, with no copy; rows that are not one run once ordered (heads of a fused qkv view) are copied."""
+    one strided run, with no copy; the heads of a fused qkv view are runs of rows, also taken where they lie; rows
+    needing a third level of strides are copied."""
     heads = torch.randn(2, 40, 4, 16).transpose(1, 2)
     order = ct._row_order(heads)
     assert order == [0, 2, 1] and ct._in_row_order(heads, order).is_contiguous()
     assert ct._row_order(torch.randn(3, 5, 8)) is None
     strided = torch.randn(30, 24)[:, :16]  # one run, a row stride of 24
-    assert ct._rows_in_one_run(strided) is strided
+    assert ct._rows_in_runs(strided)[0] is strided
     qkv = torch.randn(30, (8 + 2 * 2) * 16)
     q = qkv[:, : 8 * 16].view(30, 8, 16)
-    assert ct._row_order(q) is None and ct._rows_in_one_run(q).is_contiguous()
+    assert ct._row_order(q) is None and ct._rows_in_runs(q)[0] is q
+    dy = torch.randn(30, 8, 16)
+    assert all(a is b for a, b in zip(ct._rows_in_runs(dy, q, None), (dy, q, None)))
+    three = torch.randn(4, 7, 5, 20)[:, ::2, :, :16]  # (4, 4, 5) rows: no two neighbours merge
+    assert all(t.is_contiguous() for t in ct._rows_in_runs(three, torch.randn(4, 4, 5, 16)))
 
 
 @pytest.mark.parametrize("layout", ["transposed", "fused"])
