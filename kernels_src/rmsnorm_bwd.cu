@@ -38,19 +38,6 @@ struct NormBwdRunsParams : NormBwdParams {  // mirrored by rmsnorm.py's BWD_RUNS
     i64 inner_rows, dy_outer, x_outer, dx_outer;
 };
 
-// Where row `row` of dy, x or dx starts in rms_norm_bwd_runs (p a NormBwdRunsParams), as the forward's x_in_runs.
-__device__ __forceinline__ i64 dy_in_runs(const NormBwdParams& p, i64 row) {
-    const auto& runs = runs_of<NormBwdRunsParams>(p);
-    return row_in_runs(row, p.dy_stride, runs.dy_outer, runs.inner_rows);
-}
-__device__ __forceinline__ i64 x_in_runs(const NormBwdParams& p, i64 row) {
-    const auto& runs = runs_of<NormBwdRunsParams>(p);
-    return row_in_runs(row, p.x_stride, runs.x_outer, runs.inner_rows);
-}
-__device__ __forceinline__ i64 dx_in_runs(const NormBwdParams& p, i64 row) {
-    const auto& runs = runs_of<NormBwdRunsParams>(p);
-    return row_in_runs(row, p.dx_stride, runs.dx_outer, runs.inner_rows);
-}
 
 // Row `row` of residual_grad for bwd_chunk: the kernels' GRAD variants (add_rms_norm's backward) take one; the
 // others pass a constant null, and their code is what it is without residual_grad (a runtime test of the pointer
@@ -109,8 +96,9 @@ template <typename T, bool VEC, int NPT, bool SHIFT, int E, bool RUNS>
 __device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, int first, int step, Pack<T, E> (&dyv)[NPT],
                                              Pack<T, E> (&xv)[NPT]) {
     if (row >= p.rows) return;
-    const T* dy_row = static_cast<const T*>(p.dy) + (RUNS ? dy_in_runs(p, row) : row * p.dy_stride);
-    const T* x_row = static_cast<const T*>(p.x) + (RUNS ? x_in_runs(p, row) : row * p.x_stride);
+    using Runs = NormBwdRunsParams;
+    const T* dy_row = static_cast<const T*>(p.dy) + (RUNS ? in_runs(p, row, p.dy_stride, &Runs::dy_outer) : row * p.dy_stride);
+    const T* x_row = static_cast<const T*>(p.x) + (RUNS ? in_runs(p, row, p.x_stride, &Runs::x_outer) : row * p.x_stride);
     const int hidden = (int)p.hidden;  // rows in registers: see first_column
 #pragma unroll
     for (int i = 0; i < NPT; ++i) {
@@ -125,6 +113,7 @@ __device__ __forceinline__ void load_bwd_row(const NormBwdParams& p, i64 row, in
 // rms_norm_bwd's rows (RUNS: rms_norm_bwd_runs', p a NormBwdRunsParams).
 template <typename T, typename W, bool VEC, int NPT, bool SHIFT, bool GRAD, bool RUNS>
 __device__ __forceinline__ void bwd_rows(const NormBwdParams& p) {
+    using Runs = NormBwdRunsParams;
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
@@ -160,7 +149,8 @@ __device__ __forceinline__ void bwd_rows(const NormBwdParams& p) {
     const i64 first_row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     // A thread's columns are the same in every row it visits (SHIFT: one shift per rows slot, see above).
     const int first = first_column<SHIFT, E>(
-        static_cast<const T*>(p.x) + (RUNS ? x_in_runs(p, first_row) : first_row * p.x_stride), lane);
+        static_cast<const T*>(p.x) + (RUNS ? in_runs(p, first_row, p.x_stride, &Runs::x_outer) : first_row * p.x_stride),
+        lane);
     if constexpr (PREFETCH) load_bwd_row<T, VEC, SLOTS, SHIFT, E, RUNS>(p, first_row, first, step, dyv, xv);
     // SHIFT reads the weight element by element (8 loads a 16-bit chunk): once, kept in registers.
     constexpr bool WEIGHT_ONCE = SHIFT;
@@ -176,9 +166,10 @@ __device__ __forceinline__ void bwd_rows(const NormBwdParams& p) {
     for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += rows_per_pass) {
         const i64 row = base + threadIdx.y;
         const bool active = row < p.rows;
-        const T* dy_row = static_cast<const T*>(p.dy) + (RUNS ? dy_in_runs(p, row) : row * p.dy_stride);
-        const T* x_row = static_cast<const T*>(p.x) + (RUNS ? x_in_runs(p, row) : row * p.x_stride);
-        T* dx_row = static_cast<T*>(p.dx) + (RUNS ? dx_in_runs(p, row) : row * p.dx_stride);
+        const T* dy_row =
+            static_cast<const T*>(p.dy) + (RUNS ? in_runs(p, row, p.dy_stride, &Runs::dy_outer) : row * p.dy_stride);
+        const T* x_row = static_cast<const T*>(p.x) + (RUNS ? in_runs(p, row, p.x_stride, &Runs::x_outer) : row * p.x_stride);
+        T* dx_row = static_cast<T*>(p.dx) + (RUNS ? in_runs(p, row, p.dx_stride, &Runs::dx_outer) : row * p.dx_stride);
         const T* grad_row = residual_grad_row<GRAD, T>(p, row);
         float dot = 0.f;
         if constexpr (NPT > 0) {

@@ -74,11 +74,13 @@ __device__ __forceinline__ i64 row_in_runs(i64 row, i64 stride, i64 outer, i64 i
     return (i64)(r / n) * outer + (i64)(r % n) * stride;
 }
 
-// A kernel's parameters as its rows-in-runs variant's struct Runs (which extends P with inner_rows and each array's
-// outer stride), for row_in_runs.
+// Where row `row` starts, in runs, in the array of `stride` whose outer stride is Runs' member `outer`: p is a
+// rows-in-runs kernel's struct Runs, which extends P (its op's) with inner_rows and the outer strides. Callers write
+// `RUNS ? in_runs(...) : row * stride` in place: one function for both forms changed the split forward's code.
 template <typename Runs, typename P>
-__device__ __forceinline__ const Runs& runs_of(const P& p) {
-    return static_cast<const Runs&>(p);
+__device__ __forceinline__ i64 in_runs(const P& p, i64 row, i64 stride, i64 Runs::*outer) {
+    const Runs& runs = static_cast<const Runs&>(p);
+    return row_in_runs(row, stride, runs.*outer, runs.inner_rows);
 }
 
 // Rows held in registers (NPT > 0) have at most 1024 threads x 8 slots x 8 elements, so their

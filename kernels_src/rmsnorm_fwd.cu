@@ -26,17 +26,6 @@ struct NormRunsParams : NormParams {  // mirrored by rmsnorm.py's FWD_RUNS_TAIL 
     i64 inner_rows, x_outer, y_outer;
 };
 
-// Where row `row` of x or y starts in rms_norm_fwd_runs (p a NormRunsParams). Callers write `RUNS ? ... : row *
-// stride` in place: one function for both forms changed the split kernels' code.
-__device__ __forceinline__ i64 x_in_runs(const NormParams& p, i64 row) {
-    const auto& runs = runs_of<NormRunsParams>(p);
-    return row_in_runs(row, p.x_stride, runs.x_outer, runs.inner_rows);
-}
-__device__ __forceinline__ i64 y_in_runs(const NormParams& p, i64 row) {
-    const auto& runs = runs_of<NormRunsParams>(p);
-    return row_in_runs(row, p.y_stride, runs.y_outer, runs.inner_rows);
-}
-
 // A thread's sum of squares in the forward's rows of 1-2 chunks a thread, as SUM_CHAINS independent partial sums
 // added pairwise at the end: one chain of 8-16 dependent FMAs sits on a small call's critical path (ncu: bf16
 // [16, 4096] ran ~160 cycles longer with one). Rows of 4+ chunks a thread keep one chain: they are bandwidth-bound,
@@ -177,6 +166,7 @@ __device__ __forceinline__ float split_row_sum(float v, int width, float* scratc
 // describes the block's part of the rows, in registers; cluster_slots: see there).
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, int SPLIT, bool OUT, bool RUNS = false>
 __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&cluster_slots)[SPLIT]) {
+    using Runs = NormRunsParams;
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     static_assert(SPLIT == 1 || (VEC && NPT > 0), "SPLIT: rows of 16-byte chunks in registers");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
@@ -197,8 +187,10 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
     // Rows held as words (see half_of): a branch of its own, so that the words are what the loads produce and the
     // loop holds (the Pack path below with only its output converting from word_of(v[i], k) kept 54-56 registers).
     if constexpr (sizeof(T) == 2 && VEC && NPT >= 2 && !ADD) {
-        const T* const x_row = row_base<true>(static_cast<const T*>(p.x) + (RUNS ? x_in_runs(p, row) : row * p.x_stride));
-        T* const y_row = row_base<true>(static_cast<T*>(p.y) + (RUNS ? y_in_runs(p, row) : row * p.y_stride));
+        const T* const x_row = row_base<true>(
+            static_cast<const T*>(p.x) + (RUNS ? in_runs(p, row, p.x_stride, &Runs::x_outer) : row * p.x_stride));
+        T* const y_row = row_base<true>(
+            static_cast<T*>(p.y) + (RUNS ? in_runs(p, row, p.y_stride, &Runs::y_outer) : row * p.y_stride));
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         unsigned words[NPT][4] = {};  // chunks outside the row stay 0 and add nothing to the sum
         // EARLY: the weight's chunks held as loaded words too (held as Packs: 64 instead of 56 registers
@@ -261,8 +253,10 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
         // to 19% faster). Elsewhere they changed nothing or were slower: 1% for the 2-chunk fused add, 11-14% for
         // the fp32 fused add of 4+ chunks.
         constexpr bool HELD = !VEC || (ADD && NPT >= 2 && (SHIFT || (NPT >= 4 && sizeof(T) == 2)));
-        const T* const x_row = row_base<HELD>(static_cast<const T*>(p.x) + (RUNS ? x_in_runs(p, row) : row * p.x_stride));
-        T* const y_row = row_base<HELD>(static_cast<T*>(p.y) + (RUNS ? y_in_runs(p, row) : row * p.y_stride));
+        const T* const x_row = row_base<HELD>(
+            static_cast<const T*>(p.x) + (RUNS ? in_runs(p, row, p.x_stride, &Runs::x_outer) : row * p.x_stride));
+        T* const y_row = row_base<HELD>(
+            static_cast<T*>(p.y) + (RUNS ? in_runs(p, row, p.y_stride, &Runs::y_outer) : row * p.y_stride));
         T* const res_row = ADD ? row_base<HELD>(static_cast<T*>(p.residual) + row * p.residual_stride) : nullptr;
         T* const sum_row = OUT ? row_base<HELD>(static_cast<T*>(p.residual_out) + row * p.residual_out_stride) : res_row;
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
