@@ -548,3 +548,37 @@ def test_rms_norm_fp8_alignment():
     assert not plan_fp8(odd_x, y, None, None, (4096, 4096, 0), 8, 4096, 64).vectorized
     with pytest.raises(ValueError, match="impl: 'vector' needs"):
         plan_fp8(odd_x, y, None, None, (4096, 4096, 0), 8, 4096, 64, "vector")
+
+
+def test_rows_in_runs_take_the_runs_kernels():
+    """q's heads as a (T, H, D) view of a fused qkv tensor: runs of H rows, a qkv row apart. rms_norm and its backward
+    take them through rms_norm_fwd_runs / rms_norm_bwd_runs (rows held in registers); 16-byte chunks where every
+    stride allows them, element by element otherwise (no shifted rows unless every row shares one shift)."""
+    from cupyrope.ops.rmsnorm_checks import row_layout
+
+    def views(head_dim, dtype="bfloat16", tokens=1000, heads=32, width=48):
+        q = arr((tokens, heads, head_dim), dtype, strides=(width * head_dim, head_dim, 1))
+        return q, arr((tokens, heads, head_dim), dtype, ptr=BASE + 2**32)
+
+    q, y = views(128)
+    layout = row_layout([q, y], ["x", "out"])
+    assert (layout.inner_rows, layout.strides, layout.outer) == (32, (128, 128), (48 * 128, 32 * 128))
+    assert layout.strides_of(0, 1, None) == (128, 128, 0) and layout.runs_of(0, 1) == (32, 48 * 128, 32 * 128)
+    f = plan_forward(q, y, None, None, layout.plan_strides(), 32000, 128, runs=True)
+    assert f.name == "cupyrope::rms_norm_fwd_runs<__nv_bfloat16, float, true, 1, false>" and f.vectorized
+    b = plan_backward(y, q, y, arr((128,)), layout.plan_strides(), 32000, 128, n_sm=132, runs=True)
+    assert b.name.startswith("cupyrope::rms_norm_bwd_runs<__nv_bfloat16, __nv_bfloat16, true, ") and not b.staged
+    assert {f.name, b.name} <= set(name for _, name in all_variants())
+    odd_q, odd_y = views(100)  # strides of 100 elements: not 16-byte multiples, and rows of several shifts
+    odd = row_layout([odd_q, odd_y], ["x", "out"])
+    plan = plan_forward(odd_q, odd_y, None, None, odd.plan_strides(), 32000, 100, runs=True)
+    assert not plan.vectorized and not plan.shifted and plan.name.startswith("cupyrope::rms_norm_fwd_runs<")
+    long_q, long_y = views(65536, "float32", tokens=2, heads=2, width=3)
+    long = row_layout([long_q, long_y], ["x", "out"])
+    with pytest.raises(ValueError, match="x: rows in runs .* rows of 65536 elements do not"):
+        plan_forward(long_q, long_y, None, None, long.plan_strides(), 4, 65536, runs=True)
+    with pytest.raises(ValueError, match="x: its rows .* must be evenly strided"):
+        row_layout([q, y], ["x", "out"], runs=False)
+    many = arr((2**20, 2**12 + 1, 2), "float32", strides=(2**13 + 4, 2, 1))  # runs of rows numbering 2^32 and more
+    with pytest.raises(ValueError, match="below 2\\^32"):
+        row_layout([many], ["x"])
