@@ -38,7 +38,6 @@ struct NormBwdRunsParams : NormBwdParams {  // mirrored by rmsnorm.py's BWD_RUNS
     i64 inner_rows, dy_outer, x_outer, dx_outer;
 };
 
-
 // Row `row` of residual_grad for bwd_chunk: the kernels' GRAD variants (add_rms_norm's backward) take one; the
 // others pass a constant null, and their code is what it is without residual_grad (a runtime test of the pointer
 // made ptxas spill in the staged and read-twice kernels).

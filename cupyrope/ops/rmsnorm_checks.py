@@ -149,19 +149,19 @@ def row_layout(arrays, names, runs=True) -> RowLayout:
     lead = arrays[0].shape[:-1]
     dims = [(n, tuple(a.strides[j] for a in arrays)) for j, n in enumerate(lead) if n != 1]
     merged = merge_dims(dims)
-    none = (0,) * len(arrays)
     if len(merged) > (2 if runs else 1):
         where = ("lie in evenly strided runs, evenly strided (such as the (tokens, heads) of a fused qkv tensor's q)"
                  if runs else "be evenly strided")
         raise ValueError(f"{names[0]}: its rows (all dimensions but the last) must {where}, got strides "
                          f"{arrays[0].strides} for shape {arrays[0].shape}; pass a contiguous array")
     if len(merged) == 2:
-        (runs, outer), (inner_rows, strides) = merged
-        if runs * inner_rows >= 2**32:
+        (n_runs, outer), (inner_rows, strides) = merged
+        if n_runs * inner_rows >= 2**32:
             raise ValueError(f"{names[0]}: rows in runs (strides {arrays[0].strides}) must number below 2^32, got "
-                             f"{runs * inner_rows}; pass a contiguous array")
+                             f"{n_runs * inner_rows}; pass a contiguous array")
         return RowLayout(strides, outer, inner_rows)
-    return RowLayout(merged[0][1] if merged else tuple(arrays[0].shape[-1] for _ in arrays), none, 0)
+    strides = merged[0][1] if merged else tuple(arrays[0].shape[-1] for _ in arrays)
+    return RowLayout(strides, (0,) * len(arrays), 0)
 
 
 def rows(shape) -> int:

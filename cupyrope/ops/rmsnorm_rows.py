@@ -81,7 +81,8 @@ def runs_variant(name: str) -> str:
 
 
 def take_runs(plan, hidden: int):
-    """A row plan renamed to its RUNS variant, or a ValueError where its rows are read twice (no RUNS variant)."""
+    """A row plan renamed to its runs kernel (runs_variant), or a ValueError where its rows are read twice (no runs
+    kernel reads rows twice)."""
     if not plan.slots:
         raise ValueError(f"x: rows in runs (such as heads of a fused qkv view) are taken where a row fits the "
                          f"kernels' registers; rows of {hidden} elements do not: pass a contiguous array")
