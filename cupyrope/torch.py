@@ -17,7 +17,7 @@ from . import reference as _reference
 from . import rope_scaling as _rope_scaling
 from ._runtime import checks as _checks
 from ._runtime.arrays import describe_host as _host
-from ._runtime.arrays import merge_dims as _merge_dims
+from ._runtime.arrays import merged_rows as _merged_rows
 from .ops import qk_norm_rope_checks as _qk_norm_checks
 from .ops import rmsnorm_checks as _norm_checks
 from .ops import rope_checks as _rope_checks
@@ -393,15 +393,14 @@ def _from_row_order(t: Tensor, order, rows_only: bool = False) -> Tensor:
 
 def _rows_in_runs(*tensors, levels=2):
     """The tensors (None passes through), or contiguous copies where their rows together need more than `levels`
-    levels of strides: 2, evenly strided runs of evenly strided rows (rms_norm's and its backward's RowStrides; q's
-    heads as a (T, H, D) view of a fused qkv tensor are such runs, normalized where they lie); 1, one run (the fused
-    adds)."""
+    levels of strides (rmsnorm_checks.row_layout's rule): 2, evenly strided runs of evenly strided rows (rms_norm and
+    its backward; q's heads as a (T, H, D) view of a fused qkv tensor are such runs, normalized where they lie); 1,
+    one run (the fused adds)."""
     if all(t is None or t.is_contiguous() for t in tensors):
         return tensors
     tensors = [None if t is None else _contiguous_last(t) for t in tensors]
     given = [t for t in tensors if t is not None]
-    dims = [(n, tuple(t.stride(j) for t in given)) for j, n in enumerate(given[0].shape[:-1]) if n != 1]
-    if len(_merge_dims(dims)) <= levels:
+    if len(_merged_rows(given[0].shape, [t.stride() for t in given])) <= levels:
         return tensors
     return [None if t is None else t.contiguous() for t in tensors]
 

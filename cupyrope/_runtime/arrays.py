@@ -206,6 +206,12 @@ def numpy_dtype(dtype: str):
     return dtype
 
 
+def merged_rows(shape, strides_per_array):
+    """The rows of arrays of one shape (all dimensions but the last; size-1 ones dropped) as merge_dims leaves them:
+    [(size, (stride of each array, ...)), ...], outermost first. One entry: one evenly strided run."""
+    return merge_dims([(n, tuple(s[j] for s in strides_per_array)) for j, n in enumerate(shape[:-1]) if n != 1])
+
+
 def merge_dims(dims):
     """dims: [(size, (stride of each tensor, ...)), ...], outermost first. Neighbours merge into one dimension
     where every tensor's strides allow it (outer stride = inner size x inner stride)."""

@@ -4,7 +4,7 @@ run the same ones and raise the same errors."""
 import math
 
 from .._runtime import checks
-from .._runtime.arrays import FLOAT_DTYPES, FP8_DTYPES, Array, is_contiguous, merge_dims
+from .._runtime.arrays import FLOAT_DTYPES, FP8_DTYPES, Array, is_contiguous, merged_rows
 from .rmsnorm_plan_fp8 import GROUP_SIZES
 
 
@@ -146,9 +146,7 @@ class RowLayout:
 def row_layout(arrays, names, runs=True) -> RowLayout:
     """The RowLayout of arrays' rows (all dimensions but the last), or a ValueError where they need more than two
     levels of strides (runs: rms_norm and rms_norm_backward), or more than one (the fused adds, FP8)."""
-    lead = arrays[0].shape[:-1]
-    dims = [(n, tuple(a.strides[j] for a in arrays)) for j, n in enumerate(lead) if n != 1]
-    merged = merge_dims(dims)
+    merged = merged_rows(arrays[0].shape, [a.strides for a in arrays])
     if len(merged) > (2 if runs else 1):
         where = ("lie in evenly strided runs, evenly strided (such as the (tokens, heads) of a fused qkv tensor's q)"
                  if runs else "be evenly strided")

@@ -253,7 +253,7 @@ def plan_backward(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl="auto
     caller decides, see takes_cluster_rounds; resident_grid sets the grid). residual_grad: the array added to dx
     (add_rms_norm's backward), or None; with it, row_strides has its stride last, and the plan the kernel's GRAD
     variant (its last template argument: every kernel's same rows and launch, and a load more a chunk). runs: rows in
-    runs (RowLayout; no residual_grad), which the RUNS variants of rms_norm_bwd's rows held in registers take."""
+    runs (RowLayout; no residual_grad), which rms_norm_bwd_runs takes where rows are held in registers (take_runs)."""
     plan = _plan_rows_kernel(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, lean, clusters,
                              rounds, choices, residual_grad, runs)
     if runs:
@@ -376,17 +376,17 @@ def plan_backward_for_device(dy, x, dx, weight, row_strides, rows, hidden, n_sm,
     the device holds at once, then re-planned where that grid decides (lean_staged, takes_cluster_rounds) or where
     no cluster fits."""
     planning = (dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit)
-    plan = plan_backward(*planning, clusters=runs_clusters(device), choices=choices, residual_grad=residual_grad,
-                         runs=runs)
+    options = {"choices": choices, "residual_grad": residual_grad, "runs": runs}
+    plan = plan_backward(*planning, clusters=runs_clusters(device), **options)
     kernel = resident_grid(plan, rows, device, x.dtype)
     if kernel is None:  # no cluster fits: rows read twice, or two launches
-        plan = plan_backward(*planning, choices=choices, residual_grad=residual_grad)
+        plan = plan_backward(*planning, **options)
         kernel = resident_grid(plan, rows, device, x.dtype)
     if lean_staged(plan, rows):  # decided on the default variant's resident grid
-        plan = plan_backward(*planning, lean=True, choices=choices, residual_grad=residual_grad)
+        plan = plan_backward(*planning, lean=True, **options)
         kernel = resident_grid(plan, rows, device, x.dtype)
     elif takes_cluster_rounds(plan, weight is not None, device):
-        many = plan_backward(*planning, clusters=True, rounds=True, choices=choices, residual_grad=residual_grad)
+        many = plan_backward(*planning, clusters=True, rounds=True, **options)
         many_kernel = resident_grid(many, rows, device, x.dtype) if many.cluster_rounds else None
         if many_kernel:  # else no cluster fits: the staged plan
             plan, kernel = many, many_kernel
@@ -394,7 +394,7 @@ def plan_backward_for_device(dy, x, dx, weight, row_strides, rows, hidden, n_sm,
 
 
 def _register_kernel(dtype, weight, vec, slots, shift) -> str:
-    """rms_norm_bwd's name without GRAD (and RUNS)."""
+    """rms_norm_bwd's name without GRAD (runs_variant makes rms_norm_bwd_runs' from it)."""
     return f"cupyrope::rms_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, {flag(shift)}>"
 
 

@@ -98,7 +98,7 @@ def plan_forward(x, y, residual, weight, row_strides, rows, hidden, impl="auto",
     (plan_forward_split). choices: the launch profile's. residual_out: where the fused add writes x + residual
     (add_rms_norm; None: into residual, in place); row_strides then has four strides (x, y, residual, residual_out)
     and the plan names the kernel's OUT variant (its last template argument). runs: rows in runs (RowLayout; no
-    residual), which the RUNS variants of rows held in registers take."""
+    residual), which rms_norm_fwd_runs takes where rows are held in registers (take_runs)."""
     arrays = [x, y, residual, residual_out, weight]
     add = flag(residual is not None)
     weight_dtype = weight.dtype if weight is not None else "float32"
@@ -164,7 +164,7 @@ def plan_forward_for_device(x, y, residual, weight, row_strides, rows, hidden, i
     plan = plan_forward(*planning, clusters=runs_clusters(device), choices=choices, residual_out=residual_out,
                         runs=runs)
     if plan.split > 1 and not fit_clusters(plan, get_kernel(SOURCE, plan.name, device), rows, device):
-        plan = plan_forward(*planning, choices=choices, residual_out=residual_out)  # no cluster fits: read twice
+        plan = plan_forward(*planning, choices=choices, residual_out=residual_out, runs=runs)  # read twice
     return plan
 
 
