@@ -14,20 +14,57 @@
 namespace cupyrope {
 
 // Blocks an SM must hold (the register budget), measured on an H200. The forward keeps two rows' loads in flight a
-// thread (64 registers; 3 blocks: 10% slower). The backward holds one row's dy and x: 3 blocks an SM (80 registers,
-// a few spills) beat 2 (with or without the next row loaded ahead) by 8-10%, and 4 (more spills) by 10%.
+// thread (56-64 registers; 3 blocks: 10% slower; 5: as fast at 32K tokens, 0.2-0.4 us slower at decode). The
+// backward holds one row's dy and x: 3 blocks an SM (80 registers, a few spills) beat 2 (with or without the next
+// row loaded ahead) by 8-10%, and 4 (more spills) by 10-30%.
 constexpr int FORWARD_MIN_BLOCKS = 4;
 constexpr int BACKWARD_MIN_BLOCKS = 3;
 
 template <bool VEC>
 constexpr int MAX_ITEMS = VEC ? 1 : 4;  // qk_norm_rope_plan.py: MAX_ITEMS (registers: see the kernels)
 
-// One head row's items in one thread, in their storage type.
+// One chunk of a head row in its storage type. 16-byte chunks are held as the four 32-bit words their load
+// produced: held as Packs of fp16/bf16 elements, the compiler kept 16-bit halves and re-paired them (a permute a
+// half) whenever a row moved from the next pass's registers to the current one's.
+template <typename T, int E, bool VEC>
+struct Chunk {
+    Pack<T, E> pk;
+    __device__ __forceinline__ void load(const T* src) { pk = load_pack<VEC, E>(src); }
+    __device__ __forceinline__ void set(int j, T v) { pk.v[j] = v; }
+    __device__ __forceinline__ float at(int j) const { return to_float(pk.v[j]); }
+};
+
+// Half `high` of a 32-bit word of fp16/bf16 values as float (a bf16's high half is already its fp32 bits, masked).
+template <typename T> __device__ __forceinline__ float word_half(unsigned w, bool high);
+template <> __device__ __forceinline__ float word_half<__nv_bfloat16>(unsigned w, bool high) {
+    return __uint_as_float(high ? w & 0xffff0000u : w << 16);
+}
+template <> __device__ __forceinline__ float word_half<__half>(unsigned w, bool high) {
+    return __half2float(__ushort_as_half((unsigned short)(high ? w >> 16 : w)));
+}
+
+template <typename T, int E>
+struct Chunk<T, E, true> {
+    static constexpr int WORDS = E * (int)sizeof(T) / 4;
+    static_assert(WORDS == 4, "16-byte chunks");
+    unsigned w[WORDS];
+    __device__ __forceinline__ void load(const T* src) {
+        const uint4 u = *reinterpret_cast<const uint4*>(src);
+        w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+    }
+    // Element j: word j (fp32), or half j % 2 of word j / 2 (fp16, bf16: the low half first).
+    __device__ __forceinline__ float at(int j) const {
+        if constexpr (sizeof(T) == 4) return __uint_as_float(w[j]);
+        else return word_half<T>(w[j / 2], j % 2);
+    }
+};
+
+// One head row's items in one thread.
 template <typename T, int STYLE, bool VEC>
 struct HeadItems {
     static constexpr int E = ELEMS<T, STYLE, VEC>, EC = COPY_ELEMS<T, VEC>, F = STYLE == NEOX ? E : E / 2;
     static constexpr int N = MAX_ITEMS<VEC>;
-    Pack<T, E> x1[N], x2[N];  // copy items: their EC elements first in x1
+    Chunk<T, E, VEC> x1[N], x2[N];  // copy items: their EC elements first in x1
 
     // Loads item lane + m * G of the row at `in` for each m (those past the row's lanes are left alone).
     __device__ __forceinline__ void load(const RopeParams& p, const T* in, unsigned lane, unsigned G) {
@@ -38,12 +75,14 @@ struct HeadItems {
             if (i >= lanes) continue;
             if (i < rot_lanes) {
                 const i64 f0 = (i64)i * F;
-                x1[m] = load_pack<VEC, E>(in + (STYLE == NEOX ? f0 : 2 * f0));
-                if constexpr (STYLE == NEOX) x2[m] = load_pack<VEC, E>(in + f0 + p.rot_dim / 2);
+                x1[m].load(in + (STYLE == NEOX ? f0 : 2 * f0));
+                if constexpr (STYLE == NEOX) x2[m].load(in + f0 + p.rot_dim / 2);
+            } else if constexpr (VEC) {  // a copy item is a whole chunk
+                x1[m].load(in + p.rot_dim + (i64)(i - rot_lanes) * EC);
             } else {
                 const Pack<T, EC> c = load_pack<VEC, EC>(in + p.rot_dim + (i64)(i - rot_lanes) * EC);
 #pragma unroll
-                for (int j = 0; j < EC; ++j) x1[m].v[j] = c.v[j];
+                for (int j = 0; j < EC; ++j) x1[m].set(j, c.v[j]);
             }
         }
     }
@@ -98,13 +137,13 @@ __device__ __forceinline__ void stage_weights(const RopeParams& p, float* weight
 
 // The item's values as floats (v2: NEOX rotating items only; a copy item's v1 holds EC of them, the rest 0).
 template <typename T, int STYLE, bool VEC, int E, int EC>
-__device__ __forceinline__ void item_floats(const RopeParams& p, const Pack<T, E>& x1, const Pack<T, E>& x2,
-                                            unsigned i, float (&v1)[E], float (&v2)[E]) {
+__device__ __forceinline__ void item_floats(const RopeParams& p, const Chunk<T, E, VEC>& x1,
+                                            const Chunk<T, E, VEC>& x2, unsigned i, float (&v1)[E], float (&v2)[E]) {
     const bool rotating = i < (unsigned)p.rot_lanes;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-        v1[j] = rotating || j < EC ? to_float(x1.v[j]) : 0.f;
-        v2[j] = STYLE == NEOX && rotating ? to_float(x2.v[j]) : 0.f;
+        v1[j] = rotating || j < EC ? x1.at(j) : 0.f;
+        v2[j] = STYLE == NEOX && rotating ? x2.at(j) : 0.f;
     }
 }
 
@@ -147,7 +186,7 @@ __device__ __forceinline__ HeadRow head_row(const RopeParams& p, unsigned row) {
 
 // rsqrt(mean(x^2) + eps) of a row whose items' squares this thread summed into `squares`.
 __device__ __forceinline__ float row_rstd(const RopeParams& p, float squares, unsigned G) {
-    return rsqrtf(lanes_sum(squares, (int)G) / (float)p.head_dim + p.eps);
+    return rsqrtf(lanes_sum(squares, (int)G) * (1.f / (float)p.head_dim) + p.eps);
 }
 
 // The sum of squares of this thread's items of a row.
@@ -172,13 +211,16 @@ __device__ __forceinline__ float items_squares(const RopeParams& p, const HeadIt
 
 template <typename T, typename W, typename C, typename P, int STYLE, bool VEC, bool CACHE>
 __global__ void __launch_bounds__(BLOCK_THREADS, FORWARD_MIN_BLOCKS) qk_norm_rope_kernel(const RopeParams p) {
-    wait_for_previous_grid();
     using Items = HeadItems<T, STYLE, VEC>;
     constexpr int E = Items::E, EC = Items::EC, F = Items::F, N = Items::N;
     __shared__ BlockTokens bt;
     __shared__ double inv_freq[CACHE ? 1 : MAX_ROTARY_DIM / 2];
     extern __shared__ __align__(16) float cos_sin[];  // [tokens_per_block][rot_dim], then the weights
     float* weights = cos_sin + p.tokens_per_block * p.rot_dim;
+    // The inverse frequencies come from the parameters alone: computed before the wait for the previous kernel,
+    // they overlap its end under PDL (no global memory is touched before the wait).
+    if constexpr (!CACHE) fill_inv_freq(p, inv_freq);
+    wait_for_previous_grid();
 
     const unsigned first = blockIdx.x * (unsigned)p.tokens_per_block;
     const int count = (int)min((i64)p.tokens_per_block, p.n_tokens - first);
@@ -196,7 +238,6 @@ __global__ void __launch_bounds__(BLOCK_THREADS, FORWARD_MIN_BLOCKS) qk_norm_rop
         token_offsets(p, first + hr.t, offset);
         x.load(p, static_cast<const T*>(head_of<T>(p, offset, hr.h, hr.t).in), lane, G);
     }
-    if constexpr (!CACHE) fill_inv_freq(p, inv_freq);
     load_block_tokens<P>(p, first, count, bt);
     stage_weights<W>(p, weights);
     __syncthreads();
@@ -337,7 +378,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
                     dot += gw1[m][j] * n1[m][j] + gw2[m][j] * n2[m][j];
                 }
             }
-            const float mean_dot = lanes_sum(dot, (int)G) / (float)p.head_dim;
+            const float mean_dot = lanes_sum(dot, (int)G) * (1.f / (float)p.head_dim);
             const Item it = head_of<T>(p, bt.offset[hr.t], hr.h, hr.t);  // dx out
 #pragma unroll
             for (int m = 0; m < N; ++m) {
