@@ -1,13 +1,15 @@
 """QK-norm + RoPE, M-RoPE and varlen without a GPU: the float64 references against the models' own formulas
 (transformers' Qwen2-VL and Qwen3-VL M-RoPE, Qwen3's QK-norm), the plans, and the torch layer's CPU path."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from helpers import PLAN_BASE as BASE
 from helpers import planned_array as arr
 
 from cupyrope import reference
-from cupyrope.ops.qk_norm_rope_plan import cap_backward_grid, plan_qk_norm_rope
+from cupyrope.ops.qk_norm_rope_plan import balanced_tokens, cap_backward_grid, plan_qk_norm_rope
 from cupyrope.ops.rope_plan import _TAIL, PositionSource
 from fakes import PLANNING_PROFILE
 
@@ -218,3 +220,25 @@ def test_torch_cpu_path_matches_the_reference_and_its_gradients(rng, case):
                                                 None if positions is None else positions.numpy(), **ref_kwargs)
     for leaf, expected in zip(leaves, ref_grads):
         np.testing.assert_allclose(leaf.grad.numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens,per_block", [(1, 1), (1024, 2), (2048, 4), (4096, 4), (8192, 4), (32768, 6)])
+def test_forward_blocks_fill_whole_waves(tokens, per_block):
+    """Six tokens a block (the H200 profile's 2048 threads over 40 heads of 8) shrink to as few as three where that
+    leaves no last wave that fills only part of the GPU (132 SMs, 4 forward blocks each)."""
+    q, k = qwen3_views(tokens)
+    weights = (arr((128,), ptr=BASE + 2**36), arr((128,), ptr=BASE + 2**37))
+    choices = dataclasses.replace(PLANNING_PROFILE.qk_norm_rope, forward_threads_per_block=2048)
+    p = plan([(q, q), (k, k)], weights, arr((tokens,), "int64", ptr=BASE + 2**38), choices=choices)
+    assert p.tokens_per_block == per_block and p.grid == -(-tokens // per_block)
+
+    def last_wave(grid):  # the share of the GPU's resident blocks its last wave fills
+        return grid / (132 * 4) % 1 or 1.0
+
+    assert last_wave(p.grid) >= last_wave(-(-tokens // 6))
+
+
+def test_balanced_tokens_never_leave_the_targets_half():
+    for tokens in (1, 3, 527, 528, 529, 5000, 10**6):
+        for target in (1, 2, 5, 6, 64):
+            assert target // 2 <= balanced_tokens(tokens, target, 528) <= target
