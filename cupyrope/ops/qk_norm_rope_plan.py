@@ -17,7 +17,8 @@ from .rope_plan import (BLOCK_THREADS, PLAIN, STYLES, NormFields, RopePlan, _vec
 
 SOURCE = "qk_norm_rope.cu"
 MAX_ITEMS = {True: 1, False: 4}  # items a thread, 16-byte and scalar (kernels_src/qk_norm_rope.cu: MAX_ITEMS)
-FORWARD_BLOCKS_PER_SM = 4  # the forward's blocks an SM holds (kernels_src/qk_norm_rope.cu: FORWARD_MIN_BLOCKS)
+# Blocks an SM holds (kernels_src/qk_norm_rope.cu: FORWARD_MIN_BLOCKS, BACKWARD_MIN_BLOCKS), for balanced_tokens.
+BLOCKS_PER_SM = {False: 4, True: 3}  # by backward
 STATIC_SHARED_BYTES = 8 * 1024  # the kernels' BlockTokens and inverse frequencies
 
 
@@ -88,14 +89,14 @@ def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, t
     check_token_count(n_tokens, n_heads, lanes)
     threads = choices.backward_threads_per_block if backward else choices.forward_threads_per_block
     tokens = block_tokens(n_tokens, n_heads * group, rotary_dim, n_sm, threads, rope_choices.blocks_per_sm)
-    if not backward:  # (the backward's grid walks token chunks: cap_backward_grid)
-        tokens = balanced_tokens(n_tokens, tokens, n_sm * FORWARD_BLOCKS_PER_SM)
     staged = 2 * head_dim * 4  # the weights, as floats
     if backward:  # each thread's weight-gradient slots, then the sums by row group and feature in the same place
         halves = 2 if style == "neox" else 1
         slots = 2 * halves * MAX_ITEMS[vectorized] * elems * BLOCK_THREADS
         staged += 4 * max(slots, BLOCK_THREADS // group * 2 * head_dim)
         tokens = max(1, min(tokens, (DEFAULT_SHARED_LIMIT - STATIC_SHARED_BYTES - staged) // (rotary_dim * 4)))
+    # The forward's blocks, or the backward's token chunks (its grid is the GPU's resident blocks: cap_backward_grid).
+    tokens = balanced_tokens(n_tokens, tokens, n_sm * BLOCKS_PER_SM[backward])
     shared = tokens * rotary_dim * 4 + staged
     grid = max(1, -(-n_tokens // tokens))
     strides = [(*layout.token_strides[i], layout.head_strides[i]) for i in range(len(layout.token_strides))]
@@ -119,13 +120,14 @@ def plan_qk_norm_rope(groups, weights, positions, cache, *, style, rotary_dim, t
 
 
 def balanced_tokens(n_tokens: int, target: int, resident_blocks: int) -> int:
-    """The forward's tokens a block, from target / 2 to target, fitting the grid to the GPU's waves of resident
-    blocks: the fewest waves' worth of block time, a block's time taken as its tokens plus one (its positions,
-    cos/sin, weights and two barriers cost about one token's rows). Blocks all take about as long, so a last wave
-    that fills a fraction of the GPU costs nearly a whole one. Measured on the H200 (Qwen3-8B, 528 resident blocks)
-    against six tokens a block: 1024 tokens 10.4 -> 8.9 µs (two a block: 0.97 waves), 2048 17.7 -> 14.3, 4096
-    30.0 -> 26.1, 8192 50.4 -> 48.7 (four: 3.88 waves); larger blocks than the target gained no more (8192: eight,
-    49.4) and lost up to 2% at 32768 tokens, where six stay."""
+    """Tokens a block (the forward) or a token chunk (the backward, whose resident blocks walk the chunks), from
+    target / 2 to target, fitting the work to the GPU's waves of resident blocks: the fewest waves' worth of block
+    time, a block's time taken as its tokens plus one (its positions, cos/sin, weights and barriers cost about one
+    token's rows). Blocks all take about as long, so a last wave that fills a fraction of the GPU costs nearly a
+    whole one. Measured on the H200 (Qwen3-8B, 528 resident forward blocks) against six tokens a block: 1024 tokens
+    10.4 -> 8.9 µs (two a block: 0.97 waves), 2048 17.7 -> 14.3, 4096 30.0 -> 26.1, 8192 50.4 -> 48.7 (four: 3.88
+    waves); larger blocks than the target gained no more (8192: eight, 49.4) and lost up to 2% at 32768 tokens, where
+    six stay."""
     def cost(tokens):  # ties: the larger blocks
         blocks = -(-n_tokens // tokens)
         waves = -(-blocks // resident_blocks)

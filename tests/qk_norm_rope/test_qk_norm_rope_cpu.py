@@ -242,3 +242,14 @@ def test_balanced_tokens_never_leave_the_targets_half():
     for tokens in (1, 3, 527, 528, 529, 5000, 10**6):
         for target in (1, 2, 5, 6, 64):
             assert target // 2 <= balanced_tokens(tokens, target, 528) <= target
+
+
+def test_backward_chunks_fill_whole_waves_of_its_grid():
+    """4096 threads a chunk (the H200 profile's) is 12 tokens: 683 chunks of 8192 tokens for 396 resident blocks
+    (132 SMs, 3 each) leave the second round of chunks 72% full; 11 tokens a chunk, 745 chunks: 88%."""
+    q, k = qwen3_views(8192)
+    dq, dk = arr((8192, 32, 128), ptr=BASE + 2**40), arr((8192, 8, 128), ptr=BASE + 2**41)
+    weights = (arr((128,), ptr=BASE + 2**36), arr((128,), ptr=BASE + 2**37))
+    choices = dataclasses.replace(PLANNING_PROFILE.qk_norm_rope, backward_threads_per_block=4096)
+    p = plan([(dq, dq), (dk, dk)], weights, arr((8192,), "int64"), x_inputs=(q, k), choices=choices)
+    assert p.tokens_per_block == 11 and p.grid == 745
