@@ -35,6 +35,8 @@ struct Chunk {
 };
 
 // Half `high` of a 32-bit word of fp16/bf16 values as float (a bf16's high half is already its fp32 bits, masked).
+// rmsnorm_fwd.cu's half_of shifts a bf16's high half down and back up (two instructions a value where this takes
+// one); its kernels were measured with that code and keep it.
 template <typename T> __device__ __forceinline__ float word_half(unsigned w, bool high);
 template <> __device__ __forceinline__ float word_half<__nv_bfloat16>(unsigned w, bool high) {
     return __uint_as_float(high ? w & 0xffff0000u : w << 16);
@@ -184,9 +186,14 @@ __device__ __forceinline__ HeadRow head_row(const RopeParams& p, unsigned row) {
     return {t, h, h < (unsigned)p.n_q_heads};
 }
 
+// The mean over a row's head_dim features of terms whose sums over its items each of its G threads holds in v.
+__device__ __forceinline__ float row_mean(const RopeParams& p, float v, unsigned G) {
+    return lanes_sum(v, (int)G) * (1.f / (float)p.head_dim);  // a multiply a row: the reciprocal is loop-invariant
+}
+
 // rsqrt(mean(x^2) + eps) of a row whose items' squares this thread summed into `squares`.
 __device__ __forceinline__ float row_rstd(const RopeParams& p, float squares, unsigned G) {
-    return rsqrtf(lanes_sum(squares, (int)G) * (1.f / (float)p.head_dim) + p.eps);
+    return rsqrtf(row_mean(p, squares, G) + p.eps);
 }
 
 // The sum of squares of this thread's items of a row.
@@ -378,7 +385,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
                     dot += gw1[m][j] * n1[m][j] + gw2[m][j] * n2[m][j];
                 }
             }
-            const float mean_dot = lanes_sum(dot, (int)G) * (1.f / (float)p.head_dim);
+            const float mean_dot = row_mean(p, dot, G);
             const Item it = head_of<T>(p, bt.offset[hr.t], hr.h, hr.t);  // dx out
 #pragma unroll
             for (int m = 0; m < N; ++m) {
