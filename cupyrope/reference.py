@@ -9,7 +9,7 @@ ops' own argument checks first, so bad input raises what the GPU functions raise
 import numpy as np
 
 from ._runtime.arrays import describe_host
-from .ops import qk_norm_rope_checks, rmsnorm_checks, rope_checks
+from .ops import layernorm_checks, qk_norm_rope_checks, rmsnorm_checks, rope_checks
 from .rope_scaling import frequencies, inv_freq  # noqa: F401 (inv_freq: part of the reference API)
 
 _FLOAT64 = ("float64",)
@@ -284,6 +284,58 @@ def _residual_add_norm(x, residual, weight, eps, offset, dtype, check):
         raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
     s = round_to(x + residual, dtype)
     return rms_norm(s, weight, eps, offset), s
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5, return_stats=False):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dimension, var the biased variance (torch's
+    layer_norm). return_stats: (y, mean, rstd)."""
+    x, xa = _float64(x, "x")
+    weight, wa = _optional_float64(weight, "weight")
+    bias, ba = _optional_float64(bias, "bias")
+    layernorm_checks.check_forward(xa, wa, ba, None, eps=eps, impl="auto", dtypes=_FLOAT64)
+    mean = np.mean(x, axis=-1)
+    centered = x - mean[..., None]
+    rstd = 1.0 / np.sqrt(np.mean(centered * centered, axis=-1) + eps)
+    y = centered * rstd[..., None]
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return (y, mean, rstd) if return_stats else y
+
+
+def layer_norm_backward(dy, x, weight=None, bias=None, eps=1e-5):
+    """(dx, dweight, dbias) of layer_norm; dweight is None without weight, dbias None without bias."""
+    dy, dya = _float64(dy, "dy")
+    x, xa = _float64(x, "x")
+    weight, wa = _optional_float64(weight, "weight")
+    bias, ba = _optional_float64(bias, "bias")
+    layernorm_checks.check_backward(dya, xa, wa, ba, None, None, eps=eps, impl="auto", dtypes=_FLOAT64)
+    _, mean, rstd = layer_norm(x, eps=eps, return_stats=True)
+    xhat = (x - mean[..., None]) * rstd[..., None]
+    g = dy if weight is None else dy * weight
+    dx = rstd[..., None] * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    dweight = None if weight is None else _column_sums(dy * xhat)
+    return dx, dweight, (None if bias is None else _column_sums(dy))
+
+
+def _column_sums(values) -> np.ndarray:
+    """The sum over every row of (..., hidden) values: (hidden,)."""
+    return values.reshape(-1, values.shape[-1]).sum(axis=0)
+
+
+def fused_add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, dtype="float32"):
+    """residual <- x + residual (rounded once to ``dtype``), x <- layer_norm(residual). Returns (new x, new residual)
+    in float64."""
+    x, xa = _float64(x, "x")
+    residual, ra = _float64(residual, "residual")
+    _, wa = _optional_float64(weight, "weight")
+    _, ba = _optional_float64(bias, "bias")
+    layernorm_checks.check_fused_add(xa, ra, wa, ba, eps=eps, impl="auto", dtypes=_FLOAT64)
+    if dtype not in _ROUNDED:
+        raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
+    s = round_to(x + residual, dtype)
+    return layer_norm(s, weight, bias, eps), s
 
 
 E4M3_MAX = 448.0

@@ -18,9 +18,13 @@ from . import rope_scaling as _rope_scaling
 from ._runtime import checks as _checks
 from ._runtime.arrays import describe_host as _host
 from ._runtime.arrays import merged_rows as _merged_rows
+from .ops import layernorm_checks as _ln_checks
 from .ops import qk_norm_rope_checks as _qk_norm_checks
 from .ops import rmsnorm_checks as _norm_checks
 from .ops import rope_checks as _rope_checks
+from .ops.layernorm import fused_add_layer_norm as _fused_add_layer_norm
+from .ops.layernorm import layer_norm as _layer_norm
+from .ops.layernorm import layer_norm_backward as _layer_norm_backward
 from .ops.qk_norm_rope import qk_norm_rope as _qk_norm_rope
 from .ops.qk_norm_rope import qk_norm_rope_backward as _qk_norm_rope_backward
 from .ops.rmsnorm import add_rms_norm as _add_rms_norm
@@ -33,9 +37,9 @@ from .ops.rope import rope_cache as _rope_cache
 from .ops.rope import rope_qk as _rope_qk
 from .ops.rope import rope_qk_cos_sin as _rope_qk_cos_sin
 
-__all__ = ["QKNormRotaryEmbedding", "RMSNorm", "RotaryEmbedding", "add_rms_norm", "fused_add_rms_norm", "qk_norm_rope",
-           "qk_norm_rope_", "rms_norm", "rms_norm_fp8", "rope", "rope_qk", "rope_qk_",
-           "rope_qk_cos_sin"]
+__all__ = ["LayerNorm", "QKNormRotaryEmbedding", "RMSNorm", "RotaryEmbedding", "add_rms_norm", "fused_add_layer_norm",
+           "fused_add_rms_norm", "layer_norm", "qk_norm_rope", "qk_norm_rope_", "rms_norm", "rms_norm_fp8", "rope",
+           "rope_qk", "rope_qk_", "rope_qk_cos_sin"]
 
 
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")  # a config's M-RoPE keys (RotaryEmbedding.from_hf_config)
@@ -624,6 +628,177 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor], ep
     return x, residual
 
 
+# ------------------------------------------------------------------------------------------ LayerNorm
+
+
+def _layer_norm_cpu(x, weight, bias, eps):
+    """layer_norm() on CPU tensors: its checks, then the formula in torch, fp32 math, x's dtype out; mean and rstd."""
+    _ln_checks.check_forward(_host(x, "x"), _optional_host(weight, "weight"), _optional_host(bias, "bias"), None,
+                             eps=eps, impl="auto")
+    xf = x.float()
+    mean = xf.mean(-1)
+    centered = xf - mean.unsqueeze(-1)
+    rstd = torch.rsqrt(centered.pow(2).mean(-1) + eps)
+    y = centered * rstd.unsqueeze(-1)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype), mean, rstd
+
+
+def _layer_norm_backward_cpu(dy, x, weight, bias, mean, rstd, eps):
+    _ln_checks.check_backward(_host(dy, "dy"), _host(x, "x"), _optional_host(weight, "weight"),
+                              _optional_host(bias, "bias"), _optional_host(mean, "mean"), _optional_host(rstd, "rstd"),
+                              eps=eps, impl="auto")
+    xf, dyf = x.float(), dy.float()
+    xhat = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    g = dyf * weight.float() if weight is not None else dyf
+    dx = rstd.unsqueeze(-1) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    hidden = x.shape[-1]
+    dw = None if weight is None else (dyf * xhat).reshape(-1, hidden).sum(0).to(weight.dtype)
+    db = None if bias is None else dyf.reshape(-1, hidden).sum(0).to(bias.dtype)
+    return dx.to(x.dtype), dw, db
+
+
+def _layer_norm_any(x, weight, bias, eps, return_stats=True):
+    """(y, mean, rstd) as layer_norm's op returns them (mean and rstd None where not return_stats), on either device.
+    Rows are taken in memory order; the outputs are new memory whose rows lie in x's order."""
+    order = _row_order(x)
+    x = _in_row_order(x, order)
+    if not x.is_cuda:
+        y, mean, rstd = _layer_norm_cpu(x, weight, bias, eps)
+    elif return_stats:
+        y, mean, rstd = _layer_norm(_rows_in_runs(x, levels=1)[0], weight, bias, eps, return_stats=True)
+    else:
+        y, mean, rstd = _layer_norm(_rows_in_runs(x, levels=1)[0], weight, bias, eps), None, None
+    if order is None:
+        return y, mean, rstd
+    stats = [None if t is None else _from_row_order(t, order, rows_only=True) for t in (mean, rstd)]
+    return _from_row_order(y, order), *stats
+
+
+def _layer_norm_backward_any(dy, x, weight, bias, mean, rstd, eps):
+    order = _row_order(x)  # the forward's: mean and rstd are laid out in it
+    if order is not None:
+        dy, x = _in_row_order(dy, order), _in_row_order(x, order)
+        mean, rstd = (_in_row_order(t, order, rows_only=True).contiguous() for t in (mean, rstd))
+    if not x.is_cuda:
+        dx, dw, db = _layer_norm_backward_cpu(_contiguous_last(dy), x, weight, bias, mean, rstd, eps)
+    else:
+        dy, x = _rows_in_runs(dy, x, levels=1)
+        dx, dw, db = _layer_norm_backward(dy, x, weight, bias, mean, rstd, eps)
+    return _from_row_order(dx, order), dw, db
+
+
+@torch.library.custom_op("cupyrope::layer_norm", mutates_args=(), device_types=("cuda", "cpu"))
+def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                   eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _layer_norm_any(x, weight, bias, eps)
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, eps):
+    stats = [_new_rows_like(x, drop_last=True, dtype=torch.float32) for _ in range(2)]
+    return _new_rows_like(x), *stats
+
+
+@torch.library.custom_op("cupyrope::layer_norm_backward", mutates_args=(), device_types=("cuda", "cpu"))
+def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
+                            rstd: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias); an empty tensor stands for a missing parameter's gradient (ops cannot return None)."""
+    dx, dw, db = _layer_norm_backward_any(dy, x, weight, bias, mean, rstd, eps)
+    return dx, (dw if dw is not None else dx.new_empty(0)), (db if db is not None else dx.new_empty(0))
+
+
+def _param_grad_like(param):
+    if param is None:
+        return torch.empty(0)
+    return torch.empty(param.shape, dtype=param.dtype, device=param.device)
+
+
+@_layer_norm_backward_op.register_fake
+def _(dy, x, weight, bias, mean, rstd, eps):
+    empty = x.new_empty(0)
+    return (_new_rows_like(x), empty if weight is None else _param_grad_like(weight),
+            empty if bias is None else _param_grad_like(bias))
+
+
+def _layer_norm_grads(ctx, grad_y, backward):
+    """layer_norm's gradients (x, weight, bias, eps) through backward (the op or the function)."""
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = backward(grad_y, x, weight, bias, mean, rstd, ctx.eps)
+    return ((dx if ctx.needs_input_grad[0] else None), (dw if weight is not None and ctx.needs_input_grad[1] else None),
+            (db if bias is not None and ctx.needs_input_grad[2] else None), None)
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
+    ctx.eps = eps
+
+
+_layer_norm_op.register_autograd(lambda ctx, grad_y, _grad_mean, _grad_rstd: _layer_norm_grads(
+    ctx, grad_y, _layer_norm_backward_op), setup_context=_layer_norm_setup)
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = _layer_norm_any(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _layer_norm_grads(ctx, grad, _layer_norm_backward_any)
+
+
+def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
+    """Differentiable, torch.compile-able ``cupyrope.layer_norm`` (``F.layer_norm`` over the last dimension): dx,
+    dweight and dbias come from the backward kernel (dweight and dbias reduced deterministically)."""
+    if _compiling():
+        return _layer_norm_op(x, weight, bias, eps)[0]
+    params = [t for t in (x, weight, bias) if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in params):
+        return _LayerNormFunction.apply(x, weight, bias, eps)
+    return _layer_norm_any(x, weight, bias, eps, return_stats=False)[0]
+
+
+def _fused_add_layer_norm_any(x, residual, weight, bias, eps):
+    if not x.is_cuda:
+        _ln_checks.check_fused_add(_host(x, "x"), _host(residual, "residual"), _optional_host(weight, "weight"),
+                                   _optional_host(bias, "bias"), eps=eps, impl="auto")
+        residual.add_(x)
+        x.copy_(_layer_norm_cpu(residual, weight, bias, eps)[0])
+    else:
+        _fused_add_layer_norm(x, residual, weight, bias, eps)
+
+
+@torch.library.custom_op("cupyrope::fused_add_layer_norm_", mutates_args=("x", "residual"),
+                         device_types=("cuda", "cpu"))
+def _fused_add_layer_norm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                             eps: float) -> None:
+    _fused_add_layer_norm_any(x, residual, weight, bias, eps)
+
+
+@_fused_add_layer_norm_op.register_fake
+def _(x, residual, weight, bias, eps):
+    return None
+
+
+def fused_add_layer_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                         eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+    """In-place residual add + LayerNorm (inference; not differentiable): residual <- x + residual, then
+    x <- layer_norm(residual). Returns (x, residual)."""
+    if _compiling():
+        _fused_add_layer_norm_op(x, residual, weight, bias, eps)
+    else:
+        _fused_add_layer_norm_any(x, residual, weight, bias, eps)
+    return x, residual
+
+
 def _rms_norm_fp8_cpu(x, weight, residual, scale, scale_ub, group_size, eps, offset):
     """rms_norm_fp8() on CPU tensors: its checks, then the kernel's arithmetic in torch (fp32 values, the scale's
     reciprocal, NaN left out of the maxima)."""
@@ -872,6 +1047,32 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, offset={self.offset}"
+
+
+class LayerNorm(nn.Module):
+    """Drop-in for ``torch.nn.LayerNorm`` over the last dimension (state_dict keys ``weight`` and ``bias``, which
+    ``elementwise_affine=False`` and ``bias=False`` leave out, as torch's do)."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        shape = (normalized_shape,) if _checks.is_int(normalized_shape) else tuple(normalized_shape)
+        if len(shape) != 1 or not _checks.is_int(shape[0]) or shape[0] < 1:
+            raise ValueError(f"normalized_shape: expected an int >= 1 (or a 1-tuple: the last dimension), got "
+                             f"{normalized_shape!r}")
+        _ln_checks.check_options(eps, "auto")
+        self.normalized_shape = shape
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        affine = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.ones(shape, **affine)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(shape, **affine)) if elementwise_affine and bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 class RotaryEmbedding(nn.Module):

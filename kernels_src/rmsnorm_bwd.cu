@@ -81,14 +81,6 @@ __device__ __forceinline__ float row_coef(const NormBwdParams& p, float rstd, fl
     return rstd * rstd * rstd * (dot * p.inv_hidden);
 }
 
-template <int E>
-__device__ __forceinline__ Pack<float, E> zeros() {
-    Pack<float, E> z;
-#pragma unroll
-    for (int e = 0; e < E; ++e) z.v[e] = 0.f;
-    return z;
-}
-
 // This thread's chunks of dy and x of one row (none past the last row) into registers; `first` is the
 // thread's first column (the same in every row it visits, SHIFT included: see the kernel).
 template <typename T, bool VEC, int NPT, bool SHIFT, int E, bool RUNS>

@@ -16,6 +16,15 @@
 
 namespace cupyrope {
 
+// E float sums at zero (the backwards' dweight and dbias sums).
+template <int E>
+__device__ __forceinline__ Pack<float, E> zeros() {
+    Pack<float, E> z;
+#pragma unroll
+    for (int e = 0; e < E; ++e) z.v[e] = 0.f;
+    return z;
+}
+
 // Weight for E columns, raw (VEC: the planner checked the weight is 16-byte aligned); no weight: 1.
 template <typename W, bool VEC, int E>
 __device__ __forceinline__ Pack<W, E> load_weight(const void* weight, i64 col) {

@@ -14,16 +14,17 @@ def check_options(eps, offset, impl) -> None:
     checks.check_impl(impl)
 
 
-def check_weight(weight: Array | None, like: Array, like_name: str) -> None:
+def check_weight(weight: Array | None, like: Array, like_name: str, name: str = "weight") -> None:
+    """A per-column parameter (a norm's weight, LayerNorm's bias): (hidden,), float32 or like's dtype."""
     if weight is None:
         return
-    checks.check_same_device(like, weight, like_name, "weight")
+    checks.check_same_device(like, weight, like_name, name)
     if weight.dtype not in ("float32", like.dtype):
-        raise TypeError(f"weight: expected dtype float32 or {like.dtype} (like {like_name}), got {weight.dtype}")
+        raise TypeError(f"{name}: expected dtype float32 or {like.dtype} (like {like_name}), got {weight.dtype}")
     if weight.shape != (like.shape[-1],):
-        raise ValueError(f"weight: expected shape ({like.shape[-1]},) (the hidden size of {like_name}), got "
+        raise ValueError(f"{name}: expected shape ({like.shape[-1]},) (the hidden size of {like_name}), got "
                          f"{weight.shape}")
-    checks.check_last_dim_contiguous(weight, "weight")
+    checks.check_last_dim_contiguous(weight, name)
 
 
 def check_forward(x: Array, weight: Array | None, out: Array | None, *, eps, offset, impl,

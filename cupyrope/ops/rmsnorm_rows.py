@@ -28,7 +28,7 @@ class NormPlan:
     __slots__ = ("source", "name", "grid", "block", "vectorized", "shifted", "staged", "slots", "extents",
                  "shared_mem", "shared_acc", "reread", "split", "cluster_step", "one_cluster", "cluster_rounds",
                  "out_layouts", "launch", "dw_launch", "new_output", "new_rstd", "new_dx", "new_dweight",
-                 "new_partial", "new_scales")
+                 "new_partial", "new_scales", "new_stat", "new_param", "stat_ptr", "sums", "sums_bytes")
 
     def __init__(self, source, name, grid, block, vectorized, slots):
         self.source = source  # the .cu file of the kernel
@@ -164,9 +164,10 @@ def chunks_span(hidden: int, itemsize: int, shifted: bool) -> int:
 
 
 def plan_rows(source, kernel, dtype, weight_dtype, arrays, row_strides, rows, hidden, max_slots, elems_per_thread,
-              block_threads, extra, impl, can_shift=False, max_width=MAX_WIDTH, wide_first=()):
-    """The plan of a row kernel (rms_norm_fwd, rms_norm_bwd) whose template arguments are (T, W, VEC, NPT,
-    *extra[, SHIFT]). can_shift: the kernel takes a last SHIFT parameter; arrays[-1] is the weight. max_slots:
+              block_threads, extra, impl, can_shift=False, max_width=MAX_WIDTH, wide_first=(), params=1):
+    """The plan of a row kernel (rms_norm_fwd, rms_norm_bwd, layer_norm_fwd, ...) whose template arguments are (T, W,
+    VEC, NPT, *extra[, SHIFT]). can_shift: the kernel takes a last SHIFT parameter; the last `params` arrays are
+    per-column parameters (the weight; LayerNorm's bias too), which shifted rows read at any alignment. max_slots:
     register slots by (vectorized, element size). max_width, wide_first (the kinds of 16-byte row, "aligned" or
     "shifted", that widen first): see row_shape."""
     itemsize = ITEMSIZE[dtype]
@@ -177,7 +178,8 @@ def plan_rows(source, kernel, dtype, weight_dtype, arrays, row_strides, rows, hi
                          max_width if vec else MAX_WIDTH, vec and kind in wide_first)
 
     vectorized = impl != "scalar" and vectorizable(arrays, row_strides, hidden, dtype)
-    shifted = can_shift and not vectorized and impl != "scalar" and shiftable(arrays[:-1], row_strides, hidden, dtype)
+    shifted = (can_shift and not vectorized and impl != "scalar"
+               and shiftable(arrays[:len(arrays) - params], row_strides, hidden, dtype))
     if shifted:
         # Rows read twice (slots 0) move in 16-byte chunks too, unless element by element holds them in
         # registers (shifted rows span up to E - 1 more elements, in fewer slots).

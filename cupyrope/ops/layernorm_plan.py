@@ -1,0 +1,69 @@
+"""LayerNorm planning: which kernel of kernels_src/layernorm.cu a call runs, on what grid.
+
+Rows map onto threads as RMSNorm's do (rmsnorm_rows.plan_rows: threads per row, register slots, 16-byte chunks,
+shifted odd rows), so a row's reductions follow from its size, dtype, alignment and the GPU alone (batch invariance).
+- layer_norm_fwd holds a row in registers where its block's threads can (one read of x, one write of y), else makes
+  three passes over it (sum, squared deviations, output), the later two mostly from the L2.
+- layer_norm_bwd runs a grid of resident blocks whose rows slots walk the rows, each slot keeping its sums of
+  dweight and dbias (registers, or its own partial rows for rows too long for them); rms_norm_dw (rmsnorm_bwd.cu)
+  then adds the slots' partial rows in a fixed order: dweight and dbias are bitwise the same in every run.
+"""
+
+from .._runtime.arrays import CTYPE, ITEMSIZE
+from .rmsnorm_plan_forward import FWD_BLOCK_THREADS, FWD_ELEMS_PER_THREAD
+from .rmsnorm_rows import flag, plan_rows, row_variant_params
+
+SOURCE = "layernorm.cu"
+DW_SOURCE = "rmsnorm_bwd.cu"  # rms_norm_dw adds the partial rows of dweight and of dbias
+# Register slots (one 16-byte access when vectorized, one element otherwise) by (vectorized, element size): the
+# forward holds x (and its fused add's sum) within 64 registers; fp32 rows past 4 chunks a thread take 1024 threads
+# (8 chunks spilled 32-80 bytes).
+FWD_MAX_SLOTS = {(True, 4): 4, (True, 2): 4, (False, 4): 8, (False, 2): 8}
+FWD_MAX_WIDTH = 1024  # layer_norm_fwd's launch bound for rows of 4+ slots (LayerNormBounds)
+# The backward holds dy, x and two sums a slot: 2 slots of 16 bytes take ~90 registers (LayerNormBwdBounds gives
+# 128 to 2 slots and more); fp32 rows reach 4 slots. Element by element: 8 slots.
+BWD_MAX_SLOTS = {(True, 4): 4, (True, 2): 2, (False, 4): 8, (False, 2): 8}
+BWD_ELEMS_PER_THREAD = 8
+BWD_BLOCK_THREADS = 256
+
+
+def weight_dtype(weight, bias) -> str:
+    """The kernels' W: the weight's dtype, else the bias's (the checks made them one), else float32 (unused)."""
+    param = weight if weight is not None else bias
+    return param.dtype if param is not None else "float32"
+
+
+def plan_forward(x, y, residual, weight, bias, row_strides, rows, hidden, impl="auto"):
+    """layer_norm_fwd<T, W, VEC, NPT, ADD, SHIFT> for rows of `hidden` elements; residual: the fused add's (in
+    place). row_strides: x's, y's (and residual's)."""
+    arrays = [x, y, residual, weight, bias]
+    return plan_rows(SOURCE, "layer_norm_fwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows, hidden,
+                     FWD_MAX_SLOTS, FWD_ELEMS_PER_THREAD, FWD_BLOCK_THREADS, [flag(residual is not None)], impl,
+                     can_shift=True, max_width=FWD_MAX_WIDTH, params=2)
+
+
+def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto"):
+    """layer_norm_bwd<T, W, VEC, NPT> for rows of `hidden` elements; its grid is as many blocks as rows need, which
+    cap_backward_grid then caps at the blocks the GPU holds at once."""
+    arrays = [dy, x, dx, weight]
+    return plan_rows(SOURCE, "layer_norm_bwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows, hidden,
+                     BWD_MAX_SLOTS, BWD_ELEMS_PER_THREAD, BWD_BLOCK_THREADS, [], impl)
+
+
+def cap_backward_grid(plan, resident_blocks: int) -> int:
+    """The backward's grid: the blocks its rows need, at most those the GPU holds at once (resident_blocks), whose
+    rows slots then walk several rows each. Its rows slots (grid x rows a block) are the partial rows."""
+    plan.grid = max(1, min(plan.grid, resident_blocks))
+    return plan.grid * plan.block[1]
+
+
+def variants():
+    """Every LayerNorm kernel the planners can ask for (rms_norm_dw, which adds its sums, is RMSNorm's)."""
+    for dtype, weight, vec, slots in row_variant_params(FWD_MAX_SLOTS):
+        itemsize = ITEMSIZE[dtype]
+        for add in (False, True):
+            for shift in (False, True) if vec else (False,):
+                yield SOURCE, (f"cupyrope::layer_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
+                               f"{flag(add)}, {flag(shift)}>")
+        if slots <= BWD_MAX_SLOTS[vec, itemsize]:
+            yield SOURCE, f"cupyrope::layer_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}>"
