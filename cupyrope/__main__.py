@@ -174,7 +174,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="compare cupyrope with the installed peers (tables + PNG plot)")
     p.add_argument("--full", action="store_true", help="the full grid of shapes (default: a short one)")
     p.add_argument("--plot", default="cupyrope-bench.png", help="where to write the GB/s plot")
-    p.add_argument("--op", choices=("rope", "rmsnorm", "add_rms_norm", "rms_norm_fp8", "qk_norm_rope", "model", "all"),
+    p.add_argument("--op", choices=("rope", "rmsnorm", "add_rms_norm", "rms_norm_fp8", "layer_norm", "qk_norm_rope",
+                                    "model", "all"),
                    default="all",
                    help="model: transformers Llama-3 and Qwen3 (~1B) unpatched, patched by cupyrope and by Liger, "
                         "each in a process of its own (needs transformers; not part of 'all')")

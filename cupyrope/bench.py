@@ -24,6 +24,8 @@ from . import reference
 L2_BYTES = 50 * 2**20  # at least this much L2 (an H100's; the device's own size is read where torch has CUDA)
 MAX_COPIES = 64
 CHECK_ROWS = 256
+# Backward cases: the peers run torch autograd, which cannot be captured in a CUDA graph (timed with events).
+BACKWARD_OPS = ("rms_bwd", "add_bwd", "ln_bwd", "qk_norm_rope_bwd")
 GRAPH_TARGET_US = 2000.0  # calls per graph chosen so one replay lasts about this long
 # Cases whose fastest provider takes less than this a call are timed in interleaved rounds (bench --rounds).
 INTERLEAVE_BELOW_US = 50.0
@@ -32,7 +34,7 @@ INTERLEAVE_BELOW_US = 50.0
 @dataclasses.dataclass
 class Case:
     op: str  # "rope", "rms_fwd", "rms_bwd", "add_fwd", "add_bwd", "fp8_static", "fp8_token", "fp8_group",
-    # "qk_norm_rope", "qk_norm_rope_bwd", "rope_qk_positions"
+    # "ln_fwd", "ln_bwd", "qk_norm_rope", "qk_norm_rope_bwd", "rope_qk_positions"
     label: str  # shape, for tables
     dtype: str
     make: object  # () -> dict of inputs (torch tensors)
@@ -324,6 +326,42 @@ def rms_providers(torch, backward):
     return providers
 
 
+def layer_norm_providers(torch, backward):
+    """layer_norm (forward; backward: dx, dweight, dbias) against F.layer_norm eager and compiled, and Liger's."""
+    import cupyrope
+
+    def torch_layer_norm(x, w, b):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+
+    peers = {"F.layer_norm": torch_layer_norm, "torch.compile": torch.compile(torch_layer_norm)}
+    try:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+        peers["liger"] = lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, 1e-5)
+    except ImportError:
+        pass
+
+    def forward(fn):
+        return lambda d: (lambda: fn(d["x"], d["w"], d["b"]))
+
+    def autograd(fn):
+        def factory(d):
+            x, w, b = (d[k].detach().requires_grad_() for k in ("x", "w", "b"))
+            y = fn(x, w, b)
+            return lambda: torch.autograd.grad(y, (x, w, b), d["dy"], retain_graph=True)
+
+        return factory
+
+    if backward:
+        ours = lambda d: (lambda: cupyrope.layer_norm_backward(d["dy"], d["x"], d["w"], d["b"], d["mean"],  # noqa: E731
+                                                               d["rstd"]))
+    else:
+        ours = forward(lambda x, w, b: cupyrope.layer_norm(x, w, b, 1e-5))
+    providers = {"cupyrope": ours, **{name: (autograd if backward else forward)(fn) for name, fn in peers.items()}}
+    providers["cupyrope" + NO_PDL] = launched_plainly(ours)
+    return providers
+
+
 def _torch_add_rms_norm(torch, x, r, w, eps=1e-6):
     """The residual add + RMSNorm as a decoder layer writes it in torch: (y, s)."""
     s = x + r
@@ -357,7 +395,8 @@ def add_providers(torch, backward):
             return factory
 
         torch._functorch.config.donated_buffer = False  # graphs whose backward runs again (retain_graph)
-        providers.update({name: autograd(fn) for name, fn in peers.items()})
+        providers.update({name: autograd(fn if name != "liger" else (lambda x, w, b: fn(x, w, b, 1e-5)))
+                          for name, fn in peers.items()})
     else:
         providers["cupyrope"] = lambda d: (lambda: cupyrope.add_rms_norm(d["x"], d["r"], d["w"], 1e-6))
         providers.update({name: (lambda d, fn=fn: (lambda: fn(d["x"], d["r"], d["w"]))) for name, fn in peers.items()})
@@ -622,6 +661,32 @@ def rms_case(torch, rows, hidden, dtype, backward, label=None):
     return Case(op, label or f"{rows}x{hidden}", dtype, make, nbytes, ref, rows * hidden)
 
 
+def layer_norm_case(torch, rows, hidden, dtype, backward, label=None):
+    """layer_norm at (rows, hidden): forward bytes x read, y written; backward dy, x read, dx written (the weight,
+    bias and the statistics besides)."""
+    td = getattr(torch, dtype)
+    import cupyrope
+
+    def make():
+        x = torch.randn(rows, hidden, device="cuda", dtype=td) + 3
+        w = torch.randn(hidden, device="cuda", dtype=td)
+        b = torch.randn(hidden, device="cuda", dtype=td)
+        _, mean, rstd = cupyrope.layer_norm(x, w, b, 1e-5, return_stats=True)
+        return {"x": x, "w": w, "b": b, "dy": torch.randn_like(x), "mean": mean, "rstd": rstd}
+
+    def ref(d):
+        x, w, b = (_host(torch, d[k]) for k in ("x", "w", "b"))
+        if backward:
+            dx, dw, db = reference.layer_norm_backward(_host(torch, d["dy"][:CHECK_ROWS]), x[:CHECK_ROWS], w, b)
+            return dx, (dw if rows <= CHECK_ROWS else None), (db if rows <= CHECK_ROWS else None)
+        return reference.layer_norm(x[:CHECK_ROWS], w, b, 1e-5)
+
+    item = 2 if dtype != "float32" else 4
+    nbytes = (3 if backward else 2) * rows * hidden * item + 2 * hidden * item
+    op = "ln_bwd" if backward else "ln_fwd"
+    return Case(op, label or f"{rows}x{hidden}", dtype, make, nbytes, ref, rows * hidden)
+
+
 def add_case(torch, rows, hidden, dtype, backward, label=None):
     """add_rms_norm at (rows, hidden): forward bytes x, residual read and y, s written; backward dy, ds (the new
     residual's gradient) and s read, dx written."""
@@ -685,6 +750,17 @@ def rms_cases(torch, full=False):
     return cases
 
 
+def layer_norm_cases(torch, full=False):
+    """The RMSNorm cases' shapes (full: its seed grid too), and CLIP/SigLIP-sized rows."""
+    big = [(32768, 4096, "bfloat16"), (8192, 16384, "float32"), (8192, 1027, "float32"), (16384, 8192, "bfloat16"),
+           (65536, 1152, "bfloat16"), (1, 4096, "bfloat16")]
+    cases = [layer_norm_case(torch, r, h, dt, bwd) for bwd in (False, True) for r, h, dt in big]
+    if full:
+        cases += [layer_norm_case(torch, 4 * s, h, "bfloat16", bwd, f"[4,{s},{h}]") for bwd in (False, True)
+                  for s in RMS_S for h in RMS_H]
+    return cases
+
+
 # --------------------------------------------------------------------------------------------- running
 
 
@@ -710,6 +786,9 @@ def check(case, provider, inputs, fn, torch):
         if case.op == "fp8_static":
             expected = np.clip(expected, -448 * FP8_STATIC_SCALE, 448 * FP8_STATIC_SCALE)
         ok = np.allclose(got, expected, rtol=0.13, atol=0.01 * scale)
+    elif case.op == "ln_bwd":  # (dx, dweight, dbias)
+        got = [_host(torch, out[0][:CHECK_ROWS]), _host(torch, out[1]), _host(torch, out[2])]
+        ok = all(e is None or np.allclose(g, e, rtol=0.05, atol=0.05 * np.abs(e).max()) for g, e in zip(got, expected))
     elif case.op == "rms_bwd":
         got = [_host(torch, out[0][:CHECK_ROWS]), _host(torch, out[1])]
         ok = all(e is None or np.allclose(g, e, rtol=0.05, atol=0.05 * np.abs(e).max()) for g, e in zip(got, expected))
@@ -742,7 +821,7 @@ def run_case(torch, case, providers, rounds=1):
         try:
             fns = [factory(d) for d in copies]
             check(case, name, copies[0], fns[0], torch)
-            autograd = case.op in ("rms_bwd", "add_bwd", "qk_norm_rope_bwd") and not name.startswith("cupyrope")
+            autograd = case.op in BACKWARD_OPS and not name.startswith("cupyrope")
             timed[name] = fns, not autograd
         except AssertionError as error:
             if name.startswith("cupyrope"):
@@ -883,6 +962,9 @@ def main(args) -> int:
     if args.op in ("rms_norm_fp8", "all"):
         for case in fp8_cases(torch, args.full):
             results += run_case(torch, case, fp8_providers(torch, case.op), args.rounds)
+    if args.op in ("layer_norm", "all"):
+        for case in layer_norm_cases(torch, args.full):
+            results += run_case(torch, case, layer_norm_providers(torch, case.op == "ln_bwd"), args.rounds)
     if args.op in ("qk_norm_rope", "all"):
         for case in qk_cases(torch, args.full):
             providers = (position_source_providers(torch) if case.op == "rope_qk_positions"

@@ -181,7 +181,9 @@ OP_PLANS = {"rope": ("rope", "_rope_plans"), "rope_qk": ("rope", "_rope_qk_plans
             "fused_add_rms_norm": ("rmsnorm", "_fused_add_plans"), "add_rms_norm": ("rmsnorm", "_add_plans"),
             "rms_norm_backward": ("rmsnorm", "_backward_plans"), "rms_norm_fp8": ("rmsnorm_fp8", "_plans"),
             "qk_norm_rope": ("qk_norm_rope", "_forward_plans"),
-            "qk_norm_rope_backward": ("qk_norm_rope", "_backward_plans")}
+            "qk_norm_rope_backward": ("qk_norm_rope", "_backward_plans"),
+            "layer_norm": ("layernorm", "_forward_plans"), "fused_add_layer_norm": ("layernorm", "_fused_add_plans"),
+            "layer_norm_backward": ("layernorm", "_backward_plans")}
 
 
 def fresh_plans(monkeypatch) -> dict:

@@ -5,8 +5,9 @@
 # Usage on the device machine, from the checkout, with the wheels of tools/fetch_wheels.sh carried in .whl/:
 #   bash tools/gpu_suite.sh                                   (the suite)
 #   STEPS="suite bench" bash tools/gpu_suite.sh               (and `bench --full`, its JSON and plot)
-#   STEPS="qk rms add fp8 model" bash tools/gpu_suite.sh      (`bench --op qk_norm_rope`, `--op rmsnorm`,
-#                                                             `--op add_rms_norm`, `--op rms_norm_fp8`, `--op model`)
+#   STEPS="qk rms add fp8 ln model" bash tools/gpu_suite.sh   (`bench --op qk_norm_rope`, `--op rmsnorm`,
+#                                                             `--op add_rms_norm`, `--op rms_norm_fp8`,
+#                                                             `--op layer_norm`, `--op model`)
 #   SANITIZE="pytest -k expression" picks the sanitizer's subset; MODEL_OPTIONS="--family llama-3 --regime prefill"
 #   narrows the model step.
 # $OUT gets few files (a device call brings back only a handful): summary.txt, logs.tgz (every log) and the
@@ -38,13 +39,14 @@ for step in $STEPS; do
       gpu_tests tests/rmsnorm/test_rmsnorm_forward_gpu.py tests/rmsnorm/test_add_rms_norm_gpu.py \
         > "$LOGS/suite_rms_fwd.log" 2>&1 &
       gpu_tests tests/rmsnorm/test_rms_norm_fp8_gpu.py > "$LOGS/suite_rms_fp8.log" 2>&1 &
+      gpu_tests tests/layernorm > "$LOGS/suite_layernorm.log" 2>&1 &
       gpu_tests "$backward" -k "test_backward[ or staged_rows or reread_rows or dweight or without_weight" \
         > "$LOGS/suite_rms_bwd_1.log" 2>&1 &
       gpu_tests "$backward" -k "one_cluster or cluster_rounds or two_pass" > "$LOGS/suite_rms_bwd_2.log" 2>&1 &
       gpu_tests "$backward" -k "split_rows or shifted" > "$LOGS/suite_rms_bwd_3.log" 2>&1 &
       timeout 560 python3 -m pytest -q tests/api/test_reliability_gpu.py -p no:cacheprovider > "$LOGS/reliability.log" 2>&1 &
       timeout 300 python3 -m cupyrope check > "$LOGS/check.log" 2>&1 &
-      timeout 560 bash tools/sanitize.sh "${SANITIZE:-decode or one_cluster or two_pass or outside_every or mrope_matches or (backward_matches and bfloat16 and cupy) or (add_rms_norm_views and cupy) or (residual_grad and cupy and 4096) or (fp8 and cupy and (views or saturation or conversion))}" > "$LOGS/sanitize.log" 2>&1 &
+      timeout 560 bash tools/sanitize.sh "${SANITIZE:-decode or one_cluster or two_pass or outside_every or mrope_matches or (backward_matches and bfloat16 and cupy) or (add_rms_norm_views and cupy) or (residual_grad and cupy and 4096) or (fp8 and cupy and (views or saturation or conversion)) or (layernorm_gpu and (((test_forward or test_backward) and -7-) or (unaligned and cupy) or empty))}" > "$LOGS/sanitize.log" 2>&1 &
       wait
       for log in "$LOGS"/suite_*.log "$LOGS/reliability.log"; do echo "$(basename "$log"): $(tail -1 "$log")"; done
       grep -E "FAIL|passed" "$LOGS/check.log" | tail -3
@@ -57,6 +59,8 @@ for step in $STEPS; do
         grep "^| add_" "$LOGS/add.log" ;;
     fp8) timeout 300 python3 -m cupyrope bench --op rms_norm_fp8 --json "$OUT/fp8.json" > "$LOGS/fp8.log" 2>&1
         grep "^| fp8" "$LOGS/fp8.log" | grep -v "no PDL" ;;
+    ln) timeout 400 python3 -m cupyrope bench --op layer_norm --json "$OUT/ln.json" > "$LOGS/ln.log" 2>&1
+        grep "^| ln" "$LOGS/ln.log" | grep -v "no PDL" ;;
     qk) timeout 300 python3 -m cupyrope bench --op qk_norm_rope --json "$OUT/qk.json" > "$LOGS/qk.log" 2>&1
         grep "^| qk_norm_rope\|^| rope_qk" "$LOGS/qk.log" ;;
     model) timeout 560 python3 -m cupyrope bench --op model --rounds 2 ${MODEL_OPTIONS:-} --json "$OUT/model.json" \

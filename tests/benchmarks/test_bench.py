@@ -22,6 +22,7 @@ ROPE_PROVIDERS = ["cupyrope vector", "cupyrope vector (no PDL)", "cupyrope scala
 RMS_PROVIDERS = ["cupyrope", "cupyrope (no PDL)", "F.rms_norm", "liger"]
 ADD_PROVIDERS = ["cupyrope", "cupyrope (no PDL)", "x + r, F.rms_norm", "torch.compile", "liger"]
 FP8_PROVIDERS = ["cupyrope", "cupyrope (no PDL)", "F.rms_norm, quantize", "torch.compile"]
+LAYER_NORM_PROVIDERS = ["cupyrope", "cupyrope (no PDL)", "F.layer_norm", "torch.compile", "liger"]
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +44,7 @@ def _run(benchmark, case, name, providers, copy_gbps):
         if name.startswith("cupyrope"):
             raise
         pytest.skip(f"excluded: {error}")  # a peer's wrong answer is reported, never ranked
-    autograd = case.op in ("rms_bwd", "add_bwd") and not name.startswith("cupyrope")
+    autograd = case.op in bench.BACKWARD_OPS and not name.startswith("cupyrope")
     gpu_us = bench.gpu_time_us(torch, fns, capture=not autograd)
     eager_us = bench.eager_time_us(torch, fns)
     gbps = case.bytes_moved / gpu_us / 1e3
@@ -76,6 +77,12 @@ def test_add_rms_norm(benchmark, case, name, copy_gbps):
 @pytest.mark.parametrize("case", bench.fp8_cases(torch, FULL), ids=lambda c: f"{c.op}-{c.label}-{c.dtype}")
 def test_rms_norm_fp8(benchmark, case, name, copy_gbps):
     _run(benchmark, case, name, bench.fp8_providers(torch, case.op), copy_gbps)
+
+
+@pytest.mark.parametrize("name", LAYER_NORM_PROVIDERS)
+@pytest.mark.parametrize("case", bench.layer_norm_cases(torch, FULL), ids=lambda c: f"{c.op}-{c.label}-{c.dtype}")
+def test_layer_norm(benchmark, case, name, copy_gbps):
+    _run(benchmark, case, name, bench.layer_norm_providers(torch, case.op == "ln_bwd"), copy_gbps)
 
 
 @pytest.mark.parametrize("family", ["llama-3", "qwen3"])

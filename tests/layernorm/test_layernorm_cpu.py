@@ -1,0 +1,135 @@
+"""LayerNorm without a GPU: the float64 reference against torch's layer_norm autograd, the plans (row shapes, the
+backward's grid and partial rows), the argument checks, and the torch layer's CPU path (the module against
+nn.LayerNorm, the same exceptions as the GPU path)."""
+
+import numpy as np
+import pytest
+from helpers import planned_array as arr
+
+from cupyrope import reference
+from cupyrope.ops.layernorm_plan import (BWD_MAX_SLOTS, FWD_MAX_SLOTS, cap_backward_grid, plan_backward,
+                                         plan_forward, variants)
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("which", ["both", "weight", "bias", "none"])
+def test_reference_is_torch_layer_norm(rng, which):
+    hidden = 37
+    x = rng.standard_normal((3, 5, hidden)) * 3 + 10
+    w = rng.standard_normal(hidden) if which in ("both", "weight") else None
+    b = rng.standard_normal(hidden) if which in ("both", "bias") else None
+    dy = rng.standard_normal(x.shape)
+    tx = torch.tensor(x, requires_grad=True)
+    tw = None if w is None else torch.tensor(w, requires_grad=True)
+    tb = None if b is None else torch.tensor(b, requires_grad=True)
+    ty = torch.nn.functional.layer_norm(tx, (hidden,), tw, tb, 1e-5)
+    y, mean, rstd = reference.layer_norm(x, w, b, 1e-5, return_stats=True)
+    np.testing.assert_allclose(y, ty.detach().numpy(), atol=1e-12)
+    np.testing.assert_allclose(mean, x.mean(-1), atol=1e-12)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(x.var(-1) + 1e-5), rtol=1e-12)
+    ty.backward(torch.tensor(dy))
+    dx, dw, db = reference.layer_norm_backward(dy, x, w, b, 1e-5)
+    np.testing.assert_allclose(dx, tx.grad.numpy(), atol=1e-12)
+    for got, param in ((dw, tw), (db, tb)):
+        assert (got is None) == (param is None)
+        if param is not None:
+            np.testing.assert_allclose(got, param.grad.numpy(), atol=1e-10)
+
+
+def test_fused_add_reference_rounds_the_sum_once(rng):
+    x, r = rng.standard_normal((4, 16)), rng.standard_normal((4, 16))
+    y, s = reference.fused_add_layer_norm(x, r, None, None, dtype="bfloat16")
+    np.testing.assert_array_equal(s, reference.round_to(x + r, "bfloat16"))
+    np.testing.assert_allclose(y, reference.layer_norm(s), atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,hidden,vectorized,shifted,slots,width", [
+    ("bfloat16", 4096, True, False, 2, 256),    # 512 chunks: 16 elements a thread
+    ("bfloat16", 16384, True, False, 4, 512),
+    ("bfloat16", 32768, True, False, 4, 1024),  # 1024 threads before rows read in passes
+    ("bfloat16", 65536, True, False, 0, 512),
+    ("float32", 16384, True, False, 4, 1024),   # fp32: 4 chunks a thread at most (8 spilled)
+    ("float32", 20000, True, False, 0, 512),
+    ("float16", 61, False, False, 8, 8),        # odd and short: element by element
+    ("float16", 1027, True, True, 2, 96),       # odd rows of 512+ bytes: shifted 16-byte chunks
+    ("float16", 2999, True, True, 2, 192),
+])
+def test_forward_plans(dtype, hidden, vectorized, shifted, slots, width):
+    x = arr((100, hidden), dtype, ptr=0x7F0000000000 + (2 if shifted else 0))
+    y = arr((100, hidden), dtype, ptr=0x7E0000000000 + (2 if shifted else 0))
+    w = arr((hidden,), "float32", ptr=0x7D0000000000 + 4)  # the weight's own alignment does not matter when shifted
+    plan = plan_forward(x, y, None, w if shifted else arr((hidden,), "float32"), None, (hidden, hidden), 100, hidden)
+    assert (plan.vectorized, plan.shifted, plan.slots) == (vectorized, shifted, slots), plan
+    if slots:
+        assert plan.block[0] == width or not vectorized, plan
+    assert plan.name.startswith("cupyrope::layer_norm_fwd<") and plan.name.endswith(f", {str(shifted).lower()}>")
+    assert plan.grid * plan.block[1] >= 100
+
+
+def test_backward_plan_caps_grid_and_counts_partial_rows():
+    x = arr((100000, 1024), "bfloat16")
+    plan = plan_backward(x, x, x, arr((1024,), "bfloat16"), None, (1024, 1024, 1024), 100000, 1024)
+    assert plan.vectorized and plan.slots == 1 and plan.block == (128, 2), plan
+    assert plan.name == "cupyrope::layer_norm_bwd<__nv_bfloat16, __nv_bfloat16, true, 1>"
+    assert cap_backward_grid(plan, 132 * 4) == 132 * 4 * 2 and plan.grid == 528
+    small = plan_backward(x, x, x, None, arr((1024,), "float32"), (1024, 1024, 1024), 3, 1024)
+    assert "float>" not in small.name and ", float, " in small.name  # W follows the bias without a weight
+    assert cap_backward_grid(small, 528) == 4 and small.grid == 2  # a slot past the rows leaves a zero row
+
+
+def test_every_planned_kernel_is_a_variant():
+    names = {name for _, name in variants()}
+    for dtype in ("float32", "float16", "bfloat16"):
+        for hidden in (1, 7, 64, 100, 1000, 1027, 2048, 4096, 5000, 8192, 12288, 16384, 20000, 32768, 65536):
+            for shift in (0, 2):
+                x = arr((9, hidden), dtype, ptr=0x7F0000000000 + shift)
+                w = arr((hidden,), dtype)
+                for residual in (None, x):
+                    fwd = plan_forward(x, x, residual, w, w, (hidden,) * 3, 9, hidden)
+                    assert fwd.name in names, fwd
+                bwd = plan_backward(x, x, arr((9, hidden), dtype), w, w, (hidden,) * 3, 9, hidden)
+                assert bwd.name in names, bwd
+    assert max(FWD_MAX_SLOTS.values()) == 8 and BWD_MAX_SLOTS[True, 2] == 2
+
+
+def test_cpu_module_matches_nn_layer_norm(rng):
+    from cupyrope.torch import LayerNorm, fused_add_layer_norm, layer_norm
+
+    ref = torch.nn.LayerNorm(48)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.bias.normal_()
+    ours = LayerNorm(48)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.tensor(rng.standard_normal((2, 3, 48)) * 2 + 5, dtype=torch.float32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = ref(x), ours(x2)
+    torch.testing.assert_close(y2, y)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y2.backward(dy)
+    for got, want in ((x2.grad, x.grad), (ours.weight.grad, ref.weight.grad), (ours.bias.grad, ref.bias.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert LayerNorm(48, bias=False).state_dict().keys() == torch.nn.LayerNorm(48, bias=False).state_dict().keys()
+    assert not LayerNorm(48, elementwise_affine=False).state_dict()
+    xs, rs = x.detach().clone(), torch.ones_like(x).detach()
+    fused_add_layer_norm(xs, rs, ref.weight.detach(), ref.bias.detach())
+    torch.testing.assert_close(rs, x.detach() + 1)
+    torch.testing.assert_close(xs, layer_norm(x.detach() + 1, ref.weight.detach(), ref.bias.detach()))
+
+
+def test_cpu_path_raises_the_gpu_paths_errors():
+    from cupyrope.torch import LayerNorm, layer_norm
+
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="bias: expected shape \\(16,\\)"):
+        layer_norm(x, torch.ones(16), torch.zeros(8))
+    with pytest.raises(TypeError, match="bias: expected dtype float32 \\(like weight\\)"):
+        layer_norm(x.half(), torch.ones(16), torch.zeros(16, dtype=torch.float16))
+    with pytest.raises(ValueError, match="eps: expected a finite number > 0"):
+        layer_norm(x, eps=-1.0)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        LayerNorm((4, 16))
+    with pytest.raises(TypeError, match="x: expected dtype"):
+        layer_norm(x.long())
