@@ -3,7 +3,9 @@
 // backward gives dx and per-row-slot partial sums of dweight and dbias, which rms_norm_dw (rmsnorm_bwd.cu) adds in a
 // fixed order. Row layout, SHIFT and the row helpers are RMSNorm's (rmsnorm_common.cuh).
 // The variance is the mean of squared deviations from the row's mean, a second pass over the row (registers or the
-// L2): the one-pass E[x^2] - mean^2 loses every digit where the mean is large against the spread.
+// L2): the one-pass E[x^2] - mean^2 loses every digit where the mean is large against the spread. Merging each
+// thread's (count, mean, squared deviations) in one reduction instead (Chan's update) measured 20-25% slower:
+// its divisions and per-element counts made the kernel instruction-bound.
 //   T  element type of x / y / residual / dy / dx      W  weight and bias type (float or T)
 #include "rmsnorm_common.cuh"
 
@@ -29,13 +31,57 @@ template <bool SHIFT, int E, typename I> __device__ __forceinline__ bool counts(
     return !SHIFT || inside<I>(col + e, hidden);
 }
 
+// A chunk of x as its load produced it: a 16-byte chunk as its four 32-bit words (fp16/bf16 elements held as packs
+// kept each 16-bit half in a register of its own: 8-40 bytes of spills at the forward's budgets), a chunk of one
+// element as itself. at(e): element e as float.
+template <typename T, int E, bool WORDS = E * sizeof(T) == 16>
+struct Held {
+    Pack<T, E> pk;
+    __device__ __forceinline__ void hold(const Pack<T, E>& v) { pk = v; }
+    __device__ __forceinline__ float at(int e) const { return to_float(pk.v[e]); }
+};
+template <typename T, int E>
+struct Held<T, E, true> {
+    unsigned w[4];
+    __device__ __forceinline__ void hold(const Pack<T, E>& v) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[k] = word_of(v, k);
+    }
+    __device__ __forceinline__ float at(int e) const {
+        if constexpr (sizeof(T) == 4) return __uint_as_float(w[e]);
+        else return as_float<true>(from_bits<T>(e % 2 ? w[e / 2] >> 16 : w[e / 2]));
+    }
+};
+
+// The sum of a row's pairs of values (the backward's two dot sums) over its `width` threads (row_sum's layout: a
+// power of two up to 32, else whole warps), to every one of them, in a fixed order: one round of barriers for both.
+// Every thread of the block calls it; scratch holds a pair a warp.
+__device__ __forceinline__ float2 shuffle_sum(float2 v, int offset) {
+    return make_float2(v.x + __shfl_xor_sync(0xffffffffu, v.x, offset), v.y + __shfl_xor_sync(0xffffffffu, v.y, offset));
+}
+
+__device__ __forceinline__ float2 row_sum_pair(float2 v, int width, float2* scratch) {
+    const int lane = threadIdx.x % 32;
+    for (int offset = 1; offset < min(width, 32); offset *= 2) v = shuffle_sum(v, offset);
+    if (width <= 32) return v;
+    const int warps = width / 32;
+    float2* const partials = scratch + threadIdx.y * warps;
+    __syncthreads();  // the previous row's partials have been read
+    if (lane == 0) partials[threadIdx.x / 32] = v;
+    __syncthreads();
+    const int group = 1 << (32 - __clz(warps - 1));  // warps rounded up to a power of two; the rest add 0
+    v = lane % group < warps ? partials[lane % group] : make_float2(0.f, 0.f);
+    for (int offset = 1; offset < group; offset *= 2) v = shuffle_sum(v, offset);
+    return v;
+}
+
 template <typename T, typename W, int E>
-__device__ __forceinline__ Pack<T, E> ln_output(const LayerNormParams& p, const Pack<T, E>& v, float mean, float rstd,
+__device__ __forceinline__ Pack<T, E> ln_output(const LayerNormParams& p, const Held<T, E>& v, float mean, float rstd,
                                                 const Pack<W, E>& w, const Pack<W, E>& b) {
     Pack<T, E> y;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-        float value = (to_float(v.v[e]) - mean) * rstd;
+        float value = (v.at(e) - mean) * rstd;
         if (p.weight) value *= to_float(w.v[e]);
         if (p.bias) value += to_float(b.v[e]);
         y.v[e] = from_float<T>(value);
@@ -49,19 +95,22 @@ __device__ __forceinline__ Pack<W, E> load_bias_chunk(const LayerNormParams& p, 
     return load_weight_chunk<W, VEC, SHIFT, E>(p.bias, col, hidden);
 }
 
-// Blocks of rows held in registers (NPT > 0): at most 1024 threads, several rows to a block of 128 where rows are
-// short. Rows read in passes (NPT == 0) take 512 threads.
-template <int NPT>
+// Launch bounds by register slots: blocks of up to 512 threads (several rows to a block of 128 where rows are short),
+// 1024 for rows of 4+ slots (long rows), as many resident as RMSNorm's forward asks for (FwdBounds): registers
+// traded for bytes in flight (against no minimum, bf16 [32768, 4096] 70% -> 80% of copy bandwidth, [16384, 8192]
+// 64% -> 73%); the fused add and shifted rows one block fewer (they spilled 16-64 bytes at those budgets). Rows read
+// in passes (NPT == 0) take 512 threads.
+template <int NPT, bool ADD, bool SHIFT>
 struct LayerNormBounds {
     static constexpr int threads = NPT >= 4 ? 1024 : 512;
+    static constexpr int min_blocks = NPT == 1 ? 4 - (ADD || SHIFT) : NPT == 2 ? 3 - (ADD || SHIFT) : 1;
 };
 
 // One row a thread row (threadIdx.y) of the block. NPT > 0: the row's chunks stay in registers (one read of x, and of
-// residual, one write of y). NPT == 0: three passes over the row (sum, squared deviations, output), the later ones
-// mostly from the L2; with ADD they read the new residual, which this thread wrote itself (its own columns: no
-// barrier).
+// residual, one write of y). NPT == 0: three passes over the row (below).
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
-__global__ void __launch_bounds__(LayerNormBounds<NPT>::threads) layer_norm_fwd(const LayerNormParams p) {
+__global__ void __launch_bounds__(LayerNormBounds<NPT, ADD, SHIFT>::threads, LayerNormBounds<NPT, ADD, SHIFT>::min_blocks)
+    layer_norm_fwd(const LayerNormParams p) {
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     wait_for_previous_grid();
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
@@ -75,26 +124,29 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT>::threads) layer_norm_fwd(
     float sum = 0.f, squares = 0.f, mean, rstd;
     if constexpr (NPT > 0) {
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
-        Pack<T, E> v[NPT];
+        Held<T, E> v[NPT];
+        Held<T, E> r[ADD ? NPT : 1];  // every load of the row is issued before the first residual store
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = first + i * step;
             if (active && col < hidden) {
-                v[i] = load_chunk<VEC, SHIFT, E>(x_row, col, hidden);
-                if constexpr (ADD) {
-                    const Pack<T, E> r = load_chunk<VEC, SHIFT, E>(res_row, col, hidden);
-#pragma unroll
-                    for (int e = 0; e < E; ++e) v[i].v[e] = from_float<T>(to_float(v[i].v[e]) + to_float(r.v[e]));
-                }
+                v[i].hold(load_chunk<VEC, SHIFT, E>(x_row, col, hidden));
+                if constexpr (ADD) r[ADD ? i : 0].hold(load_chunk<VEC, SHIFT, E>(res_row, col, hidden));
             }
         }
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = first + i * step;
             if (active && col < hidden) {
-                if constexpr (ADD) store_chunk<VEC, SHIFT, E>(res_row, col, hidden, v[i]);
+                if constexpr (ADD) {  // the sum, rounded to T, is what the row normalizes
+                    Pack<T, E> total;
 #pragma unroll
-                for (int e = 0; e < E; ++e) sum += to_float(v[i].v[e]);
+                    for (int e = 0; e < E; ++e) total.v[e] = from_float<T>(v[i].at(e) + r[ADD ? i : 0].at(e));
+                    store_chunk<VEC, SHIFT, E>(res_row, col, hidden, total);
+                    v[i].hold(total);
+                }
+#pragma unroll
+                for (int e = 0; e < E; ++e) sum += v[i].at(e);
             }
         }
         mean = row_sum(sum, width, scratch, true) * p.inv_hidden;
@@ -104,7 +156,7 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT>::threads) layer_norm_fwd(
             if (active && col < hidden) {
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
-                    const float d = to_float(v[i].v[e]) - mean;
+                    const float d = v[i].at(e) - mean;
                     if (counts<SHIFT, E>(col, e, hidden)) squares = fmaf(d, d, squares);
                 }
             }
@@ -121,6 +173,9 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT>::threads) layer_norm_fwd(
             }
         }
     } else {
+        // Three passes: the sum (with ADD, the new residual written), the squared deviations and the output, the
+        // later two mostly from the L2 (with ADD, the new residual, which this thread wrote itself: its own
+        // columns, no barrier).
         const i64 first = (i64)lane * E - row_shift<SHIFT, E>(x_row);
         for (i64 col = first; active && col < p.hidden; col += step) {
             Pack<T, E> v = load_chunk<VEC, SHIFT, E>(x_row, col, p.hidden);
@@ -146,7 +201,8 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT>::threads) layer_norm_fwd(
         rstd = rsqrtf(row_sum(squares, width, scratch) * p.inv_hidden + p.eps);
         if (!active) return;
         for (i64 col = first; col < p.hidden; col += step) {
-            const Pack<T, E> v = load_chunk<VEC, SHIFT, E>(src, col, p.hidden);
+            Held<T, E> v;
+            v.hold(load_chunk<VEC, SHIFT, E>(src, col, p.hidden));
             const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
             const Pack<W, E> b = load_bias_chunk<W, VEC, SHIFT, E>(p, col, p.hidden);
             store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, ln_output<T, W, E>(p, v, mean, rstd, w, b));
@@ -217,13 +273,34 @@ __device__ __forceinline__ Pack<T, E> ln_bwd_chunk(const LayerNormBwdParams& p, 
     return out;
 }
 
+// A row's dy and x chunks of this thread (registers) and its statistics; nothing past the last row.
+template <typename T, bool VEC, int NPT, int E>
+__device__ __forceinline__ void load_ln_bwd_row(const LayerNormBwdParams& p, i64 row, int lane, int step,
+                                                Pack<T, E> (&dyv)[NPT], Pack<T, E> (&xv)[NPT], float& mean,
+                                                float& rstd) {
+    if (row >= p.rows) return;
+    const T* const dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
+    const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+    const int hidden = (int)p.hidden;
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        const int col = lane * E + i * step;
+        if (col < hidden) {
+            dyv[i] = load_pack<VEC, E>(dy_row + col);
+            xv[i] = load_pack<VEC, E>(x_row + col);
+        }
+    }
+    mean = p.mean[row];
+    rstd = p.rstd[row];
+}
+
 template <typename T, typename W, bool VEC, int NPT>
 __global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwdBounds<NPT>::min_blocks)
     layer_norm_bwd(const LayerNormBwdParams p) {
     wait_for_previous_grid();
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
-    __shared__ float scratch[32];
+    __shared__ float2 scratch[32];  // row_sum_pair's warp partials
     const int lane = threadIdx.x, width = blockDim.x, step = width * E;
     const i64 slot = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     float* const dw_row = p.partial ? p.partial + slot * p.hidden : nullptr;
@@ -238,6 +315,14 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwd
         }
     }
     const int hidden = (int)p.hidden;  // register rows: int columns (see first_column)
+    // NPT > 0: registers hold the row's dy, x and statistics; with PREFETCH the next row's are loaded before this
+    // row's reductions, so that they are in flight through its barriers and stores.
+    // Measured: fp32 and element-by-element rows faster (fp32 [8192, 1027] 51 -> 45 us); 16-byte fp16/bf16 rows spill
+    // 24-40 bytes at their 64 registers and ran up to 19% slower.
+    constexpr bool PREFETCH = NPT == 1 && !(VEC && sizeof(T) == 2);
+    Pack<T, E> dyv[SLOTS], xv[SLOTS];
+    float mean = 0.f, rstd = 0.f;
+    if constexpr (PREFETCH) load_ln_bwd_row<T, VEC, SLOTS, E>(p, slot, lane, step, dyv, xv, mean, rstd);
     // The loop bound is uniform across the block (the reductions contain barriers).
     for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += p.slots) {
         const i64 row = base + threadIdx.y;
@@ -245,18 +330,9 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwd
         const T* const dy_row = static_cast<const T*>(p.dy) + (active ? row : 0) * p.dy_stride;
         const T* const x_row = static_cast<const T*>(p.x) + (active ? row : 0) * p.x_stride;
         T* const dx_row = static_cast<T*>(p.dx) + (active ? row : 0) * p.dx_stride;
-        const float mean = active ? p.mean[row] : 0.f, rstd = active ? p.rstd[row] : 0.f;
         float g_sum = 0.f, gx_sum = 0.f;
-        Pack<T, E> dyv[SLOTS], xv[SLOTS];
         if constexpr (NPT > 0) {
-#pragma unroll
-            for (int i = 0; i < NPT; ++i) {
-                const int col = lane * E + i * step;
-                if (active && col < hidden) {
-                    dyv[i] = load_pack<VEC, E>(dy_row + col);
-                    xv[i] = load_pack<VEC, E>(x_row + col);
-                }
-            }
+            if constexpr (!PREFETCH) load_ln_bwd_row<T, VEC, SLOTS, E>(p, row, lane, step, dyv, xv, mean, rstd);
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
                 const int col = lane * E + i * step;
@@ -265,23 +341,28 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwd
                                           gx_sum);
             }
         } else {
+            mean = active ? p.mean[row] : 0.f;
+            rstd = active ? p.rstd[row] : 0.f;
             for (i64 col = (i64)lane * E; active && col < p.hidden; col += step)
                 add_row_sums<T, W, E>(p, load_pack<VEC, E>(dy_row + col), load_pack<VEC, E>(x_row + col),
                                       load_weight<W, VEC, E>(p.weight, col), mean, rstd, g_sum, gx_sum);
         }
-        const float g_mean = row_sum(g_sum, width, scratch) * p.inv_hidden;
-        const float gx_mean = row_sum(gx_sum, width, scratch) * p.inv_hidden;
-        if (!active) continue;  // the next pass's rows are past the end too: only barriers remain
-        if constexpr (NPT > 0) {
+        Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
+        float next_mean = 0.f, next_rstd = 0.f;
+        if constexpr (PREFETCH)
+            load_ln_bwd_row<T, VEC, SLOTS, E>(p, row + p.slots, lane, step, next_dy, next_x, next_mean, next_rstd);
+        const float2 sums = row_sum_pair(make_float2(g_sum, gx_sum), width, scratch);
+        const float g_mean = sums.x * p.inv_hidden, gx_mean = sums.y * p.inv_hidden;
+        if (active && NPT > 0) {
 #pragma unroll
-            for (int i = 0; i < NPT; ++i) {
+            for (int i = 0; i < SLOTS; ++i) {
                 const int col = lane * E + i * step;
                 if (col < hidden)
                     store_pack<VEC, E>(dx_row + col, ln_bwd_chunk<T, W, E>(p, dyv[i], xv[i],
                                                                            load_weight<W, VEC, E>(p.weight, col), mean,
                                                                            rstd, g_mean, gx_mean, dw[i], db[i]));
             }
-        } else {
+        } else if (active) {
             for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
                 Pack<float, E> w_sums = dw_row ? load_pack<VEC, E>(dw_row + col) : zeros<E>();
                 Pack<float, E> b_sums = dw_row ? load_pack<VEC, E>(db_row + col) : zeros<E>();
@@ -294,6 +375,12 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwd
                     store_pack<VEC, E>(db_row + col, b_sums);
                 }
             }
+        }
+        if constexpr (PREFETCH) {
+            dyv[0] = next_dy[0];
+            xv[0] = next_x[0];
+            mean = next_mean;
+            rstd = next_rstd;
         }
     }
     if constexpr (NPT > 0) {

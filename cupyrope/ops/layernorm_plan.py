@@ -11,7 +11,7 @@ shifted odd rows), so a row's reductions follow from its size, dtype, alignment 
 
 from .._runtime.arrays import CTYPE, ITEMSIZE
 from .rmsnorm_plan_forward import FWD_BLOCK_THREADS, FWD_ELEMS_PER_THREAD
-from .rmsnorm_rows import flag, plan_rows, row_variant_params
+from .rmsnorm_rows import MAX_WIDTH, flag, plan_rows, row_variant_params
 
 SOURCE = "layernorm.cu"
 DW_SOURCE = "rmsnorm_bwd.cu"  # rms_norm_dw adds the partial rows of dweight and of dbias
@@ -19,6 +19,10 @@ DW_SOURCE = "rmsnorm_bwd.cu"  # rms_norm_dw adds the partial rows of dweight and
 # forward holds x (and its fused add's sum) within 64 registers; fp32 rows past 4 chunks a thread take 1024 threads
 # (8 chunks spilled 32-80 bytes).
 FWD_MAX_SLOTS = {(True, 4): 4, (True, 2): 4, (False, 4): 8, (False, 2): 8}
+# The fused add holds the residual's chunks too: fp16/bf16 element by element in 8 slots spilled 8 bytes, shifted
+# fp16/bf16 rows of 4 slots 56 bytes; those rows take fewer slots on more threads, or are read in passes.
+FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (False, 2): 4}
+FWD_ADD_SHIFTED_MAX_SLOTS = {**FWD_ADD_MAX_SLOTS, (True, 2): 2}
 FWD_MAX_WIDTH = 1024  # layer_norm_fwd's launch bound for rows of 4+ slots (LayerNormBounds)
 # The backward holds dy, x and two sums a slot: 2 slots of 16 bytes take ~90 registers (LayerNormBwdBounds gives
 # 128 to 2 slots and more); fp32 rows reach 4 slots. Element by element: 8 slots.
@@ -37,9 +41,26 @@ def plan_forward(x, y, residual, weight, bias, row_strides, rows, hidden, impl="
     """layer_norm_fwd<T, W, VEC, NPT, ADD, SHIFT> for rows of `hidden` elements; residual: the fused add's (in
     place). row_strides: x's, y's (and residual's)."""
     arrays = [x, y, residual, weight, bias]
-    return plan_rows(SOURCE, "layer_norm_fwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows, hidden,
-                     FWD_MAX_SLOTS, FWD_ELEMS_PER_THREAD, FWD_BLOCK_THREADS, [flag(residual is not None)], impl,
-                     can_shift=True, max_width=FWD_MAX_WIDTH, params=2)
+
+    def plan_with(max_slots):  # 1024 threads only for rows of 4+ slots (LayerNormBounds)
+        max_width = FWD_MAX_WIDTH if max_slots[True, ITEMSIZE[x.dtype]] >= 4 else MAX_WIDTH
+        return plan_rows(SOURCE, "layer_norm_fwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows,
+                         hidden, max_slots, FWD_ELEMS_PER_THREAD, FWD_BLOCK_THREADS, [flag(residual is not None)], impl,
+                         can_shift=True, max_width=max_width, params=2)
+
+    plan = plan_with(FWD_MAX_SLOTS)
+    if residual is not None:
+        add_slots = fwd_max_slots(True, plan.shifted)
+        if plan.slots > add_slots[plan.vectorized, ITEMSIZE[x.dtype]]:
+            plan = plan_with(add_slots)
+    return plan
+
+
+def fwd_max_slots(add: bool, shifted: bool) -> dict:
+    """The register-slot table of layer_norm_fwd's rows: the planner's and the variant list's one rule."""
+    if not add:
+        return FWD_MAX_SLOTS
+    return FWD_ADD_SHIFTED_MAX_SLOTS if shifted else FWD_ADD_MAX_SLOTS
 
 
 def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto"):
@@ -63,7 +84,8 @@ def variants():
         itemsize = ITEMSIZE[dtype]
         for add in (False, True):
             for shift in (False, True) if vec else (False,):
-                yield SOURCE, (f"cupyrope::layer_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
-                               f"{flag(add)}, {flag(shift)}>")
+                if slots <= fwd_max_slots(add, shift)[vec, itemsize]:
+                    yield SOURCE, (f"cupyrope::layer_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
+                                   f"{flag(add)}, {flag(shift)}>")
         if slots <= BWD_MAX_SLOTS[vec, itemsize]:
             yield SOURCE, f"cupyrope::layer_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}>"

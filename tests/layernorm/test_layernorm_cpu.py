@@ -78,18 +78,22 @@ def test_backward_plan_caps_grid_and_counts_partial_rows():
     assert cap_backward_grid(small, 528) == 4 and small.grid == 2  # a slot past the rows leaves a zero row
 
 
-def test_every_planned_kernel_is_a_variant():
+def test_every_planned_kernel_is_a_variant_within_its_launch_bound():
+    """Every plan names a compiled variant, on blocks its launch bound allows: 1024 threads for forward rows of 4+
+    slots, else 512 (LayerNormBounds, LayerNormBwdBounds)."""
     names = {name for _, name in variants()}
     for dtype in ("float32", "float16", "bfloat16"):
-        for hidden in (1, 7, 64, 100, 1000, 1027, 2048, 4096, 5000, 8192, 12288, 16384, 20000, 32768, 65536):
+        for hidden in (1, 7, 64, 100, 1000, 1027, 2048, 4096, 5000, 8191, 8192, 12288, 16384, 20000, 32768, 65536):
             for shift in (0, 2):
                 x = arr((9, hidden), dtype, ptr=0x7F0000000000 + shift)
                 w = arr((hidden,), dtype)
                 for residual in (None, x):
                     fwd = plan_forward(x, x, residual, w, w, (hidden,) * 3, 9, hidden)
                     assert fwd.name in names, fwd
+                    assert fwd.block[0] * fwd.block[1] <= (1024 if fwd.slots >= 4 else 512), fwd
                 bwd = plan_backward(x, x, arr((9, hidden), dtype), w, w, (hidden,) * 3, 9, hidden)
                 assert bwd.name in names, bwd
+                assert bwd.block[0] * bwd.block[1] <= 512, bwd
     assert max(FWD_MAX_SLOTS.values()) == 8 and BWD_MAX_SLOTS[True, 2] == 2
 
 
