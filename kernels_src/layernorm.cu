@@ -3,9 +3,10 @@
 // backward gives dx and per-row-slot partial sums of dweight and dbias, which rms_norm_dw (rmsnorm_bwd.cu) adds in a
 // fixed order. Row layout, SHIFT and the row helpers are RMSNorm's (rmsnorm_common.cuh).
 // The variance is the mean of squared deviations from the row's mean, a second pass over the row (registers or the
-// L2): the one-pass E[x^2] - mean^2 loses every digit where the mean is large against the spread. Merging each
-// thread's (count, mean, squared deviations) in one reduction instead (Chan's update) measured 20-25% slower:
-// its divisions and per-element counts made the kernel instruction-bound.
+// L2): the one-pass E[x^2] - mean^2 loses every digit where the mean is large against the spread. One reduction of
+// moments instead measured slower: each thread's (count, mean, squared deviations) merged by Chan's update 20-25%
+// (its divisions made the kernel instruction-bound), each warp's merged in shared memory in one round of barriers
+// 16-25% (bf16 [32768, 4096] 80% -> 67% of copy bandwidth: every lane walks the warps' moments twice).
 //   T  element type of x / y / residual / dy / dx      W  weight and bias type (float or T)
 #include "rmsnorm_common.cuh"
 
@@ -273,11 +274,17 @@ __device__ __forceinline__ Pack<T, E> ln_bwd_chunk(const LayerNormBwdParams& p, 
     return out;
 }
 
-// A row's dy and x chunks of this thread (registers) and its statistics; nothing past the last row.
+// A row's mean and rstd; nothing past the last row.
+__device__ __forceinline__ void load_ln_stats(const LayerNormBwdParams& p, i64 row, float& mean, float& rstd) {
+    if (row >= p.rows) return;
+    mean = p.mean[row];
+    rstd = p.rstd[row];
+}
+
+// A row's dy and x chunks of this thread into registers; nothing past the last row.
 template <typename T, bool VEC, int NPT, int E>
 __device__ __forceinline__ void load_ln_bwd_row(const LayerNormBwdParams& p, i64 row, int lane, int step,
-                                                Pack<T, E> (&dyv)[NPT], Pack<T, E> (&xv)[NPT], float& mean,
-                                                float& rstd) {
+                                                Pack<T, E> (&dyv)[NPT], Pack<T, E> (&xv)[NPT]) {
     if (row >= p.rows) return;
     const T* const dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
     const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
@@ -290,8 +297,27 @@ __device__ __forceinline__ void load_ln_bwd_row(const LayerNormBwdParams& p, i64
             xv[i] = load_pack<VEC, E>(x_row + col);
         }
     }
-    mean = p.mean[row];
-    rstd = p.rstd[row];
+}
+
+// A row's 16-byte dy and x chunks of this thread copied into its stage (cp.async: no registers held while they are
+// in flight): chunk i's dy at mine[2 * i * threads], its x at mine[(2 * i + 1) * threads]. One commit group, empty
+// past the last row.
+template <typename T, int NPT, int E>
+__device__ __forceinline__ void stage_ln_bwd_row(const LayerNormBwdParams& p, i64 row, int lane, int step, uint4* mine,
+                                                 int threads) {
+    if (row < p.rows) {
+        const T* const dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
+        const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const int col = lane * E + i * step;
+            if (col < (int)p.hidden) {
+                copy_async16(mine + 2 * i * threads, dy_row + col);
+                copy_async16(mine + (2 * i + 1) * threads, x_row + col);
+            }
+        }
+    }
+    copy_async_commit();
 }
 
 template <typename T, typename W, bool VEC, int NPT>
@@ -315,14 +341,22 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwd
         }
     }
     const int hidden = (int)p.hidden;  // register rows: int columns (see first_column)
-    // NPT > 0: registers hold the row's dy, x and statistics; with PREFETCH the next row's are loaded before this
-    // row's reductions, so that they are in flight through its barriers and stores.
-    // Measured: fp32 and element-by-element rows faster (fp32 [8192, 1027] 51 -> 45 us); 16-byte fp16/bf16 rows spill
-    // 24-40 bytes at their 64 registers and ran up to 19% slower.
-    constexpr bool PREFETCH = NPT == 1 && !(VEC && sizeof(T) == 2);
+    // NPT > 0: registers hold the row's dy and x. 16-byte rows of 2+ slots (STAGED) copy the next row's into shared
+    // memory while this one is reduced and written (dynamic shared memory: two stages of 2 * NPT chunks a thread,
+    // which the planner gives); rows of one slot (PREFETCH), but for fp16/bf16 16-byte ones, load the next row into
+    // registers. Either way the next row's mean and rstd are loaded a row ahead. Measured against loading each row
+    // when it comes: staged bf16 [16384, 8192] 45% -> 67% of copy bandwidth; staged rows of one slot were 0-11%
+    // slower (fp16 [65536, 768]), and prefetched 16-byte fp16/bf16 ones spilled 24-40 bytes, up to 19% slower.
+    constexpr bool STAGED = VEC && NPT >= 2, PREFETCH = NPT == 1 && !(VEC && sizeof(T) == 2);
+    extern __shared__ __align__(16) uint4 stage[];
+    const int threads = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
+    const int stage_size = 2 * SLOTS * threads;
+    int current = 0;  // the stage holding this row
     Pack<T, E> dyv[SLOTS], xv[SLOTS];
     float mean = 0.f, rstd = 0.f;
-    if constexpr (PREFETCH) load_ln_bwd_row<T, VEC, SLOTS, E>(p, slot, lane, step, dyv, xv, mean, rstd);
+    if constexpr (STAGED || PREFETCH) load_ln_stats(p, slot, mean, rstd);
+    if constexpr (PREFETCH) load_ln_bwd_row<T, VEC, SLOTS, E>(p, slot, lane, step, dyv, xv);
+    if constexpr (STAGED) stage_ln_bwd_row<T, SLOTS, E>(p, slot, lane, step, stage + tid, threads);
     // The loop bound is uniform across the block (the reductions contain barriers).
     for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += p.slots) {
         const i64 row = base + threadIdx.y;
@@ -331,8 +365,25 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwd
         const T* const x_row = static_cast<const T*>(p.x) + (active ? row : 0) * p.x_stride;
         T* const dx_row = static_cast<T*>(p.dx) + (active ? row : 0) * p.dx_stride;
         float g_sum = 0.f, gx_sum = 0.f;
+        float next_mean = 0.f, next_rstd = 0.f;
+        if constexpr (STAGED || PREFETCH) load_ln_stats(p, row + p.slots, next_mean, next_rstd);
         if constexpr (NPT > 0) {
-            if constexpr (!PREFETCH) load_ln_bwd_row<T, VEC, SLOTS, E>(p, row, lane, step, dyv, xv, mean, rstd);
+            if constexpr (STAGED) {
+                stage_ln_bwd_row<T, SLOTS, E>(p, row + p.slots, lane, step, stage + (current ^ 1) * stage_size + tid,
+                                              threads);
+                copy_async_wait<1>();  // this row's group is in; the next row's stays in flight
+                const uint4* const mine = stage + current * stage_size + tid;
+#pragma unroll
+                for (int i = 0; i < NPT; ++i) {
+                    if (active && lane * E + i * step < hidden) {
+                        dyv[i] = load_pack<true, E>(reinterpret_cast<const T*>(mine + 2 * i * threads));
+                        xv[i] = load_pack<true, E>(reinterpret_cast<const T*>(mine + (2 * i + 1) * threads));
+                    }
+                }
+            } else if constexpr (!PREFETCH) {
+                load_ln_bwd_row<T, VEC, SLOTS, E>(p, row, lane, step, dyv, xv);
+                load_ln_stats(p, row, mean, rstd);
+            }
 #pragma unroll
             for (int i = 0; i < NPT; ++i) {
                 const int col = lane * E + i * step;
@@ -341,16 +392,13 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwd
                                           gx_sum);
             }
         } else {
-            mean = active ? p.mean[row] : 0.f;
-            rstd = active ? p.rstd[row] : 0.f;
+            load_ln_stats(p, row, mean, rstd);
             for (i64 col = (i64)lane * E; active && col < p.hidden; col += step)
                 add_row_sums<T, W, E>(p, load_pack<VEC, E>(dy_row + col), load_pack<VEC, E>(x_row + col),
                                       load_weight<W, VEC, E>(p.weight, col), mean, rstd, g_sum, gx_sum);
         }
         Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
-        float next_mean = 0.f, next_rstd = 0.f;
-        if constexpr (PREFETCH)
-            load_ln_bwd_row<T, VEC, SLOTS, E>(p, row + p.slots, lane, step, next_dy, next_x, next_mean, next_rstd);
+        if constexpr (PREFETCH) load_ln_bwd_row<T, VEC, SLOTS, E>(p, row + p.slots, lane, step, next_dy, next_x);
         const float2 sums = row_sum_pair(make_float2(g_sum, gx_sum), width, scratch);
         const float g_mean = sums.x * p.inv_hidden, gx_mean = sums.y * p.inv_hidden;
         if (active && NPT > 0) {
@@ -379,10 +427,14 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwd
         if constexpr (PREFETCH) {
             dyv[0] = next_dy[0];
             xv[0] = next_x[0];
+        }
+        if constexpr (STAGED || PREFETCH) {
             mean = next_mean;
             rstd = next_rstd;
         }
+        current ^= 1;
     }
+    if constexpr (STAGED) copy_async_wait<0>();  // no copy outlives the block
     if constexpr (NPT > 0) {
         if (!dw_row) return;
 #pragma unroll

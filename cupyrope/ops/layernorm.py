@@ -13,7 +13,7 @@ from .._runtime.compile import get_kernel
 from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import layernorm_checks
-from .layernorm_plan import DW_SOURCE, cap_backward_grid, plan_backward, plan_forward, weight_dtype
+from .layernorm_plan import DW_SOURCE, cap_backward_grid, plan_backward, plan_forward, stage_bytes, weight_dtype
 from .rmsnorm_checks import row_layout, rows
 from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name
 from .rmsnorm_rows import blocks_per_wave, kernel_for
@@ -130,11 +130,12 @@ def _plan_backward_call(da, xa, wa, ba, ma, ra, _no_weight, _no_bias, _no_mean, 
         dxa = contiguous_like(xa, xa.shape, xa.dtype)
         layout = row_layout([da, xa, dxa], ["dy", "x", "dx"], runs=False)
         plan = plan_backward(da, xa, dxa, wa, ba, layout.plan_strides(), n_rows, hidden, impl)
+        plan.shared_mem = stage_bytes(plan)
         kernel = kernel_for(plan, xa.device)
         slots = cap_backward_grid(plan, blocks_per_wave(kernel, plan, xa.device))
         plan.sums = wa is not None or ba is not None
         tail = BWD_TAIL.pack(n_rows, hidden, *layout.strides_of(0, 1, 2), slots, 1 / hidden)
-        plan.launch = Launch(kernel, plan.grid, plan.block, 7, tail, xa.device, xa.kind)
+        plan.launch = Launch(kernel, plan.grid, plan.block, 7, tail, xa.device, xa.kind, plan.shared_mem)
         if plan.sums:
             plan.sums_bytes = slots * hidden * 4  # dweight's partial rows, then dbias's
             dw_kernel = get_kernel(DW_SOURCE, dweight_kernel_name(weight_dtype(wa, ba)), xa.device)

@@ -5,8 +5,9 @@ shifted odd rows), so a row's reductions follow from its size, dtype, alignment 
 - layer_norm_fwd holds a row in registers where its block's threads can (one read of x, one write of y), else makes
   three passes over it (sum, squared deviations, output), the later two mostly from the L2.
 - layer_norm_bwd runs a grid of resident blocks whose rows slots walk the rows, each slot keeping its sums of
-  dweight and dbias (registers, or its own partial rows for rows too long for them); rms_norm_dw (rmsnorm_bwd.cu)
-  then adds the slots' partial rows in a fixed order: dweight and dbias are bitwise the same in every run.
+  dweight and dbias (registers, or its own partial rows for rows too long for them), 16-byte rows of 2+ slots
+  copying the next row ahead into shared memory (stage_bytes); rms_norm_dw (rmsnorm_bwd.cu) then adds the slots' partial rows in a
+  fixed order: dweight and dbias are bitwise the same in every run.
 """
 
 from .._runtime.arrays import CTYPE, ITEMSIZE
@@ -69,6 +70,12 @@ def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto
     arrays = [dy, x, dx, weight]
     return plan_rows(SOURCE, "layer_norm_bwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows, hidden,
                      BWD_MAX_SLOTS, BWD_ELEMS_PER_THREAD, BWD_BLOCK_THREADS, [], impl)
+
+
+def stage_bytes(plan) -> int:
+    """Dynamic shared memory of a backward plan: 16-byte rows of 2+ slots stage the next row's dy and x (two stages
+    of 2 x slots chunks a thread, layer_norm_bwd's STAGED); others none."""
+    return 2 * 2 * plan.slots * 16 * plan.block[0] * plan.block[1] if plan.vectorized and plan.slots >= 2 else 0
 
 
 def cap_backward_grid(plan, resident_blocks: int) -> int:

@@ -8,7 +8,7 @@ from helpers import planned_array as arr
 
 from cupyrope import reference
 from cupyrope.ops.layernorm_plan import (BWD_MAX_SLOTS, FWD_MAX_SLOTS, cap_backward_grid, plan_backward,
-                                         plan_forward, variants)
+                                         plan_forward, stage_bytes, variants)
 
 torch = pytest.importorskip("torch")
 
@@ -73,6 +73,10 @@ def test_backward_plan_caps_grid_and_counts_partial_rows():
     assert plan.vectorized and plan.slots == 1 and plan.block == (128, 2), plan
     assert plan.name == "cupyrope::layer_norm_bwd<__nv_bfloat16, __nv_bfloat16, true, 1>"
     assert cap_backward_grid(plan, 132 * 4) == 132 * 4 * 2 and plan.grid == 528
+    assert stage_bytes(plan) == 0  # one slot: the rows come straight to registers
+    wide = plan_backward(arr((100, 8192), "bfloat16"), *[arr((100, 8192), "bfloat16")] * 3, None, (8192,) * 3, 100,
+                         8192)
+    assert wide.slots == 2 and stage_bytes(wide) == 2 * 2 * 2 * 16 * 512  # two stages of dy and x, 2 chunks a thread
     small = plan_backward(x, x, x, None, arr((1024,), "float32"), (1024, 1024, 1024), 3, 1024)
     assert "float>" not in small.name and ", float, " in small.name  # W follows the bias without a weight
     assert cap_backward_grid(small, 528) == 4 and small.grid == 2  # a slot past the rows leaves a zero row
