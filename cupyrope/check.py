@@ -3,7 +3,8 @@ planners pick -- fp32/fp16/bf16; RoPE's direct and block kernels, one pair or 16
 in-kernel, cached and per-token (transformers') cos/sin, both styles, partial rotary, q and k in one
 launch, M-RoPE and varlen positions; QK-norm + RoPE forward and backward; RMSNorm rows of 61 to 65536
 elements (element-wise, shifted, vectorized, staged, read twice from shared memory, split over a cluster;
-small backward calls in one cluster), forward, fused add, backward; RMSNorm's FP8 output per row and per group --
+small backward calls in one cluster), forward, fused add, backward; RMSNorm's FP8 output per row and per group;
+LayerNorm rows of 61 to 65536 elements, forward, fused add, backward --
 with the test suite's tolerances (fp32
 1e-5 relative, fp16/bf16/FP8 one rounding of the output).
 Outputs that can be passed in are filled with NaN first. On a GPU the test suite has not run on, run
@@ -185,6 +186,41 @@ def _rms_norm_fp8_cases(xp, ops, rng):
                 yield f"rms_norm_fp8 {label} (scales)", xp.host(scales), ref_scales, "float32", 0.0
 
 
+def _layer_norm_cases(xp, ops, rng):
+    """LayerNorm rows of 61 to 65536 elements (element by element, shifted, 16-byte, 1024 threads, read in passes):
+    forward (rows off zero mean), fused add, backward (dx, dweight, dbias)."""
+    for dtype in DTYPES:
+        for hidden, rows in ((61, 300), (1027, 37), (1152, 300), (4096, 300), (8192, 64), (32768, 8), (65536, 4)):
+            x = round_to(rng.standard_normal((rows, hidden)) + rng.uniform(-4, 4, (rows, 1)), dtype)
+            w, b = _random(rng, (hidden,), dtype), _random(rng, (hidden,), dtype)
+            xd, wd, bd = xp.asarray(x, dtype), xp.asarray(w, dtype), xp.asarray(b, dtype)
+            label = f"{dtype} [{rows}, {hidden}]"
+            scale = 5.0 * float(np.abs(w).max() + np.abs(b).max())
+            out = xp.nan(x.shape, dtype)
+            ops.layer_norm(xd, wd, bd, 1e-5, out=out)
+            yield f"layer_norm {label}", xp.host(out), reference.layer_norm(x, w, b, 1e-5), dtype, scale
+
+            r = _random(rng, x.shape, dtype)
+            xs, rs = xp.asarray(x, dtype), xp.asarray(r, dtype)
+            ops.fused_add_layer_norm(xs, rs, wd, bd, 1e-5)
+            y, summed = reference.fused_add_layer_norm(x, r, w, b, 1e-5, dtype=dtype)
+            yield f"fused_add_layer_norm {label} (residual)", xp.host(rs), summed, dtype, 0.0
+            yield f"fused_add_layer_norm {label} (x)", xp.host(xs), y, dtype, scale
+
+            dy = _random(rng, x.shape, dtype)
+            dx, dw, db = ops.layer_norm_backward(xp.asarray(dy, dtype), xd, wd, bd)
+            ref_dx, ref_dw, ref_db = reference.layer_norm_backward(dy, x, w, b)
+            _, mean, rstd = reference.layer_norm(x, return_stats=True)
+            yield (f"layer_norm_backward {label} (dx)", xp.host(dx), ref_dx, dtype,
+                   3.0 * float(np.abs(dy * w).max() * rstd.max()))
+            # dweight and dbias sum `rows` fp32 terms: tolerances grow with their magnitudes (as in the tests)
+            magnitude = (np.abs(x) + np.abs(mean)[:, None]) * rstd[:, None]
+            yield (f"layer_norm_backward {label} (dweight)", xp.host(dw), ref_dw, dtype,
+                   4.0 * float(np.abs(dy * magnitude).sum(0).max()))
+            yield (f"layer_norm_backward {label} (dbias)", xp.host(db), ref_db, dtype,
+                   4.0 * float(np.abs(dy).sum(0).max()))
+
+
 def cases(xp, ops, rng):
     """(name, output, float64 reference, dtype, scale) of every check."""
     yield from _rope_cases(xp, ops, rng)
@@ -192,6 +228,7 @@ def cases(xp, ops, rng):
     yield from _qk_norm_rope_cases(xp, ops, rng)
     yield from _rms_norm_cases(xp, ops, rng)
     yield from _rms_norm_fp8_cases(xp, ops, rng)
+    yield from _layer_norm_cases(xp, ops, rng)
 
 
 def worst_miss(got, expected, dtype, scale) -> tuple[int, float]:

@@ -91,10 +91,25 @@ def reference_ops(rope_style=None, skip_rows=0, fp8_steps=0):
         moved = np.where((codes & 0x7F) < 0x7E - fp8_steps, codes + fp8_steps, codes)  # within the finite codes
         return moved.astype(np.uint8), scales.astype(np.float32)
 
+    def layer_norm(x, w, b, eps, *, out):
+        out[skip_rows:] = reference.layer_norm(f64(x), f64(w), f64(b), eps)[skip_rows:].astype(x.dtype)
+        return out
+
+    def fused_add_layer_norm(x, residual, w, b, eps):
+        dtype = "bfloat16" if x.dtype == numpy_dtype("bfloat16") else x.dtype.name
+        y, summed = reference.fused_add_layer_norm(f64(x), f64(residual), f64(w), f64(b), eps, dtype=dtype)
+        x[...], residual[...] = y.astype(x.dtype), summed.astype(x.dtype)
+        return x, residual
+
+    def layer_norm_backward(dy, x, w, b):
+        dx, dw, db = reference.layer_norm_backward(f64(dy), f64(x), f64(w), f64(b))
+        return dx.astype(x.dtype), dw.astype(w.dtype), db.astype(b.dtype)
+
     return SimpleNamespace(rope=rope, rope_qk=rope_qk, rope_qk_cos_sin=rope_qk_cos_sin, rms_norm=rms_norm,
                            fused_add_rms_norm=fused_add_rms_norm, rms_norm_backward=rms_norm_backward,
                            qk_norm_rope=qk_norm_rope, qk_norm_rope_backward=qk_norm_rope_backward,
-                           rms_norm_fp8=rms_norm_fp8)
+                           rms_norm_fp8=rms_norm_fp8, layer_norm=layer_norm, fused_add_layer_norm=fused_add_layer_norm,
+                           layer_norm_backward=layer_norm_backward)
 
 
 def test_correct_ops_pass_every_check(capsys):
@@ -108,7 +123,9 @@ def test_correct_ops_pass_every_check(capsys):
                  "fused_add_rms_norm float16 [64, 16384] (residual)", "rope bfloat16 M-RoPE interleaved",
                  "rope float16 varlen", "qk_norm_rope bfloat16 300 tokens neox (q)",
                  "qk_norm_rope_backward float32 37 tokens gptj (dk_weight)",
-                 "rms_norm_fp8 bfloat16 [64, 7168] groups of 128 (y)", "rms_norm_fp8 float16 [300, 1027] per token (scales)"):
+                 "rms_norm_fp8 bfloat16 [64, 7168] groups of 128 (y)", "rms_norm_fp8 float16 [300, 1027] per token (scales)",
+                 "layer_norm bfloat16 [4, 65536]", "fused_add_layer_norm float16 [37, 1027] (residual)",
+                 "layer_norm_backward float32 [300, 1152] (dbias)"):
         assert any(line.startswith(f"ok   {what}:") for line in lines), what
     assert len(lines) > 100
 
@@ -129,7 +146,8 @@ def test_fp8_bytes_two_steps_off_fail(capsys):
 
 def test_unwritten_outputs_fail(capsys):
     assert not check.run_checks(HOST, reference_ops(skip_rows=1))
-    assert "FAIL rms_norm float32 [300, 61]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "FAIL rms_norm float32 [300, 61]" in out and "FAIL layer_norm float32 [300, 61]" in out
 
 
 def test_tolerance_is_one_rounding_for_half_types_and_1e5_for_fp32():
