@@ -159,7 +159,26 @@ NORM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("call,error,message", ROPE_CASES + SOURCE_CASES + NORM_CASES)
+LAYER_NORM_CASES = [
+    (lambda: cupyrope.layer_norm(A(H, "int32")), TypeError, "x: expected dtype"),
+    (lambda: cupyrope.layer_norm(A(H), A((130,), ptr=1 << 44), A((129,), ptr=2 << 44)), ValueError, r"bias: expected shape \(130,\)"),
+    (lambda: cupyrope.layer_norm(A(H), A((130,), ptr=1 << 44), A((130,), "float16", ptr=2 << 44)), TypeError, "bias: expected dtype float32 or float32 .like x., got float16"),
+    (lambda: cupyrope.layer_norm(A(H, "float16"), A((130,), ptr=1 << 44), A((130,), "float16", ptr=2 << 44)), TypeError, r"bias: expected dtype float32 \(like weight\), got float16"),
+    (lambda: cupyrope.layer_norm(A(H), None, A((130,), ptr=2 << 44, device=1)), ValueError, "bias: expected a cupy array on cuda:0"),
+    (lambda: cupyrope.layer_norm(A(H), eps=0.0), ValueError, "eps: expected a finite number > 0"),
+    (lambda: cupyrope.layer_norm(A(H), return_stats=1), TypeError, "return_stats: expected a bool"),
+    (lambda: cupyrope.layer_norm(A(H), out=A((7, 129), ptr=1 << 44)), ValueError, r"out: expected shape \(7, 130\)"),
+    (lambda: cupyrope.layer_norm(A(H), out=A(H, ptr=0x7F0000000000 + 8)), ValueError, "out: overlaps x"),
+    (lambda: cupyrope.fused_add_layer_norm(A(H), A(H)), ValueError, "residual: overlaps x"),
+    (lambda: cupyrope.fused_add_layer_norm(A(H), A(H, "float16", ptr=1 << 44)), TypeError, "residual: expected dtype float32"),
+    (lambda: cupyrope.layer_norm_backward(A(H, ptr=1 << 44), A(H), mean=A((7,), ptr=1 << 45)), ValueError, "mean, rstd: expected both"),
+    (lambda: cupyrope.layer_norm_backward(A(H, ptr=1 << 44), A(H), mean=A((7,), ptr=1 << 45), rstd=A((6,), ptr=1 << 46)), ValueError, r"rstd: expected shape \(7,\)"),
+    (lambda: cupyrope.layer_norm_backward(A(H, ptr=1 << 44), A(H), mean=A((7,), "float16", ptr=1 << 45), rstd=A((7,), ptr=1 << 46)), TypeError, "mean: expected dtype float32"),
+    (lambda: cupyrope.layer_norm_backward(A((7, 129), ptr=1 << 44), A(H)), ValueError, r"dy: expected shape \(7, 130\)"),
+]
+
+
+@pytest.mark.parametrize("call,error,message", ROPE_CASES + SOURCE_CASES + NORM_CASES + LAYER_NORM_CASES)
 def test_bad_input_is_rejected_with_a_clear_message(call, error, message):
     with pytest.raises(error, match=message):
         call()
