@@ -2,8 +2,8 @@
 run the same ones and raise the same errors. Weight and bias are checked as RMSNorm's weight is."""
 
 from .._runtime import checks
-from .._runtime.arrays import FLOAT_DTYPES, Array, is_contiguous
-from .rmsnorm_checks import check_weight
+from .._runtime.arrays import FLOAT_DTYPES, Array
+from .rmsnorm_checks import check_row_stat, check_weight
 
 
 def check_options(eps, impl) -> None:
@@ -41,17 +41,6 @@ def check_fused_add(x: Array, residual: Array, weight: Array | None, bias: Array
     check_params(x, weight, bias)
 
 
-def check_stat(stat: Array, x: Array, name: str) -> None:
-    """The forward's mean or rstd: float32, one value per row of x, contiguous."""
-    checks.check_same_device(x, stat, "x", name)
-    if stat.dtype != "float32":
-        raise TypeError(f"{name}: expected dtype float32, got {stat.dtype}")
-    if stat.shape != x.shape[:-1]:
-        raise ValueError(f"{name}: expected shape {x.shape[:-1]} (x's rows), got {stat.shape}")
-    if not is_contiguous(stat) and stat.size > 1:
-        raise ValueError(f"{name}: expected a contiguous array, got strides {stat.strides}")
-
-
 def check_backward(dy: Array, x: Array, weight: Array | None, bias: Array | None, mean: Array | None,
                    rstd: Array | None, *, eps, impl, dtypes=FLOAT_DTYPES) -> None:
     """Every check of a layer_norm_backward() call."""
@@ -63,5 +52,5 @@ def check_backward(dy: Array, x: Array, weight: Array | None, bias: Array | None
         raise ValueError("mean, rstd: expected both (layer_norm(..., return_stats=True)'s) or neither, got "
                          f"{'mean' if rstd is None else 'rstd'} alone")
     if mean is not None:
-        check_stat(mean, x, "mean")
-        check_stat(rstd, x, "rstd")
+        check_row_stat(mean, x, "mean")
+        check_row_stat(rstd, x, "rstd")

@@ -66,13 +66,18 @@ def check_backward(dy: Array, x: Array, weight: Array | None, rstd: Array | None
         checks.check_like(residual_grad, x, "x", "residual_grad")
     check_weight(weight, x, "x")
     if rstd is not None:
-        checks.check_same_device(x, rstd, "x", "rstd")
-        if rstd.dtype != "float32":
-            raise TypeError(f"rstd: expected dtype float32, got {rstd.dtype}")
-        if rstd.shape != x.shape[:-1]:
-            raise ValueError(f"rstd: expected shape {x.shape[:-1]} (x's rows), got {rstd.shape}")
-        if not is_contiguous(rstd) and rstd.size > 1:
-            raise ValueError(f"rstd: expected a contiguous array, got strides {rstd.strides}")
+        check_row_stat(rstd, x, "rstd")
+
+
+def check_row_stat(stat: Array, x: Array, name: str) -> None:
+    """A forward's statistic (rstd; LayerNorm's mean too): float32, one value per row of x, contiguous."""
+    checks.check_same_device(x, stat, "x", name)
+    if stat.dtype != "float32":
+        raise TypeError(f"{name}: expected dtype float32, got {stat.dtype}")
+    if stat.shape != x.shape[:-1]:
+        raise ValueError(f"{name}: expected shape {x.shape[:-1]} (x's rows), got {stat.shape}")
+    if not is_contiguous(stat) and stat.size > 1:
+        raise ValueError(f"{name}: expected a contiguous array, got strides {stat.strides}")
 
 
 def check_scalar_scale(scale: Array | None, like: Array, name: str, dtype: str = "float32") -> None:

@@ -21,7 +21,7 @@ def test_every_variant_compiles_without_a_gpu(arch):
     assert all(size > 1000 for _, _, size, _ in results)  # a real cubin each
 
 
-def test_variant_list_covers_both_ops_and_is_unique():
+def test_variant_list_covers_every_op_and_is_unique():
     variants = all_variants()
     assert len(set(variants)) == len(variants)
     rope = [name for source, name in variants if source == "rope.cu"]
@@ -45,7 +45,12 @@ def test_variant_list_covers_both_ops_and_is_unique():
     # fp32: 1 weight dtype x 5 slot counts (0, 1, 2, 4, 8); fp16, bf16: 2 x 4 (0, 1, 2, 4); x scalar/vector x fused
     # add or not x 4 scale modes (static, per token, groups of 64 and 128); and the two conversion kernels
     assert len(fp8) == (1 * 5 + 2 * 2 * 4) * 2 * 2 * 4 + 2
-    assert len(rope) + len(forward) + len(backward) + len(norm_rope) + len(fp8) == len(variants)
+    layer_norm = [name for source, name in variants if source == "layernorm.cu"]
+    assert all(n.split("<")[0] in ("cupyrope::layer_norm_fwd", "cupyrope::layer_norm_bwd") for n in layer_norm)
+    # backward: fp32 1 weight dtype x (element by element 0, 1, 2, 4, 8 slots; 16-byte 0, 1, 2, 4), fp16/bf16 2 x (5 + 3)
+    assert sum("layer_norm_bwd<" in name for name in layer_norm) == 1 * (5 + 4) + 2 * 2 * (5 + 3)
+    assert any(n.endswith(", true, true>") for n in layer_norm)  # the fused add of shifted rows
+    assert len(rope) + len(forward) + len(backward) + len(norm_rope) + len(fp8) + len(layer_norm) == len(variants)
 
 
 def test_cuda_headers_are_found():
