@@ -353,8 +353,9 @@ def layer_norm_providers(torch, backward):
         return factory
 
     if backward:
-        ours = lambda d: (lambda: cupyrope.layer_norm_backward(d["dy"], d["x"], d["w"], d["b"], d["mean"],  # noqa: E731
-                                                               d["rstd"]))
+        torch._functorch.config.donated_buffer = False  # graphs whose backward runs again (retain_graph)
+        def ours(d):
+            return lambda: cupyrope.layer_norm_backward(d["dy"], d["x"], d["w"], d["b"], d["mean"], d["rstd"])
     else:
         ours = forward(lambda x, w, b: cupyrope.layer_norm(x, w, b, 1e-5))
     providers = {"cupyrope": ours, **{name: (autograd if backward else forward)(fn) for name, fn in peers.items()}}
@@ -395,8 +396,7 @@ def add_providers(torch, backward):
             return factory
 
         torch._functorch.config.donated_buffer = False  # graphs whose backward runs again (retain_graph)
-        providers.update({name: autograd(fn if name != "liger" else (lambda x, w, b: fn(x, w, b, 1e-5)))
-                          for name, fn in peers.items()})
+        providers.update({name: autograd(fn) for name, fn in peers.items()})
     else:
         providers["cupyrope"] = lambda d: (lambda: cupyrope.add_rms_norm(d["x"], d["r"], d["w"], 1e-6))
         providers.update({name: (lambda d, fn=fn: (lambda: fn(d["x"], d["r"], d["w"]))) for name, fn in peers.items()})
