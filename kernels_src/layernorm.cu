@@ -26,8 +26,8 @@ struct LayerNormParams {  // mirrored by layernorm.py's FWD_TAIL (after the poin
     float inv_hidden;  // 1 / hidden: a multiply instead of a division on the row's critical path
 };
 
-// Columns col ... col + E - 1 of a row that lie inside it, as a mask over e: the chunks of a shifted row (SHIFT) or
-// past a register row's end hold zeros, which add nothing to a sum but do add (0 - mean)^2 to the squares.
+// Whether column col + e lies inside the row: a shifted row's (SHIFT) first and last chunks hold zeros outside it,
+// which add nothing to a sum but would add (0 - mean)^2 to the squares.
 template <bool SHIFT, int E, typename I> __device__ __forceinline__ bool counts(I col, int e, I hidden) {
     return !SHIFT || inside<I>(col + e, hidden);
 }
@@ -58,7 +58,8 @@ struct Held<T, E, true> {
 // power of two up to 32, else whole warps), to every one of them, in a fixed order: one round of barriers for both.
 // Every thread of the block calls it; scratch holds a pair a warp.
 __device__ __forceinline__ float2 shuffle_sum(float2 v, int offset) {
-    return make_float2(v.x + __shfl_xor_sync(0xffffffffu, v.x, offset), v.y + __shfl_xor_sync(0xffffffffu, v.y, offset));
+    return make_float2(v.x + __shfl_xor_sync(0xffffffffu, v.x, offset),
+                       v.y + __shfl_xor_sync(0xffffffffu, v.y, offset));
 }
 
 __device__ __forceinline__ float2 row_sum_pair(float2 v, int width, float2* scratch) {
@@ -238,7 +239,7 @@ struct LayerNormBwdParams {  // mirrored by layernorm.py's BWD_TAIL (after the p
 };
 
 template <int NPT>
-struct LayerNormBwdBounds {  // dy, x and two sums a chunk: 2 slots of fp16/bf16 take ~90 registers
+struct LayerNormBwdBounds {  // dy, x and two sums a chunk: 2 slots of fp16/bf16 take 117-125 registers
     static constexpr int threads = 512;
     static constexpr int min_blocks = NPT >= 2 ? 1 : 2;
 };
