@@ -141,3 +141,19 @@ def test_cpu_path_raises_the_gpu_paths_errors():
         LayerNorm((4, 16))
     with pytest.raises(TypeError, match="x: expected dtype"):
         layer_norm(x.long())
+
+
+def test_torch_ops_pass_opcheck_on_cpu(rng):
+    """The registered ops' schemas, fake kernels (torch.compile) and autograd, on CPU tensors."""
+    from torch.library import opcheck
+
+    from cupyrope.torch import layer_norm  # importing it registers the ops
+
+    x = torch.tensor(rng.standard_normal((3, 5, 40)) + 2, dtype=torch.float32)
+    w, b = torch.randn(40), torch.randn(40)
+    opcheck(torch.ops.cupyrope.layer_norm.default, (x, w, b, 1e-5))
+    opcheck(torch.ops.cupyrope.layer_norm.default, (x.clone().requires_grad_(), None, b.clone().requires_grad_(), 1e-5))
+    _, mean, rstd = torch.ops.cupyrope.layer_norm(x, w, b, 1e-5)
+    opcheck(torch.ops.cupyrope.layer_norm_backward.default, (torch.randn_like(x), x, w, None, mean, rstd, 1e-5))
+    opcheck(torch.ops.cupyrope.fused_add_layer_norm_.default, (x.clone(), torch.randn_like(x), w, b, 1e-5))
+    torch.testing.assert_close(layer_norm(x, w, b), torch.ops.cupyrope.layer_norm(x, w, b, 1e-5)[0], rtol=0, atol=0)
