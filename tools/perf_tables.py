@@ -1,10 +1,10 @@
 """The tables of docs/performance.md, from the JSON files of benchmark runs (no GPU needed).
 
 Usage: python tools/perf_tables.py RUN.json [RUN.json ...]
-(written by `python -m cupyrope bench [--full] [--op rope|rmsnorm|qk_norm_rope] --json ...`; a file may hold any of
-the ops). Prints markdown: the RoPE cases, the RMSNorm headline shapes, the [4, S, H] grids where the run has them
-(bold: the fastest), the QK-norm + RoPE cases, and every case where a peer is faster than cupyrope's fastest provider
-in GPU time.
+(written by `python -m cupyrope bench [--full] [--op rope|rmsnorm|layer_norm|qk_norm_rope] --json ...`; a file may
+hold any of the ops). Prints markdown: the RoPE cases, the RMSNorm headline shapes, the LayerNorm cases, the
+[4, S, H] grids where the run has them (bold: the fastest), the QK-norm + RoPE cases, and every case where a peer is
+faster than cupyrope's fastest provider in GPU time.
 """
 
 import collections
@@ -17,6 +17,7 @@ RMS_SHAPES = ["32768x4096", "8192x16384", "8192x1027", "16384x8192", "1x4096"]
 GRID_H = [32, 61, 64, 128, 130, 256, 512, 1024, 1027, 2048, 4096, 8192, 16384]
 GRID_S = [128, 512, 2048]
 RMS_PROVIDERS = ("cupyrope", "cupyrope (no PDL)", "liger", "F.rms_norm")
+LN_PROVIDERS = ("cupyrope", "cupyrope (no PDL)", "liger", "F.layer_norm", "torch.compile")
 
 
 def load(path):
@@ -68,22 +69,37 @@ def rms_table(data, cases):
                   + f" | {percent(providers['cupyrope'], data['copy_gbps'])} |")
 
 
-def grid(cases, op):
+def grid(cases, op, providers_shown=RMS_PROVIDERS):
     if (op, f"[4,{GRID_S[0]},{GRID_H[0]}]") not in cases:
         return
-    print(f"{'fwd' if op == 'rms_fwd' else 'bwd'}, [4, S, H] bf16, GPU µs per call: cupyrope / cupyrope without PDL / "
-          "Liger / F.rms_norm (bold: fastest)\n")
+    names = " / ".join(p.replace("cupyrope (no PDL)", "cupyrope without PDL") for p in providers_shown)
+    print(f"{op}, [4, S, H] bf16, GPU µs per call: {names} (bold: fastest)\n")
     print("| H | " + " | ".join(f"S={s}" for s in GRID_S) + " |")
     print("|---|" + "---|" * len(GRID_S))
     for h in GRID_H:
         cells = []
         for s in GRID_S:
             providers = cases[(op, f"[4,{s},{h}]")]
-            times = {p: providers[p]["gpu_us"] for p in RMS_PROVIDERS if p in providers}
+            times = {p: providers[p]["gpu_us"] for p in providers_shown if p in providers}
             best = min(times, key=times.get)
             cells.append(" / ".join(f"**{us(t)}**" if p == best else us(t) for p, t in times.items()))
         print(f"| {h} | " + " | ".join(cells) + " |")
     print()
+
+
+def ln_table(data, cases):
+    """The LayerNorm headline cases: GPU µs per call of each provider (bold: fastest), cupyrope's share of copy
+    bandwidth."""
+    print("| op | rows × hidden, dtype | " + " | ".join(LN_PROVIDERS) + " | cupyrope % of copy BW |")
+    print("|---|---|" + "---|" * (len(LN_PROVIDERS) + 1))
+    for (op, label), providers in cases.items():
+        if op not in ("ln_fwd", "ln_bwd") or label.startswith("["):
+            continue
+        times = {p: providers[p]["gpu_us"] for p in LN_PROVIDERS if p in providers}
+        best = min(times, key=times.get)
+        cells = [(f"**{us(times[p])}**" if p == best else us(times[p])) if p in times else "" for p in LN_PROVIDERS]
+        print(f"| {op} | {label.replace('x', ' × ')} {providers['cupyrope']['dtype']} | " + " | ".join(cells)
+              + f" | {percent(providers['cupyrope'], data['copy_gbps'])} |")
 
 
 QK_OPS = ("qk_norm_rope", "qk_norm_rope_bwd", "rope_qk_positions")
@@ -129,6 +145,11 @@ def main(paths):
             print()
             grid(cases, "rms_fwd")
             grid(cases, "rms_bwd")
+        if any(op.startswith("ln_") for op, _ in cases):
+            ln_table(data, cases)
+            print()
+            grid(cases, "ln_fwd", LN_PROVIDERS)
+            grid(cases, "ln_bwd", LN_PROVIDERS)
         if any(op in QK_OPS for op, _ in cases):
             qk_table(data, cases)
             print()
