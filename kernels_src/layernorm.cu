@@ -50,7 +50,7 @@ struct Held<T, E, true> {
     }
     __device__ __forceinline__ float at(int e) const {
         if constexpr (sizeof(T) == 4) return __uint_as_float(w[e]);
-        else return as_float<true>(from_bits<T>(e % 2 ? w[e / 2] >> 16 : w[e / 2]));
+        else return half_of<T>(w[e / 2], e % 2);
     }
 };
 
@@ -89,12 +89,6 @@ __device__ __forceinline__ Pack<T, E> ln_output(const LayerNormParams& p, const 
         y.v[e] = from_float<T>(value);
     }
     return y;
-}
-
-// The bias for E columns (SHIFT: as load_weight_chunk's); unused where p.bias is null.
-template <typename W, bool VEC, bool SHIFT, int E, typename I>
-__device__ __forceinline__ Pack<W, E> load_bias_chunk(const LayerNormParams& p, I col, I hidden) {
-    return load_weight_chunk<W, VEC, SHIFT, E>(p.bias, col, hidden);
 }
 
 // Launch bounds by register slots: blocks of up to 512 threads (several rows to a block of 128 where rows are short),
@@ -170,7 +164,7 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT, ADD, SHIFT>::threads, Lay
             const int col = first + i * step;
             if (col < hidden) {
                 const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
-                const Pack<W, E> b = load_bias_chunk<W, VEC, SHIFT, E>(p, col, hidden);
+                const Pack<W, E> b = load_weight_chunk<W, VEC, SHIFT, E>(p.bias, col, hidden);
                 store_chunk<VEC, SHIFT, E>(y_row, col, hidden, ln_output<T, W, E>(p, v[i], mean, rstd, w, b));
             }
         }
@@ -206,7 +200,7 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT, ADD, SHIFT>::threads, Lay
             Held<T, E> v;
             v.hold(load_chunk<VEC, SHIFT, E>(src, col, p.hidden));
             const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-            const Pack<W, E> b = load_bias_chunk<W, VEC, SHIFT, E>(p, col, p.hidden);
+            const Pack<W, E> b = load_weight_chunk<W, VEC, SHIFT, E>(p.bias, col, p.hidden);
             store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, ln_output<T, W, E>(p, v, mean, rstd, w, b));
         }
     }

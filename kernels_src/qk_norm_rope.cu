@@ -35,7 +35,7 @@ struct Chunk {
 };
 
 // Half `high` of a 32-bit word of fp16/bf16 values as float (a bf16's high half is already its fp32 bits, masked).
-// rmsnorm_fwd.cu's half_of shifts a bf16's high half down and back up (two instructions a value where this takes
+// rmsnorm_common.cuh's half_of shifts a bf16's high half down and back up (two instructions a value where this takes
 // one); its kernels were measured with that code and keep it.
 template <typename T> __device__ __forceinline__ float word_half(unsigned w, bool high);
 template <> __device__ __forceinline__ float word_half<__nv_bfloat16>(unsigned w, bool high) {

@@ -46,6 +46,12 @@ template <bool BY_SHIFT> __device__ __forceinline__ float as_float(__nv_bfloat16
     return BY_SHIFT ? __uint_as_float((unsigned)__bfloat16_as_ushort(v) << 16) : to_float(v);
 }
 
+// Half `high` (0: element 2k, 1: element 2k + 1) of a 32-bit word of fp16/bf16 values as float: rows held as the
+// words their 16-byte loads produced (rmsnorm_fwd.cu's word-held rows, layernorm.cu's Held).
+template <typename T> __device__ __forceinline__ float half_of(unsigned word, bool high) {
+    return as_float<true>(from_bits<T>(high ? word >> 16 : word));
+}
+
 // weight + offset (no weight: 1, whatever the offset).
 template <typename W, int E, bool BY_SHIFT = false>
 __device__ __forceinline__ float scale(const void* weight, float offset, const Pack<W, E>& w, int e) {

@@ -62,10 +62,7 @@ __device__ __forceinline__ Pack<T, E> output(const NormParams& p, const Pack<T, 
 // half the registers of eight converted floats: shifted rows 5-13% faster, aligned rows as fast, and 5-10% faster
 // on one- and two-wave grids together with their weight loaded early. Element 2k of a chunk is the low half of
 // word k, element 2k + 1 the high half.
-// Half `high` (0: element 2k, 1: element 2k + 1) of a 32-bit word as float.
-template <typename T> __device__ __forceinline__ float half_of(unsigned word, bool high) {
-    return as_float<true>(from_bits<T>(high ? word >> 16 : word));
-}
+// half_of (rmsnorm_common.cuh) reads them.
 // The same value through a byte permute in inline PTX, which ptxas does not fold into half_of's
 // operations: the output cannot reuse the floats the sum of squares converted (8 registers a chunk held
 // through the reduction) and keeps the words instead.
