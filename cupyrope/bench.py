@@ -286,23 +286,28 @@ def rope_providers(torch):
     return providers
 
 
+def autograd_provider(torch, fn, leaves, cotangents):
+    """A peer's backward as torch autograd runs it: the inputs named by `leaves` as fresh leaves, fn's outputs made once
+    (untimed), each call the leaves' gradients for the cotangents named by `cotangents`. The graph runs again every
+    call (retain_graph), so compiled graphs may not donate their saved buffers."""
+    torch._functorch.config.donated_buffer = False
+
+    def factory(d):
+        inputs = tuple(d[key].detach().requires_grad_() for key in leaves)
+        outputs = fn(*inputs)
+        return lambda: torch.autograd.grad(outputs, inputs, tuple(d[key] for key in cotangents), retain_graph=True)
+
+    return factory
+
+
 def rms_providers(torch, backward):
     import cupyrope
 
     providers = {}
     if backward:
         providers["cupyrope"] = lambda d: (lambda: cupyrope.rms_norm_backward(d["dy"], d["x"], d["w"], d["rstd"]))
-
-        def torch_autograd(fn):
-            def factory(d):
-                x = d["x"].detach().requires_grad_()
-                w = d["w"].detach().requires_grad_()
-                y = fn(x, w)
-                return lambda: torch.autograd.grad(y, (x, w), d["dy"], retain_graph=True)
-
-            return factory
-
-        providers["F.rms_norm"] = torch_autograd(lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6))
+        providers["F.rms_norm"] = autograd_provider(
+            torch, lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6), ("x", "w"), ("dy",))
     else:
         providers["cupyrope"] = lambda d: (lambda: cupyrope.rms_norm(d["x"], d["w"], 1e-6))  # allocates, like the peers
         providers["F.rms_norm"] = lambda d: (lambda: torch.nn.functional.rms_norm(d["x"], (d["x"].shape[-1],), d["w"], 1e-6))
@@ -312,15 +317,10 @@ def rms_providers(torch, backward):
     except ImportError:
         return providers
     if backward:
-        def liger_bwd(d):
-            x = d["x"].detach().requires_grad_()
-            w = d["w"].detach().requires_grad_()
-            # in_place=False: Liger's default writes dx into dy, which every later call and the
-            # reference check read (like ours, this allocates dx).
-            y = LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False)
-            return lambda: torch.autograd.grad(y, (x, w), d["dy"], retain_graph=True)
-
-        providers["liger"] = liger_bwd
+        # in_place=False: Liger's default writes dx into dy, which every later call and the
+        # reference check read (like ours, this allocates dx).
+        providers["liger"] = autograd_provider(
+            torch, lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False), ("x", "w"), ("dy",))
     else:
         providers["liger"] = lambda d: (lambda: LigerRMSNormFunction.apply(d["x"], d["w"], 1e-6))
     return providers
@@ -345,15 +345,9 @@ def layer_norm_providers(torch, backward):
         return lambda d: (lambda: fn(d["x"], d["w"], d["b"]))
 
     def autograd(fn):
-        def factory(d):
-            x, w, b = (d[k].detach().requires_grad_() for k in ("x", "w", "b"))
-            y = fn(x, w, b)
-            return lambda: torch.autograd.grad(y, (x, w, b), d["dy"], retain_graph=True)
-
-        return factory
+        return autograd_provider(torch, fn, ("x", "w", "b"), ("dy",))
 
     if backward:
-        torch._functorch.config.donated_buffer = False  # graphs whose backward runs again (retain_graph)
         def ours(d):
             return lambda: cupyrope.layer_norm_backward(d["dy"], d["x"], d["w"], d["b"], d["mean"], d["rstd"])
     else:
@@ -388,15 +382,8 @@ def add_providers(torch, backward):
         providers["cupyrope"] = lambda d: (lambda: cupyrope.rms_norm_backward(d["dy"], d["s"], d["w"], d["rstd"],
                                                                               residual_grad=d["ds"]))
 
-        def autograd(fn):
-            def factory(d):
-                x, r, w = (d[key].detach().requires_grad_() for key in ("x", "r", "w"))
-                outputs = fn(x, r, w)
-                return lambda: torch.autograd.grad(outputs, (x, r, w), (d["dy"], d["ds"]), retain_graph=True)
-            return factory
-
-        torch._functorch.config.donated_buffer = False  # graphs whose backward runs again (retain_graph)
-        providers.update({name: autograd(fn) for name, fn in peers.items()})
+        providers.update({name: autograd_provider(torch, fn, ("x", "r", "w"), ("dy", "ds"))
+                          for name, fn in peers.items()})
     else:
         providers["cupyrope"] = lambda d: (lambda: cupyrope.add_rms_norm(d["x"], d["r"], d["w"], 1e-6))
         providers.update({name: (lambda d, fn=fn: (lambda: fn(d["x"], d["r"], d["w"]))) for name, fn in peers.items()})

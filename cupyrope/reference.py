@@ -274,14 +274,19 @@ def add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0, dtype="float32"
     return _residual_add_norm(x, residual, weight, eps, offset, dtype, rmsnorm_checks.check_add)
 
 
+def _check_rounded(dtype) -> None:
+    """dtype: what the fused adds round x + residual to, as the kernels do in x's dtype."""
+    if dtype not in _ROUNDED:
+        raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
+
+
 def _residual_add_norm(x, residual, weight, eps, offset, dtype, check):
     """(rms_norm(s), s) with s = x + residual rounded once to dtype, after the op's own argument checks."""
     x, xa = _float64(x, "x")
     residual, ra = _float64(residual, "residual")
     weight, wa = _optional_float64(weight, "weight")
     check(xa, ra, wa, eps=eps, offset=offset, impl="auto", dtypes=_FLOAT64)
-    if dtype not in _ROUNDED:
-        raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
+    _check_rounded(dtype)
     s = round_to(x + residual, dtype)
     return rms_norm(s, weight, eps, offset), s
 
@@ -332,8 +337,7 @@ def fused_add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, dtype="f
     _, wa = _optional_float64(weight, "weight")
     _, ba = _optional_float64(bias, "bias")
     layernorm_checks.check_fused_add(xa, ra, wa, ba, eps=eps, impl="auto", dtypes=_FLOAT64)
-    if dtype not in _ROUNDED:
-        raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
+    _check_rounded(dtype)
     s = round_to(x + residual, dtype)
     return layer_norm(s, weight, bias, eps), s
 
@@ -380,8 +384,7 @@ def rms_norm_fp8(x, weight=None, eps=1e-6, *, scale=None, group_size=None, resid
     bound, ua = _optional_float64(scale_ub, "scale_ub")
     rmsnorm_checks.check_fp8(xa, wa, ra, sa, ua, None, group_size=group_size, eps=eps, offset=offset, impl="auto",
                              dtypes=_FLOAT64, scale_dtype="float64")
-    if dtype not in _ROUNDED:
-        raise TypeError(f"dtype: expected one of {_ROUNDED}, got {dtype!r}")
+    _check_rounded(dtype)
     source = round_to(x + residual, dtype) if residual is not None else x
     v = rms_norm(source, weight, eps, offset)
     if scale is not None:

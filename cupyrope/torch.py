@@ -711,17 +711,11 @@ def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bia
     return dx, (dw if dw is not None else dx.new_empty(0)), (db if db is not None else dx.new_empty(0))
 
 
-def _param_grad_like(param):
-    if param is None:
-        return torch.empty(0)
-    return torch.empty(param.shape, dtype=param.dtype, device=param.device)
-
-
 @_layer_norm_backward_op.register_fake
 def _(dy, x, weight, bias, mean, rstd, eps):
-    empty = x.new_empty(0)
-    return (_new_rows_like(x), empty if weight is None else _param_grad_like(weight),
-            empty if bias is None else _param_grad_like(bias))
+    grads = [x.new_empty(0) if param is None else torch.empty(param.shape, dtype=param.dtype, device=param.device)
+             for param in (weight, bias)]
+    return _new_rows_like(x), *grads
 
 
 def _layer_norm_grads(ctx, grad_y, backward):

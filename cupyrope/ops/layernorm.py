@@ -32,6 +32,12 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, out=None, return_stats=Fa
     Accumulates in fp32 and returns x's dtype. Returns y, or (y, mean, rstd) with return_stats (fp32, shape (...)).
     out: where to write y (x's shape and dtype; out=x normalizes in place).
     """
+    out, mean, rstd, _ = _forward(x, weight, bias, eps, out, return_stats, impl)
+    return (out, mean, rstd) if return_stats else out
+
+
+def _forward(x, weight, bias, eps, out, return_stats, impl):
+    """layer_norm's call: (y, mean, rstd, their pointers (0, 0) where not return_stats)."""
     mode = output_mode(out, x)
     plan, (x_ptr, w_ptr, b_ptr, o_ptr) = _forward_plans.find(
         (x, weight, bias, out if mode == OUT else None), (mode, weight is None, bias is None, eps, return_stats, impl))
@@ -40,7 +46,7 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, out=None, return_stats=Fa
     rstd, rstd_ptr = plan.new_stat(x) if return_stats else (None, 0)
     if plan.grid:
         plan.launch(x_ptr, o_ptr, 0, w_ptr, b_ptr, mean_ptr, rstd_ptr)
-    return (out, mean, rstd) if return_stats else out
+    return out, mean, rstd, (mean_ptr, rstd_ptr)
 
 
 def fused_add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, impl="auto"):
@@ -65,8 +71,8 @@ def layer_norm_backward(dy, x, weight=None, bias=None, mean=None, rstd=None, eps
     plan, (d_ptr, x_ptr, w_ptr, b_ptr, m_ptr, r_ptr) = _backward_plans.find(
         (dy, x, weight, bias, mean, rstd), (weight is None, bias is None, mean is None, rstd is None, eps, impl))
     if mean is None and plan.grid:  # the forward's own statistics: the same bits as layer_norm's
-        _, mean, rstd = layer_norm(x, weight, bias, eps, return_stats=True, impl=impl)
-        m_ptr, r_ptr = plan.stat_ptr(mean), plan.stat_ptr(rstd)
+        # (held until the launches: freed, their memory could be handed to dx or the partial sums the kernel writes)
+        _, mean, rstd, (m_ptr, r_ptr) = _forward(x, weight, bias, eps, None, True, impl)
     dx, dx_ptr = plan.new_dx(x)
     dweight, dweight_ptr = plan.new_param(weight) if weight is not None else (None, 0)
     dbias, dbias_ptr = plan.new_param(bias) if bias is not None else (None, 0)
@@ -75,7 +81,7 @@ def layer_norm_backward(dy, x, weight=None, bias=None, mean=None, rstd=None, eps
             if grad is not None and len(grad):
                 grad[...] = 0
         return dx, dweight, dbias
-    partial, partial_ptr = plan.new_partial(x) if plan.sums else (None, 0)
+    partial, partial_ptr = plan.new_partial(x) if plan.sums_bytes else (None, 0)
     plan.launch(d_ptr, x_ptr, w_ptr, m_ptr, r_ptr, dx_ptr, partial_ptr)
     if dweight is not None:
         plan.dw_launch(partial_ptr, dweight_ptr)
@@ -133,11 +139,11 @@ def _plan_backward_call(da, xa, wa, ba, ma, ra, _no_weight, _no_bias, _no_mean, 
         plan.shared_mem = stage_bytes(plan)
         kernel = kernel_for(plan, xa.device)
         slots = cap_backward_grid(plan, blocks_per_wave(kernel, plan, xa.device))
-        plan.sums = wa is not None or ba is not None
         tail = BWD_TAIL.pack(n_rows, hidden, *layout.strides_of(0, 1, 2), slots, 1 / hidden)
         plan.launch = Launch(kernel, plan.grid, plan.block, 7, tail, xa.device, xa.kind, plan.shared_mem)
-        if plan.sums:
-            plan.sums_bytes = slots * hidden * 4  # dweight's partial rows, then dbias's
+        # dweight's partial rows, then dbias's (none where neither is asked for)
+        plan.sums_bytes = slots * hidden * 4 if wa is not None or ba is not None else 0
+        if plan.sums_bytes:
             dw_kernel = get_kernel(DW_SOURCE, dweight_kernel_name(weight_dtype(wa, ba)), xa.device)
             plan.dw_launch = Launch(dw_kernel, -(-hidden // 32), (32, DW_SPLIT), 2, DW_TAIL.pack(slots, hidden),
                                     xa.device, xa.kind)
@@ -147,15 +153,7 @@ def _plan_backward_call(da, xa, wa, ba, ma, ra, _no_weight, _no_bias, _no_mean, 
     plan.new_dx = allocator(xa, xa.shape, xa.dtype)
     param = wa if wa is not None else ba
     plan.new_param = allocator(param, (hidden,), param.dtype) if param is not None else None
-    plan.stat_ptr = _pointer_of(xa.kind)
     return plan
-
-
-def _pointer_of(kind: str):
-    """The device pointer of an array of this kind (the statistics the backward computed itself)."""
-    if kind == "torch":
-        return lambda t: t.data_ptr()
-    return lambda a: a.data.ptr
 
 
 _forward_plans = OpPlans(("x", "weight", "bias", "out"), _plan_forward_call, optional=("weight", "bias", "out"))
