@@ -98,8 +98,9 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, eps=1e-6, offset=0.0, *, re
     plan, (d_ptr, x_ptr, w_ptr, r_ptr, g_ptr) = _backward_plans.find(
         (dy, x, weight, rstd, residual_grad), (weight is None, rstd is None, residual_grad is None, eps, offset, impl))
     if rstd is None:  # the forward's own sum of squares: the same rstd bits as rms_norm's
-        # (held until the launches: freed, its memory could be handed to the partial sums the kernel writes)
-        _, rstd, r_ptr = _forward(x, weight, eps, offset, None, True, impl)
+        # rstd held until the launches (freed, its memory could be handed to the partial sums the kernel writes); the
+        # forward's y freed at once (an x-sized block the call has no use for)
+        rstd, r_ptr = _forward(x, weight, eps, offset, None, True, impl)[1:]
     dx, dx_ptr = plan.new_dx(x)
     dweight, dweight_ptr = plan.new_dweight(weight) if weight is not None else (None, 0)
     if not plan.grid:
