@@ -55,8 +55,9 @@ struct Held<T, E, true> {
 };
 
 // The sum of a row's pairs of values (the backward's two dot sums) over its `width` threads (row_sum's layout: a
-// power of two up to 32, else whole warps), to every one of them, in a fixed order: one round of barriers for both.
-// Every thread of the block calls it; scratch holds a pair a warp.
+// power of two up to 32, else whole warps), to every one of them, in a fixed order: one barrier for both. Every
+// thread of the block calls it; scratch holds a pair a warp, and is not the previous call's (whose partials may still
+// be being read): callers alternate two arrays, the barrier of each call ordering the reads of the one before.
 __device__ __forceinline__ float2 shuffle_sum(float2 v, int offset) {
     return make_float2(v.x + __shfl_xor_sync(0xffffffffu, v.x, offset),
                        v.y + __shfl_xor_sync(0xffffffffu, v.y, offset));
@@ -68,7 +69,6 @@ __device__ __forceinline__ float2 row_sum_pair(float2 v, int width, float2* scra
     if (width <= 32) return v;
     const int warps = width / 32;
     float2* const partials = scratch + threadIdx.y * warps;
-    __syncthreads();  // the previous row's partials have been read
     if (lane == 0) partials[threadIdx.x / 32] = v;
     __syncthreads();
     const int group = 1 << (32 - __clz(warps - 1));  // warps rounded up to a power of two; the rest add 0
@@ -77,17 +77,24 @@ __device__ __forceinline__ float2 row_sum_pair(float2 v, int width, float2* scra
     return v;
 }
 
+// A chunk of the bias, zeros without one (load_weight_chunk gives ones without a weight): the output's scale and
+// shift are then one fma whatever is given.
+template <typename W, bool VEC, bool SHIFT, int E, typename I>
+__device__ __forceinline__ Pack<W, E> load_bias_chunk(const void* bias, I col, I hidden) {
+    if (bias) return load_weight_chunk<W, VEC, SHIFT, E>(bias, col, hidden);
+    Pack<W, E> zero;
+#pragma unroll
+    for (int e = 0; e < E; ++e) zero.v[e] = from_float<W>(0.f);
+    return zero;
+}
+
 template <typename T, typename W, int E>
-__device__ __forceinline__ Pack<T, E> ln_output(const LayerNormParams& p, const Held<T, E>& v, float mean, float rstd,
-                                                const Pack<W, E>& w, const Pack<W, E>& b) {
+__device__ __forceinline__ Pack<T, E> ln_output(const Held<T, E>& v, float mean, float rstd, const Pack<W, E>& w,
+                                                const Pack<W, E>& b) {
     Pack<T, E> y;
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-        float value = (v.at(e) - mean) * rstd;
-        if (p.weight) value *= to_float(w.v[e]);
-        if (p.bias) value += to_float(b.v[e]);
-        y.v[e] = from_float<T>(value);
-    }
+    for (int e = 0; e < E; ++e)
+        y.v[e] = from_float<T>(fmaf((v.at(e) - mean) * rstd, to_float(w.v[e]), to_float(b.v[e])));
     return y;
 }
 
@@ -110,7 +117,9 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT, ADD, SHIFT>::threads, Lay
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     wait_for_previous_grid();
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
-    __shared__ float scratch[32];  // row_sum's warp partials
+    // row_sum's warp partials, one array for each of the row's two sums: one barrier each (the block has one row a
+    // thread row, so neither array is written twice).
+    __shared__ float sum_scratch[32], squares_scratch[32];
     const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     const bool active = row < p.rows;
     const int lane = threadIdx.x, width = blockDim.x, step = width * E;
@@ -145,7 +154,7 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT, ADD, SHIFT>::threads, Lay
                 for (int e = 0; e < E; ++e) sum += v[i].at(e);
             }
         }
-        mean = row_sum(sum, width, scratch, true) * p.inv_hidden;
+        mean = row_sum(sum, width, sum_scratch, true) * p.inv_hidden;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = first + i * step;
@@ -157,15 +166,15 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT, ADD, SHIFT>::threads, Lay
                 }
             }
         }
-        rstd = rsqrtf(row_sum(squares, width, scratch) * p.inv_hidden + p.eps);
+        rstd = rsqrtf(row_sum(squares, width, squares_scratch, true) * p.inv_hidden + p.eps);
         if (!active) return;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = first + i * step;
             if (col < hidden) {
                 const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
-                const Pack<W, E> b = load_weight_chunk<W, VEC, SHIFT, E>(p.bias, col, hidden);
-                store_chunk<VEC, SHIFT, E>(y_row, col, hidden, ln_output<T, W, E>(p, v[i], mean, rstd, w, b));
+                const Pack<W, E> b = load_bias_chunk<W, VEC, SHIFT, E>(p.bias, col, hidden);
+                store_chunk<VEC, SHIFT, E>(y_row, col, hidden, ln_output<T, W, E>(v[i], mean, rstd, w, b));
             }
         }
     } else {
@@ -184,7 +193,7 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT, ADD, SHIFT>::threads, Lay
 #pragma unroll
             for (int e = 0; e < E; ++e) sum += to_float(v.v[e]);
         }
-        mean = row_sum(sum, width, scratch, true) * p.inv_hidden;
+        mean = row_sum(sum, width, sum_scratch, true) * p.inv_hidden;
         const T* const src = ADD ? res_row : x_row;
         for (i64 col = first; active && col < p.hidden; col += step) {
             const Pack<T, E> v = load_chunk<VEC, SHIFT, E>(src, col, p.hidden);
@@ -194,14 +203,14 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT, ADD, SHIFT>::threads, Lay
                 if (counts<SHIFT, E>(col, e, p.hidden)) squares = fmaf(d, d, squares);
             }
         }
-        rstd = rsqrtf(row_sum(squares, width, scratch) * p.inv_hidden + p.eps);
+        rstd = rsqrtf(row_sum(squares, width, squares_scratch, true) * p.inv_hidden + p.eps);
         if (!active) return;
         for (i64 col = first; col < p.hidden; col += step) {
             Held<T, E> v;
             v.hold(load_chunk<VEC, SHIFT, E>(src, col, p.hidden));
             const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, p.hidden);
-            const Pack<W, E> b = load_weight_chunk<W, VEC, SHIFT, E>(p.bias, col, p.hidden);
-            store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, ln_output<T, W, E>(p, v, mean, rstd, w, b));
+            const Pack<W, E> b = load_bias_chunk<W, VEC, SHIFT, E>(p.bias, col, p.hidden);
+            store_chunk<VEC, SHIFT, E>(y_row, col, p.hidden, ln_output<T, W, E>(v, mean, rstd, w, b));
         }
     }
     if (p.rstd && lane == 0) {
@@ -214,7 +223,8 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT, ADD, SHIFT>::threads, Lay
 // xhat = (x - mean) * rstd, g = dy * w; dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); dweight = sum over rows of
 // dy * xhat, dbias = sum over rows of dy. Rows slot s (blockIdx.x * blockDim.y + threadIdx.y) walks rows s, s + the
 // grid's slots, ... and owns partial row s of each sum: held in registers (NPT > 0: a thread owns the same columns in
-// every row) and stored at the end, or (NPT == 0) added to in place, each column by the one thread that owns it.
+// every row) and stored at the end, or (NPT == 0) added to in place, each column by the one thread that owns it (in
+// shared memory where they fit, then stored: fp32 [8192, 16384] 33% -> 59% of copy bandwidth on an H200).
 // rms_norm_dw then adds the partial rows in a fixed order: bitwise deterministic. Rows move in 16-byte chunks or
 // element by element (no SHIFT: a slot's rows would not share one shift).
 
@@ -230,39 +240,40 @@ struct LayerNormBwdParams {  // mirrored by layernorm.py's BWD_TAIL (after the p
     i64 dy_stride, x_stride, dx_stride;
     i64 slots;  // gridDim.x * blockDim.y
     float inv_hidden;
+    int shared_sums;  // NPT == 0: the slots' partial rows in dynamic shared memory while the rows are walked
 };
 
-template <int NPT>
-struct LayerNormBwdBounds {  // dy, x and two sums a chunk: 2 slots of fp16/bf16 take 117-125 registers
+// Two blocks an SM (64 registers) where a thread holds at most 8 elements in 16-byte chunks or one element (each
+// holds dy, x and two sums); 16 in 16-byte chunks take 110-128 registers, 8 one by one spilled 8-16 bytes at 64.
+template <bool VEC, int NPT, int E>
+struct LayerNormBwdBounds {
     static constexpr int threads = 512;
-    static constexpr int min_blocks = NPT >= 2 ? 1 : 2;
+    static constexpr int min_blocks = (VEC ? NPT * E <= 8 : NPT <= 1) ? 2 : 1;
 };
 
 // The row's dot sums of one chunk: g and g * xhat.
 template <typename T, typename W, int E>
-__device__ __forceinline__ void add_row_sums(const LayerNormBwdParams& p, const Pack<T, E>& d, const Pack<T, E>& xx,
-                                             const Pack<W, E>& w, float mean, float rstd, float& g_sum,
-                                             float& gx_sum) {
+__device__ __forceinline__ void add_row_sums(const Pack<T, E>& d, const Pack<T, E>& xx, const Pack<W, E>& w,
+                                             float mean, float rstd, float& g_sum, float& gx_sum) {
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-        const float g = p.weight ? to_float(d.v[e]) * to_float(w.v[e]) : to_float(d.v[e]);
+        const float g = to_float(d.v[e]) * to_float(w.v[e]);  // w: ones without a weight (load_weight)
         g_sum += g;
         gx_sum = fmaf(g, (to_float(xx.v[e]) - mean) * rstd, gx_sum);
     }
 }
 
-// dx for one chunk (returned); adds dy * xhat and dy to the dweight and dbias sums.
+// dx for one chunk (returned): rstd * g + xhat_coef * xhat + shift, i.e. rstd * (g - mean(g) - xhat * mean(g * xhat))
+// with the row's coefficients folded (two fmas); adds dy * xhat and dy to the dweight and dbias sums.
 template <typename T, typename W, int E>
-__device__ __forceinline__ Pack<T, E> ln_bwd_chunk(const LayerNormBwdParams& p, const Pack<T, E>& d,
-                                                   const Pack<T, E>& xx, const Pack<W, E>& w, float mean, float rstd,
-                                                   float g_mean, float gx_mean, Pack<float, E>& dw,
-                                                   Pack<float, E>& db) {
+__device__ __forceinline__ Pack<T, E> ln_bwd_chunk(const Pack<T, E>& d, const Pack<T, E>& xx, const Pack<W, E>& w,
+                                                   float mean, float rstd, float xhat_coef, float shift,
+                                                   Pack<float, E>& dw, Pack<float, E>& db) {
     Pack<T, E> out;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         const float dyv = to_float(d.v[e]), xhat = (to_float(xx.v[e]) - mean) * rstd;
-        const float g = p.weight ? dyv * to_float(w.v[e]) : dyv;
-        out.v[e] = from_float<T>(rstd * (g - g_mean - xhat * gx_mean));
+        out.v[e] = from_float<T>(fmaf(rstd, dyv * to_float(w.v[e]), fmaf(xhat, xhat_coef, shift)));
         dw.v[e] = fmaf(dyv, xhat, dw.v[e]);
         db.v[e] += dyv;
     }
@@ -315,17 +326,26 @@ __device__ __forceinline__ void stage_ln_bwd_row(const LayerNormBwdParams& p, i6
     copy_async_commit();
 }
 
-template <typename T, typename W, bool VEC, int NPT>
-__global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwdBounds<NPT>::min_blocks)
+template <typename T, typename W, bool VEC, int NPT, bool STAGED>
+__global__ void __launch_bounds__(LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T)>::threads,
+                                 LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T)>::min_blocks)
     layer_norm_bwd(const LayerNormBwdParams p) {
+    static_assert(!STAGED || (VEC && NPT > 0), "STAGED: 16-byte rows in registers");
     wait_for_previous_grid();
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
-    __shared__ float2 scratch[32];  // row_sum_pair's warp partials
+    // row_sum_pair's warp partials, a pair of arrays used by turns (rows alternate): one barrier a row.
+    __shared__ float2 scratch[2][32];
+    extern __shared__ __align__(16) uint4 stage[];
     const int lane = threadIdx.x, width = blockDim.x, step = width * E;
     const i64 slot = (i64)blockIdx.x * blockDim.y + threadIdx.y;
-    float* const dw_row = p.partial ? p.partial + slot * p.hidden : nullptr;
-    float* const db_row = p.partial ? p.partial + (p.slots + slot) * p.hidden : nullptr;
+    float* const dw_out = p.partial ? p.partial + slot * p.hidden : nullptr;
+    float* const db_out = p.partial ? p.partial + (p.slots + slot) * p.hidden : nullptr;
+    // NPT == 0: the slot's partial rows are added to in shared memory where the planner gave room (shared_sums),
+    // and copied out at the end; else in place in p.partial (mostly L2 traffic).
+    const bool shared_sums = NPT == 0 && p.shared_sums && dw_out;
+    float* const dw_row = shared_sums ? reinterpret_cast<float*>(stage) + 2 * threadIdx.y * p.hidden : dw_out;
+    float* const db_row = shared_sums ? dw_row + p.hidden : db_out;
     Pack<float, E> dw[SLOTS], db[SLOTS];
 #pragma unroll
     for (int i = 0; i < SLOTS; ++i) dw[i] = db[i] = zeros<E>();
@@ -336,17 +356,14 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwd
         }
     }
     const int hidden = (int)p.hidden;  // register rows: int columns (see first_column)
-    // NPT > 0: registers hold the row's dy and x. 16-byte rows of 2+ slots (STAGED) copy the next row's into shared
-    // memory while this one is reduced and written (dynamic shared memory: two stages of 2 * NPT chunks a thread,
-    // which the planner gives); rows of one slot (PREFETCH), but for fp16/bf16 16-byte ones, load the next row into
-    // registers. Either way the next row's mean and rstd are loaded a row ahead. Measured against loading each row
-    // when it comes: staged bf16 [16384, 8192] 45% -> 67% of copy bandwidth; staged rows of one slot were 0-11%
-    // slower (fp16 [65536, 768]), and prefetched 16-byte fp16/bf16 ones spilled 24-40 bytes, up to 19% slower.
-    constexpr bool STAGED = VEC && NPT >= 2, PREFETCH = NPT == 1 && !(VEC && sizeof(T) == 2);
-    extern __shared__ __align__(16) uint4 stage[];
+    // NPT > 0: registers hold the row's dy and x. STAGED: the next row's are copied into shared memory (two stages
+    // of 2 * NPT chunks a thread, which the planner gives) while this one is reduced and written; unstaged rows of
+    // one slot (PREFETCH), but for fp16/bf16 16-byte ones, load the next row into registers (those spilled 24-40
+    // bytes, up to 19% slower). Either way the next row's mean and rstd are loaded a row ahead.
+    constexpr bool PREFETCH = !STAGED && NPT == 1 && !(VEC && sizeof(T) == 2);
     const int threads = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
     const int stage_size = 2 * SLOTS * threads;
-    int current = 0;  // the stage holding this row
+    int current = 0;  // the stage holding this row, and the scratch array of its sums
     Pack<T, E> dyv[SLOTS], xv[SLOTS];
     float mean = 0.f, rstd = 0.f;
     if constexpr (STAGED || PREFETCH) load_ln_stats(p, slot, mean, rstd);
@@ -383,36 +400,36 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwd
             for (int i = 0; i < NPT; ++i) {
                 const int col = lane * E + i * step;
                 if (active && col < hidden)
-                    add_row_sums<T, W, E>(p, dyv[i], xv[i], load_weight<W, VEC, E>(p.weight, col), mean, rstd, g_sum,
+                    add_row_sums<T, W, E>(dyv[i], xv[i], load_weight<W, VEC, E>(p.weight, col), mean, rstd, g_sum,
                                           gx_sum);
             }
         } else {
             load_ln_stats(p, row, mean, rstd);
             for (i64 col = (i64)lane * E; active && col < p.hidden; col += step)
-                add_row_sums<T, W, E>(p, load_pack<VEC, E>(dy_row + col), load_pack<VEC, E>(x_row + col),
+                add_row_sums<T, W, E>(load_pack<VEC, E>(dy_row + col), load_pack<VEC, E>(x_row + col),
                                       load_weight<W, VEC, E>(p.weight, col), mean, rstd, g_sum, gx_sum);
         }
         Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
         if constexpr (PREFETCH) load_ln_bwd_row<T, VEC, SLOTS, E>(p, row + p.slots, lane, step, next_dy, next_x);
-        const float2 sums = row_sum_pair(make_float2(g_sum, gx_sum), width, scratch);
-        const float g_mean = sums.x * p.inv_hidden, gx_mean = sums.y * p.inv_hidden;
+        const float2 sums = row_sum_pair(make_float2(g_sum, gx_sum), width, scratch[current]);
+        const float xhat_coef = -rstd * (sums.y * p.inv_hidden), shift = -rstd * (sums.x * p.inv_hidden);
         if (active && NPT > 0) {
 #pragma unroll
             for (int i = 0; i < SLOTS; ++i) {
                 const int col = lane * E + i * step;
                 if (col < hidden)
-                    store_pack<VEC, E>(dx_row + col, ln_bwd_chunk<T, W, E>(p, dyv[i], xv[i],
+                    store_pack<VEC, E>(dx_row + col, ln_bwd_chunk<T, W, E>(dyv[i], xv[i],
                                                                            load_weight<W, VEC, E>(p.weight, col), mean,
-                                                                           rstd, g_mean, gx_mean, dw[i], db[i]));
+                                                                           rstd, xhat_coef, shift, dw[i], db[i]));
             }
         } else if (active) {
             for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
                 Pack<float, E> w_sums = dw_row ? load_pack<VEC, E>(dw_row + col) : zeros<E>();
                 Pack<float, E> b_sums = dw_row ? load_pack<VEC, E>(db_row + col) : zeros<E>();
-                store_pack<VEC, E>(dx_row + col, ln_bwd_chunk<T, W, E>(p, load_pack<VEC, E>(dy_row + col),
+                store_pack<VEC, E>(dx_row + col, ln_bwd_chunk<T, W, E>(load_pack<VEC, E>(dy_row + col),
                                                                        load_pack<VEC, E>(x_row + col),
                                                                        load_weight<W, VEC, E>(p.weight, col), mean,
-                                                                       rstd, g_mean, gx_mean, w_sums, b_sums));
+                                                                       rstd, xhat_coef, shift, w_sums, b_sums));
                 if (dw_row) {
                     store_pack<VEC, E>(dw_row + col, w_sums);
                     store_pack<VEC, E>(db_row + col, b_sums);
@@ -430,7 +447,13 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<NPT>::threads, LayerNormBwd
         current ^= 1;
     }
     if constexpr (STAGED) copy_async_wait<0>();  // no copy outlives the block
-    if constexpr (NPT > 0) {
+    if constexpr (NPT == 0) {
+        if (!shared_sums) return;
+        for (i64 col = (i64)lane * E; col < p.hidden; col += step) {  // this thread's own columns: no barrier
+            store_pack<VEC, E>(dw_out + col, load_pack<VEC, E>(dw_row + col));
+            store_pack<VEC, E>(db_out + col, load_pack<VEC, E>(db_row + col));
+        }
+    } else {
         if (!dw_row) return;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {

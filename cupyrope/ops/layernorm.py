@@ -13,14 +13,14 @@ from .._runtime.compile import get_kernel
 from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import layernorm_checks
-from .layernorm_plan import DW_SOURCE, cap_backward_grid, plan_backward, plan_forward, stage_bytes, weight_dtype
+from .layernorm_plan import DW_SOURCE, cap_backward_grid, plan_backward, plan_forward, weight_dtype
 from .rmsnorm_checks import row_layout, rows
 from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name
 from .rmsnorm_rows import blocks_per_wave, kernel_for
 
 # Mirror LayerNormParams and LayerNormBwdParams in kernels_src/layernorm.cu: pointers, then these.
 FWD_TAIL = struct.Struct("<5q2f")  # rows, hidden, three row strides, eps, 1 / hidden
-BWD_TAIL = struct.Struct("<6qf4x")  # rows, hidden, three row strides, row slots, 1 / hidden
+BWD_TAIL = struct.Struct("<6qfi")  # rows, hidden, three row strides, row slots, 1 / hidden, shared partial rows
 DW_TAIL = struct.Struct("<2q")  # rms_norm_dw's: partial rows, hidden
 
 
@@ -72,7 +72,7 @@ def layer_norm_backward(dy, x, weight=None, bias=None, mean=None, rstd=None, eps
         (dy, x, weight, bias, mean, rstd), (weight is None, bias is None, mean is None, rstd is None, eps, impl))
     if mean is None and plan.grid:  # the forward's own statistics: the same bits as layer_norm's
         # (held until the launches: freed, their memory could be handed to dx or the partial sums the kernel writes)
-        _, mean, rstd, (m_ptr, r_ptr) = _forward(x, weight, bias, eps, None, True, impl)
+        mean, rstd, (m_ptr, r_ptr) = _forward(x, weight, bias, eps, None, True, impl)[1:]  # y freed at once
     dx, dx_ptr = plan.new_dx(x)
     dweight, dweight_ptr = plan.new_param(weight) if weight is not None else (None, 0)
     dbias, dbias_ptr = plan.new_param(bias) if bias is not None else (None, 0)
@@ -136,10 +136,9 @@ def _plan_backward_call(da, xa, wa, ba, ma, ra, _no_weight, _no_bias, _no_mean, 
         dxa = contiguous_like(xa, xa.shape, xa.dtype)
         layout = row_layout([da, xa, dxa], ["dy", "x", "dx"], runs=False)
         plan = plan_backward(da, xa, dxa, wa, ba, layout.plan_strides(), n_rows, hidden, impl)
-        plan.shared_mem = stage_bytes(plan)
         kernel = kernel_for(plan, xa.device)
         slots = cap_backward_grid(plan, blocks_per_wave(kernel, plan, xa.device))
-        tail = BWD_TAIL.pack(n_rows, hidden, *layout.strides_of(0, 1, 2), slots, 1 / hidden)
+        tail = BWD_TAIL.pack(n_rows, hidden, *layout.strides_of(0, 1, 2), slots, 1 / hidden, int(plan.shared_acc))
         plan.launch = Launch(kernel, plan.grid, plan.block, 7, tail, xa.device, xa.kind, plan.shared_mem)
         # dweight's partial rows, then dbias's (none where neither is asked for)
         plan.sums_bytes = slots * hidden * 4 if wa is not None or ba is not None else 0

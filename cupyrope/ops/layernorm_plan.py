@@ -5,14 +5,16 @@ shifted odd rows), so a row's reductions follow from its size, dtype, alignment 
 - layer_norm_fwd holds a row in registers where its block's threads can (one read of x, one write of y), else makes
   three passes over it (sum, squared deviations, output), the later two mostly from the L2.
 - layer_norm_bwd runs a grid of resident blocks whose rows slots walk the rows, each slot keeping its sums of
-  dweight and dbias (registers, or its own partial rows for rows too long for them), 16-byte rows of 2+ slots
-  copying the next row ahead into shared memory (stage_bytes); rms_norm_dw (rmsnorm_bwd.cu) then adds the slots' partial rows in a
-  fixed order: dweight and dbias are bitwise the same in every run.
+  dweight and dbias (registers, or for rows too long for them its own partial rows, in shared memory where they
+  fit), 16-byte rows of 2 fp16/bf16 slots or 4 fp32 ones copying the next row ahead into shared memory
+  (BWD_STAGED); rms_norm_dw (rmsnorm_bwd.cu) then adds the slots' partial rows in a fixed order: dweight and dbias
+  are bitwise the same in every run.
 """
 
 from .._runtime.arrays import CTYPE, ITEMSIZE
-from .rmsnorm_plan_forward import FWD_BLOCK_THREADS, FWD_ELEMS_PER_THREAD
-from .rmsnorm_rows import MAX_WIDTH, flag, plan_rows, row_variant_params
+from .rmsnorm_plan_forward import FWD_BLOCK_THREADS
+from .rmsnorm_rows import (MAX_WIDTH, SHARED_OPTIN_LIMIT, STATIC_SHARED_BYTES, flag, plan_rows, row_variant_params,
+                           with_flag)
 
 SOURCE = "layernorm.cu"
 DW_SOURCE = "rmsnorm_bwd.cu"  # rms_norm_dw adds the partial rows of dweight and of dbias
@@ -25,11 +27,25 @@ FWD_MAX_SLOTS = {(True, 4): 4, (True, 2): 4, (False, 4): 8, (False, 2): 8}
 FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (False, 2): 4}
 FWD_ADD_SHIFTED_MAX_SLOTS = {**FWD_ADD_MAX_SLOTS, (True, 2): 2}
 FWD_MAX_WIDTH = 1024  # layer_norm_fwd's launch bound for rows of 4+ slots (LayerNormBounds)
-# The backward holds dy, x and two sums a slot: 2 slots of 16 bytes take ~90 registers (LayerNormBwdBounds gives
-# 128 to 2 slots and more); fp32 rows reach 4 slots. Element by element: 8 slots.
+# Elements a thread: as many as the slots hold (4 chunks of fp16/bf16). Two reductions a row make the forward's
+# blocks spend longer on each row than RMSNorm's, so fewer threads a row, with more of them resident, keep more bytes
+# in flight. Against 16 (RMSNorm's), on an H200: bf16 [32768, 4096] 80% -> 97% of copy bandwidth, [16384, 8192] 73%
+# -> 91%, [65536, 1152] 69% -> 77%, fp16 [65536, 768] 71% -> 91%; 8 was slower everywhere (63% at [32768, 4096]).
+FWD_ELEMS_PER_THREAD = 32
+# The backward holds dy, x and two sums a slot: 16 elements a thread take 110-128 registers (LayerNormBwdBounds);
+# fp32 rows reach 4 slots. Element by element: 8 slots.
 BWD_MAX_SLOTS = {(True, 4): 4, (True, 2): 2, (False, 4): 8, (False, 2): 8}
-BWD_ELEMS_PER_THREAD = 8
+# Elements a thread by element size: two 16-byte chunks. Against one chunk of fp16/bf16 (8), on an H200: bf16
+# [32768, 4096] 57% -> 74% of copy bandwidth, [65536, 1152] 54% -> 56%, fp16 [65536, 768] 61% -> 66%; the few-row
+# calls of the seed grid 1-1.5 us slower ([2048, 1024], [2048, 2048]). fp32 in 4 chunks (16) was slower: [16384, 4096]
+# 93% -> 81%.
+BWD_ELEMS_PER_THREAD = {2: 16, 4: 8}
 BWD_BLOCK_THREADS = 256
+# 16-byte rows in registers that copy the next row into shared memory while one is reduced (layer_norm_bwd's STAGED),
+# by (element size, slots). Measured against loading each row when it comes, on an H200: bf16 [16384, 8192] 45% ->
+# 73%, [32768, 4096] 52% -> 74%; fp32 rows of 2 slots unstaged hold two blocks an SM, staged 81% against 93%
+# ([16384, 4096]). Deeper rings of 3-4 stages measured no faster (within 2%), rows of one slot staged 0-13% slower.
+BWD_STAGED = {(2, 1): False, (2, 2): True, (4, 1): False, (4, 2): False, (4, 4): True}
 
 
 def weight_dtype(weight, bias) -> str:
@@ -65,17 +81,24 @@ def fwd_max_slots(add: bool, shifted: bool) -> dict:
 
 
 def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto"):
-    """layer_norm_bwd<T, W, VEC, NPT> for rows of `hidden` elements; its grid is as many blocks as rows need, which
-    cap_backward_grid then caps at the blocks the GPU holds at once."""
+    """layer_norm_bwd<T, W, VEC, NPT, STAGED> for rows of `hidden` elements, with its dynamic shared memory
+    (plan.shared_mem: the staged rows, or the partial rows of rows read in passes); its grid is as many blocks as
+    rows need, which cap_backward_grid then caps at the blocks the GPU holds at once."""
     arrays = [dy, x, dx, weight]
-    return plan_rows(SOURCE, "layer_norm_bwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows, hidden,
-                     BWD_MAX_SLOTS, BWD_ELEMS_PER_THREAD, BWD_BLOCK_THREADS, [], impl)
+    plan = plan_rows(SOURCE, "layer_norm_bwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows, hidden,
+                     BWD_MAX_SLOTS, BWD_ELEMS_PER_THREAD[ITEMSIZE[x.dtype]], BWD_BLOCK_THREADS, [], impl)
+    plan.staged = plan.vectorized and plan.slots > 0 and BWD_STAGED[ITEMSIZE[x.dtype], plan.slots]
+    plan.name = with_flag(plan.name, plan.staged)
+    sums = 2 * hidden * 4 * plan.block[1]  # rows read in passes: dweight's and dbias's partial rows
+    plan.shared_acc = not plan.slots and (weight is not None or bias is not None) and \
+        sums <= SHARED_OPTIN_LIMIT - STATIC_SHARED_BYTES
+    plan.shared_mem = stage_bytes(plan) if plan.staged else sums if plan.shared_acc else 0
+    return plan
 
 
 def stage_bytes(plan) -> int:
-    """Dynamic shared memory of a backward plan: 16-byte rows of 2+ slots stage the next row's dy and x (two stages
-    of 2 x slots chunks a thread, layer_norm_bwd's STAGED); others none."""
-    return 2 * 2 * plan.slots * 16 * plan.block[0] * plan.block[1] if plan.vectorized and plan.slots >= 2 else 0
+    """The two stages of a staged backward block: dy's and x's 16-byte chunks, plan.slots of each a thread."""
+    return 2 * 2 * plan.slots * 16 * plan.block[0] * plan.block[1]
 
 
 def cap_backward_grid(plan, resident_blocks: int) -> int:
@@ -95,4 +118,6 @@ def variants():
                     yield SOURCE, (f"cupyrope::layer_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
                                    f"{flag(add)}, {flag(shift)}>")
         if slots <= BWD_MAX_SLOTS[vec, itemsize]:
-            yield SOURCE, f"cupyrope::layer_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}>"
+            staged = vec and slots > 0 and BWD_STAGED[itemsize, slots]
+            yield SOURCE, (f"cupyrope::layer_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
+                           f"{flag(staged)}>")

@@ -45,15 +45,15 @@ def test_fused_add_reference_rounds_the_sum_once(rng):
 
 
 @pytest.mark.parametrize("dtype,hidden,vectorized,shifted,slots,width", [
-    ("bfloat16", 4096, True, False, 2, 256),    # 512 chunks: 16 elements a thread
+    ("bfloat16", 4096, True, False, 4, 128),    # 512 chunks: 32 elements a thread
     ("bfloat16", 16384, True, False, 4, 512),
     ("bfloat16", 32768, True, False, 4, 1024),  # 1024 threads before rows read in passes
     ("bfloat16", 65536, True, False, 0, 512),
     ("float32", 16384, True, False, 4, 1024),   # fp32: 4 chunks a thread at most (8 spilled)
     ("float32", 20000, True, False, 0, 512),
     ("float16", 61, False, False, 8, 8),        # odd and short: element by element
-    ("float16", 1027, True, True, 2, 96),       # odd rows of 512+ bytes: shifted 16-byte chunks
-    ("float16", 2999, True, True, 2, 192),
+    ("float16", 1027, True, True, 4, 64),       # odd rows of 512+ bytes: shifted 16-byte chunks
+    ("float16", 2999, True, True, 4, 96),
 ])
 def test_forward_plans(dtype, hidden, vectorized, shifted, slots, width):
     x = arr((100, hidden), dtype, ptr=0x7F0000000000 + (2 if shifted else 0))
@@ -70,16 +70,28 @@ def test_forward_plans(dtype, hidden, vectorized, shifted, slots, width):
 def test_backward_plan_caps_grid_and_counts_partial_rows():
     x = arr((100000, 1024), "bfloat16")
     plan = plan_backward(x, x, x, arr((1024,), "bfloat16"), None, (1024, 1024, 1024), 100000, 1024)
-    assert plan.vectorized and plan.slots == 1 and plan.block == (128, 2), plan
-    assert plan.name == "cupyrope::layer_norm_bwd<__nv_bfloat16, __nv_bfloat16, true, 1>"
-    assert cap_backward_grid(plan, 132 * 4) == 132 * 4 * 2 and plan.grid == 528
-    assert stage_bytes(plan) == 0  # one slot: the rows come straight to registers
-    wide = plan_backward(arr((100, 8192), "bfloat16"), *[arr((100, 8192), "bfloat16")] * 3, None, (8192,) * 3, 100,
-                         8192)
-    assert wide.slots == 2 and stage_bytes(wide) == 2 * 2 * 2 * 16 * 512  # two stages of dy and x, 2 chunks a thread
+    assert plan.vectorized and plan.slots == 2 and plan.block == (64, 4), plan
+    assert plan.name == "cupyrope::layer_norm_bwd<__nv_bfloat16, __nv_bfloat16, true, 2, true>"
+    assert cap_backward_grid(plan, 132 * 4) == 132 * 4 * 4 and plan.grid == 528
+    # two stages of dy and x, 2 chunks a thread
+    assert plan.staged and plan.shared_mem == stage_bytes(plan) == 2 * 2 * 2 * 16 * 256
+    fp32 = arr((100, 4096), "float32")
+    unstaged = plan_backward(fp32, fp32, fp32, arr((4096,), "float32"), None, (4096,) * 3, 100, 4096)
+    assert unstaged.slots == 2 and not unstaged.staged and unstaged.shared_mem == 0, unstaged  # two blocks an SM
+    assert unstaged.name.endswith(", 2, false>")
     small = plan_backward(x, x, x, None, arr((1024,), "float32"), (1024, 1024, 1024), 3, 1024)
     assert "float>" not in small.name and ", float, " in small.name  # W follows the bias without a weight
-    assert cap_backward_grid(small, 528) == 4 and small.grid == 2  # a slot past the rows leaves a zero row
+    assert cap_backward_grid(small, 528) == 4 and small.grid == 1  # a slot past the rows leaves a zero row
+
+
+@pytest.mark.parametrize("hidden,with_params,shared", [(16384, True, True), (16384, False, False), (65536, True, False)])
+def test_backward_rows_in_passes_sum_in_shared_memory_where_they_fit(hidden, with_params, shared):
+    x = arr((100, hidden), "float32")
+    weight = arr((hidden,), "float32") if with_params else None
+    plan = plan_backward(x, x, x, weight, None, (hidden,) * 3, 100, hidden)
+    assert plan.slots == 0 and plan.block == (512, 1), plan
+    assert plan.shared_acc == shared  # dweight's and dbias's partial rows: 2 x hidden fp32 (no sums without params)
+    assert plan.shared_mem == (2 * hidden * 4 if shared else 0)
 
 
 def test_every_planned_kernel_is_a_variant_within_its_launch_bound():
