@@ -98,11 +98,10 @@ __device__ __forceinline__ Pack<T, E> ln_output(const Held<T, E>& v, float mean,
     return y;
 }
 
-// Launch bounds by register slots: blocks of up to 512 threads (several rows to a block of 128 where rows are short),
-// 1024 for rows of 4+ slots (long rows), as many resident as RMSNorm's forward asks for (FwdBounds): registers
-// traded for bytes in flight (against no minimum, bf16 [32768, 4096] 70% -> 80% of copy bandwidth, [16384, 8192]
-// 64% -> 73%); the fused add and shifted rows one block fewer (they spilled 16-64 bytes at those budgets). Rows read
-// in passes (NPT == 0) take 512 threads.
+// Launch bounds by register slots. Rows of 4+ slots (with the planner's 32 elements a thread, all but the shortest
+// rows) have up to 1024 threads at 64 registers. Rows of 1-2 slots have blocks of up to 512 threads, as many resident
+// as RMSNorm's forward asks for (FwdBounds), the fused add and shifted rows one block fewer (they spilled 16-64 bytes
+// at those budgets). Rows read in passes (NPT == 0) take 512 threads.
 template <int NPT, bool ADD, bool SHIFT>
 struct LayerNormBounds {
     static constexpr int threads = NPT >= 4 ? 1024 : 512;
