@@ -30,7 +30,8 @@ FWD_MAX_WIDTH = 1024  # layer_norm_fwd's launch bound for rows of 4+ slots (Laye
 # Elements a thread: as many as the slots hold (4 chunks of fp16/bf16). Two reductions a row make the forward's
 # blocks spend longer on each row than RMSNorm's, so fewer threads a row, with more of them resident, keep more bytes
 # in flight. Against 16 (RMSNorm's), on an H200: bf16 [32768, 4096] 80% -> 97% of copy bandwidth, [16384, 8192] 73%
-# -> 91%, [65536, 1152] 69% -> 77%, fp16 [65536, 768] 71% -> 91%; 8 was slower everywhere (63% at [32768, 4096]).
+# -> 91%, [65536, 1152] 69% -> 77%, fp16 [65536, 768] 71% -> 91%; 8 was slower at every shape measured (63% at
+# [32768, 4096]).
 FWD_ELEMS_PER_THREAD = 32
 # The backward holds dy, x and two sums a slot: 16 elements a thread take 110-128 registers (LayerNormBwdBounds);
 # fp32 rows reach 4 slots. Element by element: 8 slots.
