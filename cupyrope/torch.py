@@ -576,10 +576,23 @@ class _AddRMSNormFunction(torch.autograd.Function):
         return _add_grads(ctx, grad_y, grad_s, _rms_norm_backward_any)
 
 
-def _check_residual_dtype(x: Tensor, residual_dtype) -> None:
-    if residual_dtype is not None and residual_dtype != x.dtype:
-        raise ValueError(f"residual_dtype: expected None or x's dtype ({x.dtype}), got {residual_dtype}: the residual "
-                         "stream is kept in x's dtype")
+def _fp32_stream(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, offset: float,
+                 residual_dtype) -> bool:
+    """Whether add_rms_norm keeps the residual stream in fp32 (residual_dtype=torch.float32 with fp16/bf16 x), after
+    the checks of that form; False for the fused kernel's (None or x's dtype), which checks its own arguments."""
+    if residual_dtype is None or residual_dtype == x.dtype:
+        return False
+    if residual_dtype != torch.float32:
+        raise ValueError(f"residual_dtype: expected None, x's dtype ({x.dtype}) or torch.float32, got {residual_dtype}")
+    xa, ra = _host(x, "x"), _host(residual, "residual")
+    _norm_checks.check_options(eps, offset, "auto")
+    _checks.check_float_input(xa, "x", "hidden", ("float16", "bfloat16"))
+    if ra.dtype not in (xa.dtype, "float32"):
+        raise TypeError(f"residual: expected dtype {xa.dtype} (like x) or float32 (residual_dtype=torch.float32), got "
+                        f"{ra.dtype}")
+    _checks.check_like(ra, xa, "x", "residual", dtype=ra.dtype)
+    _norm_checks.check_weight(_optional_host(weight, "weight"), xa, "x")
+    return True
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
@@ -588,8 +601,13 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, e
     to x's dtype), y = rms_norm(s, weight, eps, offset). Returns (y, s); s is the residual stream's next value.
     One forward launch (x and residual read once, y and s written) and one backward launch (dx = dresidual, with
     s's own gradient added in the kernel; dweight reduced deterministically). x and residual are left as they are.
-    residual_dtype: None or x's dtype (the residual stream in x's dtype)."""
-    _check_residual_dtype(x, residual_dtype)
+    residual_dtype: None (x's dtype), or torch.float32 with fp16/bf16 x: the residual stream kept in fp32 (residual
+    in x's dtype or fp32; s = x + residual not rounded to x's dtype, returned in fp32; y in x's dtype, rounded from
+    fp32). That form runs as torch's add, cupyrope's fp32 rms_norm and a cast (three launches forward, and their
+    backwards through autograd), not as one fused kernel."""
+    if _fp32_stream(x, residual, weight, eps, offset, residual_dtype):
+        s = x.float() + residual.float()
+        return rms_norm(s, None if weight is None else weight.float(), eps, offset).to(x.dtype), s
     if _compiling():
         return _add_rms_norm_op(x, residual, weight, eps, offset)[:2]
     needs_grad = x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
@@ -1020,9 +1038,11 @@ def qk_norm_rope_(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, posi
 
 class RMSNorm(nn.Module):
     """Drop-in for Hugging Face's LlamaRMSNorm / Qwen2RMSNorm and ``torch.nn.RMSNorm`` (state_dict key
-    ``weight``); offset=1.0 gives Gemma's (1 + weight) scaling (weight then starts at zero)."""
+    ``weight``); offset=1.0 gives Gemma's (1 + weight) scaling (weight then starts at zero). residual_dtype: that of
+    forward(x, residual)'s add_rms_norm (None: x's dtype; torch.float32: the residual stream kept in fp32)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, device=None, dtype=None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, device=None, dtype=None,
+                 residual_dtype=None):
         super().__init__()
         if not _checks.is_int(hidden_size) or hidden_size < 1:
             raise ValueError(f"hidden_size: expected an int >= 1, got {hidden_size!r}")
@@ -1032,15 +1052,17 @@ class RMSNorm(nn.Module):
         self.hidden_size = hidden_size
         self.eps = eps
         self.offset = offset
+        self.residual_dtype = residual_dtype
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None):
         """rms_norm(x); with residual, add_rms_norm(x, residual): (y, x + residual)."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps, self.offset)
-        return add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset)
+        return add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset, residual_dtype=self.residual_dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}, offset={self.offset}"
+        stream = "" if self.residual_dtype is None else f", residual_dtype={self.residual_dtype}"
+        return f"{self.hidden_size}, eps={self.eps}, offset={self.offset}{stream}"
 
 
 class LayerNorm(nn.Module):

@@ -263,10 +263,10 @@ def test_rms_norm_gradients_against_float64_autograd(dtype, needs):
         assert w.grad is None
 
 
-def _add_rms_norm_step(x, r, w, eps=1e-5, offset=0.5):
+def _add_rms_norm_step(x, r, w, eps=1e-5, offset=0.5, residual_dtype=None):
     """(y, s) of add_rms_norm and its float64 autograd twin, both backpropagated from random weights of y and of s
     (the residual stream's next use): returns the cupyrope tensors, their float64 twins, and theirs grads' owners."""
-    y, s = ct.add_rms_norm(x, r, w, eps, offset=offset)
+    y, s = ct.add_rms_norm(x, r, w, eps, offset=offset, residual_dtype=residual_dtype)
     gy, gs = torch.randn_like(y), torch.randn_like(s)
     (y.float() * gy.float() + s.float() * gs.float()).sum().backward()
     x64, r64, w64 = (t.detach().double().requires_grad_(t.requires_grad) for t in (x, r, w))
@@ -298,6 +298,52 @@ def test_add_rms_norm_on_cpu_against_float64_autograd():
     compiled = torch.compile(lambda a, b, c: ct.add_rms_norm(a, b, c), fullgraph=True, backend="aot_eager")
     for a, b in zip(compiled(x, r, w), ct.add_rms_norm(x, r, w)):
         torch.testing.assert_close(a, b)
+
+
+def _check_fp32_stream(x, r, w):
+    """add_rms_norm with residual_dtype=torch.float32 (fp16/bf16 x and weight) against float64 autograd: s in fp32
+    (x + residual not rounded to x's dtype), y within one rounding to x's dtype, the gradients of x and residual
+    the same values (x's rounded once), dweight a fp32 sum rounded once."""
+    r_before = r.detach().clone()
+    (y, s), (y64, s64), (x64, r64, w64) = _add_rms_norm_step(x, r, w, residual_dtype=torch.float32)
+    assert (y.dtype, s.dtype) == (x.dtype, torch.float32)
+    assert torch.equal(s, x.detach().float() + r.detach().float())  # one fp32 add, no rounding to x's dtype
+    unit = 2.0 ** -(8 if x.dtype == torch.bfloat16 else 11)  # half an ulp of x's dtype, relative
+    torch.testing.assert_close(y.double(), y64, rtol=1.01 * unit, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1.01 * unit, atol=1e-4)
+    r_unit = 1e-4 if r.dtype == torch.float32 else unit  # residual's gradient in residual's dtype
+    torch.testing.assert_close(r.grad.double(), r64.grad, rtol=1.01 * r_unit, atol=1e-4)
+    assert r.grad.dtype == r.dtype and torch.equal(x.grad, r.grad.to(x.dtype))
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1.01 * unit, atol=1e-3 * w64.grad.abs().max().item())
+    assert torch.equal(r.detach(), r_before)
+
+
+@pytest.mark.parametrize("residual", ["float32", "bfloat16"])
+def test_add_rms_norm_keeps_an_fp32_residual_stream_on_cpu(residual):
+    x = torch.randn(3, 7, 64, dtype=torch.bfloat16, requires_grad=True)
+    r = (4 * torch.randn(3, 7, 64)).to(TORCH_DTYPES[residual]).requires_grad_()
+    w = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
+    _check_fp32_stream(x, r, w)
+    module = ct.RMSNorm(64, eps=1e-5, offset=0.5, dtype=torch.bfloat16, residual_dtype=torch.float32)
+    with torch.no_grad():
+        module.weight.copy_(w)
+    for a, b in zip(module(x, r), ct.add_rms_norm(x, r, w, 1e-5, offset=0.5, residual_dtype=torch.float32)):
+        assert torch.equal(a, b)
+    compiled = torch.compile(lambda a, b, c: ct.add_rms_norm(a, b, c, residual_dtype=torch.float32), fullgraph=True,
+                             backend="aot_eager")
+    for a, b in zip(compiled(x, r, w), ct.add_rms_norm(x, r, w, residual_dtype=torch.float32)):
+        assert torch.equal(a, b)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("residual", ["float32", "same"])
+def test_add_rms_norm_keeps_an_fp32_residual_stream(dtype, residual):
+    td = TORCH_DTYPES[dtype]
+    x = torch.randn(4, 33, 130, device="cuda", dtype=td, requires_grad=True)
+    r = (4 * torch.randn(4, 33, 130, device="cuda")).to(torch.float32 if residual == "float32" else td)
+    w = torch.randn(130, device="cuda", dtype=td, requires_grad=True)
+    _check_fp32_stream(x, r.requires_grad_(), w)
 
 
 @gpu
