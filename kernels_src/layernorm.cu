@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T)>::
     float* const dw_out = p.partial ? p.partial + slot * p.hidden : nullptr;
     float* const db_out = p.partial ? p.partial + (p.slots + slot) * p.hidden : nullptr;
     // NPT == 0: the slot's partial rows are added to in shared memory where the planner gave room (shared_sums),
-    // and copied out at the end; else in place in p.partial (mostly L2 traffic).
+    // and copied out at the end; else in place in p.partial.
     const bool shared_sums = NPT == 0 && p.shared_sums && dw_out;
     float* const dw_row = shared_sums ? reinterpret_cast<float*>(stage) + 2 * threadIdx.y * p.hidden : dw_out;
     float* const db_row = shared_sums ? dw_row + p.hidden : db_out;
