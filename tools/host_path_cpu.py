@@ -32,6 +32,7 @@ def rows():
     x = torch.randn(1, 4096, dtype=torch.bfloat16)
     w, y, residual = torch.randn(4096, dtype=torch.bfloat16), torch.empty_like(x), torch.randn_like(x)
     dy, grad, rstd = torch.randn_like(x), torch.randn_like(x), torch.rand(1) + 0.5
+    bias, mean = torch.randn_like(w), torch.randn(1)
     cache = torch.randn(4096, 128)
     cos, sin = torch.randn(1, 1, 128, dtype=torch.bfloat16), torch.randn(1, 1, 128, dtype=torch.bfloat16)
     outs = torch.empty_like(q), torch.empty_like(k)
@@ -55,6 +56,9 @@ def rows():
         "add_rms_norm (y, s, rstd)": lambda: cupyrope.add_rms_norm(x, residual, w, return_rstd=True),
         "rms_norm_backward (dx, dweight, rstd given)": lambda: cupyrope.rms_norm_backward(dy, x, w, rstd),
         "rms_norm_backward, residual_grad": lambda: cupyrope.rms_norm_backward(dy, x, w, rstd, residual_grad=grad),
+        "layer_norm, new output": lambda: cupyrope.layer_norm(x, w, bias),
+        "layer_norm_backward (dx, dweight, dbias, stats given)":
+            lambda: cupyrope.layer_norm_backward(dy, x, w, bias, mean, rstd),
         "  piece: launcher, 1 pointer (driver calls no-ops)": lambda: launcher(x.data_ptr()),
         "  piece: fingerprint of a tensor": lambda: fingerprint(q, "q"),
         "  piece: guard check of q, k, positions": lambda: guard.check(q, k, pos),
