@@ -16,7 +16,7 @@ from . import layernorm_checks
 from .layernorm_plan import DW_SOURCE, cap_backward_grid, plan_backward, plan_forward, weight_dtype
 from .rmsnorm_checks import row_layout, rows
 from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name
-from .rmsnorm_rows import blocks_per_wave, kernel_for
+from .rmsnorm_rows import blocks_per_wave, kernel_for, shared_limit
 
 # Mirror LayerNormParams and LayerNormBwdParams in kernels_src/layernorm.cu: pointers, then these.
 FWD_TAIL = struct.Struct("<5q2f")  # rows, hidden, three row strides, eps, 1 / hidden
@@ -135,7 +135,8 @@ def _plan_backward_call(da, xa, wa, ba, ma, ra, _no_weight, _no_bias, _no_mean, 
     if xa.size:
         dxa = contiguous_like(xa, xa.shape, xa.dtype)
         layout = row_layout([da, xa, dxa], ["dy", "x", "dx"], runs=False)
-        plan = plan_backward(da, xa, dxa, wa, ba, layout.plan_strides(), n_rows, hidden, impl)
+        plan = plan_backward(da, xa, dxa, wa, ba, layout.plan_strides(), n_rows, hidden, impl,
+                             shared_limit(xa.device))
         kernel = kernel_for(plan, xa.device)
         slots = cap_backward_grid(plan, blocks_per_wave(kernel, plan, xa.device))
         tail = BWD_TAIL.pack(n_rows, hidden, *layout.strides_of(0, 1, 2), slots, 1 / hidden, int(plan.shared_acc))

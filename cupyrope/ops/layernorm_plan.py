@@ -81,18 +81,21 @@ def fwd_max_slots(add: bool, shifted: bool) -> dict:
     return FWD_ADD_SHIFTED_MAX_SLOTS if shifted else FWD_ADD_MAX_SLOTS
 
 
-def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto"):
+def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto",
+                  shared_limit=SHARED_OPTIN_LIMIT - STATIC_SHARED_BYTES):
     """layer_norm_bwd<T, W, VEC, NPT, STAGED> for rows of `hidden` elements, with its dynamic shared memory
-    (plan.shared_mem: the staged rows, or the partial rows of rows read in passes); its grid is as many blocks as
-    rows need, which cap_backward_grid then caps at the blocks the GPU holds at once."""
+    (plan.shared_mem: the staged rows, or the partial rows of rows read in passes), at most shared_limit bytes (the
+    device's: rmsnorm_rows.shared_limit; rows it cannot stage go unstaged, partial rows it cannot hold stay in global
+    memory); its grid is as many blocks as rows need, which cap_backward_grid then caps at the blocks the GPU holds
+    at once."""
     arrays = [dy, x, dx, weight]
     plan = plan_rows(SOURCE, "layer_norm_bwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows, hidden,
                      BWD_MAX_SLOTS, BWD_ELEMS_PER_THREAD[ITEMSIZE[x.dtype]], BWD_BLOCK_THREADS, [], impl)
-    plan.staged = plan.vectorized and plan.slots > 0 and BWD_STAGED[ITEMSIZE[x.dtype], plan.slots]
+    plan.staged = plan.vectorized and plan.slots > 0 and BWD_STAGED[ITEMSIZE[x.dtype], plan.slots] and \
+        stage_bytes(plan) <= shared_limit
     plan.name = with_flag(plan.name, plan.staged)
     sums = 2 * hidden * 4 * plan.block[1]  # rows read in passes: dweight's and dbias's partial rows
-    plan.shared_acc = not plan.slots and (weight is not None or bias is not None) and \
-        sums <= SHARED_OPTIN_LIMIT - STATIC_SHARED_BYTES
+    plan.shared_acc = not plan.slots and (weight is not None or bias is not None) and sums <= shared_limit
     plan.shared_mem = stage_bytes(plan) if plan.staged else sums if plan.shared_acc else 0
     return plan
 
@@ -119,6 +122,7 @@ def variants():
                     yield SOURCE, (f"cupyrope::layer_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
                                    f"{flag(add)}, {flag(shift)}>")
         if slots <= BWD_MAX_SLOTS[vec, itemsize]:
-            staged = vec and slots > 0 and BWD_STAGED[itemsize, slots]
-            yield SOURCE, (f"cupyrope::layer_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
-                           f"{flag(staged)}>")
+            # rows staged where the device's shared memory holds their stages, else not
+            for staged in (False, True) if vec and slots and BWD_STAGED[itemsize, slots] else (False,):
+                yield SOURCE, (f"cupyrope::layer_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
+                               f"{flag(staged)}>")

@@ -84,14 +84,25 @@ def test_backward_plan_caps_grid_and_counts_partial_rows():
     assert cap_backward_grid(small, 528) == 4 and small.grid == 1  # a slot past the rows leaves a zero row
 
 
-@pytest.mark.parametrize("hidden,with_params,shared", [(16384, True, True), (16384, False, False), (65536, True, False)])
-def test_backward_rows_in_passes_sum_in_shared_memory_where_they_fit(hidden, with_params, shared):
+@pytest.mark.parametrize("hidden,with_params,limit,shared", [
+    (16384, True, 226 * 1024, True), (16384, False, 226 * 1024, False), (65536, True, 226 * 1024, False),
+    (16384, True, 98 * 1024, False),  # a GPU of 99 KiB a block (Ada, consumer Ampere)
+])
+def test_backward_rows_in_passes_sum_in_shared_memory_where_they_fit(hidden, with_params, limit, shared):
     x = arr((100, hidden), "float32")
     weight = arr((hidden,), "float32") if with_params else None
-    plan = plan_backward(x, x, x, weight, None, (hidden,) * 3, 100, hidden)
+    plan = plan_backward(x, x, x, weight, None, (hidden,) * 3, 100, hidden, shared_limit=limit)
     assert plan.slots == 0 and plan.block == (512, 1), plan
     assert plan.shared_acc == shared  # dweight's and dbias's partial rows: 2 x hidden fp32 (no sums without params)
     assert plan.shared_mem == (2 * hidden * 4 if shared else 0)
+
+
+def test_backward_stages_rows_where_shared_memory_holds_them():
+    x = arr((100, 8192), "bfloat16")  # 2 chunks a thread on 512 threads: 64 KiB of stages
+    staged = plan_backward(x, x, x, None, None, (8192,) * 3, 100, 8192, shared_limit=226 * 1024)
+    assert staged.staged and staged.shared_mem == 64 * 1024 and staged.name.endswith(", 2, true>"), staged
+    small = plan_backward(x, x, x, None, None, (8192,) * 3, 100, 8192, shared_limit=63 * 1024)  # Turing: 64 KiB
+    assert not small.staged and small.shared_mem == 0 and small.name.endswith(", 2, false>"), small
 
 
 def test_every_planned_kernel_is_a_variant_within_its_launch_bound():
@@ -107,9 +118,11 @@ def test_every_planned_kernel_is_a_variant_within_its_launch_bound():
                     fwd = plan_forward(x, x, residual, w, w, (hidden,) * 3, 9, hidden)
                     assert fwd.name in names, fwd
                     assert fwd.block[0] * fwd.block[1] <= (1024 if fwd.slots >= 4 else 512), fwd
-                bwd = plan_backward(x, x, arr((9, hidden), dtype), w, w, (hidden,) * 3, 9, hidden)
-                assert bwd.name in names, bwd
-                assert bwd.block[0] * bwd.block[1] <= 512, bwd
+                for limit in (227 * 1024, 48 * 1024):  # an H100's shared memory a block, and the least there is
+                    bwd = plan_backward(x, x, arr((9, hidden), dtype), w, w, (hidden,) * 3, 9, hidden,
+                                        shared_limit=limit - 1024)
+                    assert bwd.name in names, bwd
+                    assert bwd.block[0] * bwd.block[1] <= 512 and bwd.shared_mem <= limit - 1024, bwd
     assert max(FWD_MAX_SLOTS.values()) == 8 and BWD_MAX_SLOTS[True, 2] == 2
 
 

@@ -142,6 +142,23 @@ def assert_param_grad(got, ref, terms, dtype, what):
 @pytest.mark.parametrize("rows", [1, 7, 3000])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward(rng, dtype, rows, hidden):
+    check_backward(rng, dtype, rows, hidden)
+
+
+@pytest.mark.parametrize("dtype,hidden", [("bfloat16", 8192), ("float16", 16384), ("float32", 8192), ("float32", 16384)])
+def test_backward_within_a_small_shared_memory(rng, monkeypatch, dtype, hidden):
+    """As on a GPU of 64 KiB of shared memory a block: rows unstaged, the partial rows of rows read in passes in global
+    memory, and the results test_backward asks for."""
+    from cupyrope.ops import rmsnorm_rows
+
+    monkeypatch.setattr(rmsnorm_rows, "shared_optin", lambda device: 64 * 1024)
+    fresh = fresh_plans(monkeypatch)
+    check_backward(rng, dtype, 300, hidden)
+    plan = planned(fresh, "layer_norm_backward")
+    assert not plan.staged and not plan.shared_acc and plan.shared_mem == 0, plan
+
+
+def check_backward(rng, dtype, rows, hidden):
     rows = min(rows, max(1, 2**23 // hidden))  # the reference sums every row
     weight_dtype = "float32" if (rows + hidden) % 2 else dtype
     which = ["both", "weight", "bias", "none"][(rows + hidden) % 4]
