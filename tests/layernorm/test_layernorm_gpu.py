@@ -137,8 +137,9 @@ def assert_param_grad(got, ref, terms, dtype, what):
     assert np.all(err <= tol), f"{what}: worst {err.max():.3g}"
 
 
-# Rows read in passes: 20000 keeps its partial sums in shared memory, 40000 in global memory.
-@pytest.mark.parametrize("hidden", [1, 61, 64, 1027, 4096, 8192, 20000, 40000])
+# Rows read in passes: 20000 (and 8191, element by element) keep their partial sums in shared memory, 40000 in global
+# memory.
+@pytest.mark.parametrize("hidden", [1, 61, 64, 1027, 4096, 8191, 8192, 20000, 40000])
 @pytest.mark.parametrize("rows", [1, 7, 3000])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward(rng, dtype, rows, hidden):
