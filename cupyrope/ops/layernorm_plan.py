@@ -45,7 +45,7 @@ BWD_BLOCK_THREADS = 256
 # 16-byte rows in registers that copy the next row into shared memory while one is reduced (layer_norm_bwd's STAGED),
 # by (element size, slots). Measured against loading each row when it comes, on an H200: bf16 [16384, 8192] 45% ->
 # 73%, [32768, 4096] 52% -> 74%; fp32 rows of 2 slots unstaged hold two blocks an SM, staged 81% against 93%
-# ([16384, 4096]). Deeper rings of 3-4 stages measured no faster (within 2%), rows of one slot staged 0-13% slower.
+# ([16384, 4096]). Deeper rings of 3-4 stages measured no faster (within 2%), rows of one slot staged 0-15% slower.
 BWD_STAGED = {(2, 1): False, (2, 2): True, (4, 1): False, (4, 2): False, (4, 4): True}
 
 
