@@ -606,7 +606,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, e
     fp32). That form runs as torch's add, cupyrope's fp32 rms_norm and a cast (three launches forward, and their
     backwards through autograd), not as one fused kernel."""
     if _fp32_stream(x, residual, weight, eps, offset, residual_dtype):
-        s = x.float() + residual.float()
+        s = residual.float() + x  # one fp32 add where residual is fp32 already (x promoted exactly)
         return rms_norm(s, None if weight is None else weight.float(), eps, offset).to(x.dtype), s
     if _compiling():
         return _add_rms_norm_op(x, residual, weight, eps, offset)[:2]
