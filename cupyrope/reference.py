@@ -241,6 +241,11 @@ def rms_norm(x, weight=None, eps=1e-6, offset=0.0, return_rstd=False):
     return (y, rstd) if return_rstd else y
 
 
+def _column_sums(values) -> np.ndarray:
+    """The sum over every row of (..., hidden) values: (hidden,)."""
+    return values.reshape(-1, values.shape[-1]).sum(axis=0)
+
+
 def rms_norm_backward(dy, x, weight=None, eps=1e-6, offset=0.0, residual_grad=None):
     """(dx, dweight) of rms_norm; dweight is None without weight. residual_grad: added to dx (add_rms_norm's
     backward, with x its new residual)."""
@@ -258,8 +263,7 @@ def rms_norm_backward(dy, x, weight=None, eps=1e-6, offset=0.0, residual_grad=No
         dx = dx + residual_grad
     if weight is None:
         return dx, None
-    dweight = (dy * x * rstd).reshape(-1, x.shape[-1]).sum(axis=0)
-    return dx, dweight
+    return dx, _column_sums(dy * x * rstd)
 
 
 def fused_add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0, dtype="float32"):
@@ -322,11 +326,6 @@ def layer_norm_backward(dy, x, weight=None, bias=None, eps=1e-5):
     dx = rstd[..., None] * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
     dweight = None if weight is None else _column_sums(dy * xhat)
     return dx, dweight, (None if bias is None else _column_sums(dy))
-
-
-def _column_sums(values) -> np.ndarray:
-    """The sum over every row of (..., hidden) values: (hidden,)."""
-    return values.reshape(-1, values.shape[-1]).sum(axis=0)
 
 
 def fused_add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, dtype="float32"):

@@ -355,6 +355,11 @@ def _rms_norm_cpu(x, weight, eps, offset):
     return y.to(x.dtype), rstd
 
 
+def _column_sums(values: Tensor, dtype) -> Tensor:
+    """The CPU backwards' parameter gradients: the fp32 sum over every row of (..., hidden) values, in dtype."""
+    return values.reshape(-1, values.shape[-1]).sum(0).to(dtype)
+
+
 def _rms_norm_backward_cpu(dy, x, weight, rstd, eps, offset, residual_grad=None):
     _norm_checks.check_backward(_host(dy, "dy"), _host(x, "x"), _optional_host(weight, "weight"),
                                 _optional_host(rstd, "rstd"), eps=eps, offset=offset, impl="auto",
@@ -366,7 +371,7 @@ def _rms_norm_backward_cpu(dy, x, weight, rstd, eps, offset, residual_grad=None)
     dx = r * g - xf * r.pow(3) * (g * xf).mean(-1, keepdim=True)
     if residual_grad is not None:
         dx = dx + residual_grad.float()
-    dw = None if weight is None else (dyf * xf * r).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    dw = None if weight is None else _column_sums(dyf * xf * r, weight.dtype)
     return dx.to(x.dtype), dw
 
 
@@ -673,9 +678,8 @@ def _layer_norm_backward_cpu(dy, x, weight, bias, mean, rstd, eps):
     xhat = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     g = dyf * weight.float() if weight is not None else dyf
     dx = rstd.unsqueeze(-1) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-    hidden = x.shape[-1]
-    dw = None if weight is None else (dyf * xhat).reshape(-1, hidden).sum(0).to(weight.dtype)
-    db = None if bias is None else dyf.reshape(-1, hidden).sum(0).to(bias.dtype)
+    dw = None if weight is None else _column_sums(dyf * xhat, weight.dtype)
+    db = None if bias is None else _column_sums(dyf, bias.dtype)
     return dx.to(x.dtype), dw, db
 
 

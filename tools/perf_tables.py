@@ -69,6 +69,13 @@ def rms_table(data, cases):
                   + f" | {percent(providers['cupyrope'], data['copy_gbps'])} |")
 
 
+def gpu_cells(providers, shown) -> dict:
+    """GPU µs per call of the providers in `shown` that ran, the fastest in bold."""
+    times = {p: providers[p]["gpu_us"] for p in shown if p in providers}
+    best = min(times, key=times.get)
+    return {p: f"**{us(t)}**" if p == best else us(t) for p, t in times.items()}
+
+
 def grid(cases, op, providers_shown=RMS_PROVIDERS):
     if (op, f"[4,{GRID_S[0]},{GRID_H[0]}]") not in cases:
         return
@@ -79,10 +86,7 @@ def grid(cases, op, providers_shown=RMS_PROVIDERS):
     for h in GRID_H:
         cells = []
         for s in GRID_S:
-            providers = cases[(op, f"[4,{s},{h}]")]
-            times = {p: providers[p]["gpu_us"] for p in providers_shown if p in providers}
-            best = min(times, key=times.get)
-            cells.append(" / ".join(f"**{us(t)}**" if p == best else us(t) for p, t in times.items()))
+            cells.append(" / ".join(gpu_cells(cases[(op, f"[4,{s},{h}]")], providers_shown).values()))
         print(f"| {h} | " + " | ".join(cells) + " |")
     print()
 
@@ -95,9 +99,8 @@ def ln_table(data, cases):
     for (op, label), providers in cases.items():
         if op not in ("ln_fwd", "ln_bwd") or label.startswith("["):
             continue
-        times = {p: providers[p]["gpu_us"] for p in LN_PROVIDERS if p in providers}
-        best = min(times, key=times.get)
-        cells = [(f"**{us(times[p])}**" if p == best else us(times[p])) if p in times else "" for p in LN_PROVIDERS]
+        marked = gpu_cells(providers, LN_PROVIDERS)
+        cells = [marked.get(p, "") for p in LN_PROVIDERS]
         print(f"| {op} | {label.replace('x', ' × ')} {providers['cupyrope']['dtype']} | " + " | ".join(cells)
               + f" | {percent(providers['cupyrope'], data['copy_gbps'])} |")
 
