@@ -13,9 +13,9 @@ from .._runtime.compile import get_kernel
 from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import layernorm_checks
-from .layernorm_plan import DW_SOURCE, cap_backward_grid, plan_backward, plan_forward, weight_dtype
+from .layernorm_plan import DW_SOURCE, plan_backward, plan_forward, weight_dtype
 from .rmsnorm_checks import row_layout, rows
-from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name
+from .rmsnorm_plan_backward import DW_SPLIT, cap_grid, dweight_kernel_name
 from .rmsnorm_rows import blocks_per_wave, kernel_for, shared_limit
 
 # Mirror LayerNormParams and LayerNormBwdParams in kernels_src/layernorm.cu: pointers, then these.
@@ -138,7 +138,8 @@ def _plan_backward_call(da, xa, wa, ba, ma, ra, _no_weight, _no_bias, _no_mean, 
         plan = plan_backward(da, xa, dxa, wa, ba, layout.plan_strides(), n_rows, hidden, impl,
                              shared_limit(xa.device))
         kernel = kernel_for(plan, xa.device)
-        slots = cap_backward_grid(plan, blocks_per_wave(kernel, plan, xa.device))
+        plan.grid = cap_grid(plan, blocks_per_wave(kernel, plan, xa.device), n_rows, xa.dtype)  # rows unshifted
+        slots = plan.grid * plan.block[1]
         tail = BWD_TAIL.pack(n_rows, hidden, *layout.strides_of(0, 1, 2), slots, 1 / hidden, int(plan.shared_acc))
         plan.launch = Launch(kernel, plan.grid, plan.block, 7, tail, xa.device, xa.kind, plan.shared_mem)
         # dweight's partial rows, then dbias's (none where neither is asked for)

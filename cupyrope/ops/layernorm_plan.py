@@ -86,8 +86,8 @@ def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto
     """layer_norm_bwd<T, W, VEC, NPT, STAGED> for rows of `hidden` elements, with its dynamic shared memory
     (plan.shared_mem: the staged rows, or the partial rows of rows read in passes), at most shared_limit bytes (the
     device's: rmsnorm_rows.shared_limit; rows it cannot stage go unstaged, partial rows it cannot hold stay in global
-    memory); its grid is as many blocks as rows need, which cap_backward_grid then caps at the blocks the GPU holds
-    at once."""
+    memory); its grid is as many blocks as rows need, which RMSNorm's cap_grid then caps at the blocks the GPU holds
+    at once: its rows slots (grid x rows a block) walk several rows each and are the partial rows."""
     arrays = [dy, x, dx, weight]
     plan = plan_rows(SOURCE, "layer_norm_bwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows, hidden,
                      BWD_MAX_SLOTS, BWD_ELEMS_PER_THREAD[ITEMSIZE[x.dtype]], BWD_BLOCK_THREADS, [], impl)
@@ -103,13 +103,6 @@ def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto
 def stage_bytes(plan) -> int:
     """The two stages of a staged backward block: dy's and x's 16-byte chunks, plan.slots of each a thread."""
     return 2 * 2 * plan.slots * 16 * plan.block[0] * plan.block[1]
-
-
-def cap_backward_grid(plan, resident_blocks: int) -> int:
-    """The backward's grid: the blocks its rows need, at most those the GPU holds at once (resident_blocks), whose
-    rows slots then walk several rows each. Its rows slots (grid x rows a block) are the partial rows."""
-    plan.grid = max(1, min(plan.grid, resident_blocks))
-    return plan.grid * plan.block[1]
 
 
 def variants():

@@ -7,8 +7,8 @@ import pytest
 from helpers import planned_array as arr
 
 from cupyrope import reference
-from cupyrope.ops.layernorm_plan import (BWD_MAX_SLOTS, FWD_MAX_SLOTS, cap_backward_grid, plan_backward,
-                                         plan_forward, stage_bytes, variants)
+from cupyrope.ops.layernorm_plan import BWD_MAX_SLOTS, FWD_MAX_SLOTS, plan_backward, plan_forward, stage_bytes, variants
+from cupyrope.ops.rmsnorm_plan_backward import cap_grid
 
 torch = pytest.importorskip("torch")
 
@@ -72,7 +72,8 @@ def test_backward_plan_caps_grid_and_counts_partial_rows():
     plan = plan_backward(x, x, x, arr((1024,), "bfloat16"), None, (1024, 1024, 1024), 100000, 1024)
     assert plan.vectorized and plan.slots == 2 and plan.block == (64, 4), plan
     assert plan.name == "cupyrope::layer_norm_bwd<__nv_bfloat16, __nv_bfloat16, true, 2, true>"
-    assert cap_backward_grid(plan, 132 * 4) == 132 * 4 * 4 and plan.grid == 528
+    plan.grid = cap_grid(plan, 132 * 4, 100000, "bfloat16")
+    assert plan.grid * plan.block[1] == 132 * 4 * 4 and plan.grid == 528
     # two stages of dy and x, 2 chunks a thread
     assert plan.staged and plan.shared_mem == stage_bytes(plan) == 2 * 2 * 2 * 16 * 256
     fp32 = arr((100, 4096), "float32")
@@ -81,7 +82,8 @@ def test_backward_plan_caps_grid_and_counts_partial_rows():
     assert unstaged.name.endswith(", 2, false>")
     small = plan_backward(x, x, x, None, arr((1024,), "float32"), (1024, 1024, 1024), 3, 1024)
     assert "float>" not in small.name and ", float, " in small.name  # W follows the bias without a weight
-    assert cap_backward_grid(small, 528) == 4 and small.grid == 1  # a slot past the rows leaves a zero row
+    small.grid = cap_grid(small, 528, 3, "bfloat16")
+    assert small.grid * small.block[1] == 4 and small.grid == 1  # a slot past the rows leaves a zero row
 
 
 @pytest.mark.parametrize("hidden,with_params,limit,shared", [
