@@ -32,28 +32,6 @@ template <bool SHIFT, int E, typename I> __device__ __forceinline__ bool counts(
     return !SHIFT || inside<I>(col + e, hidden);
 }
 
-// A chunk of x as its load produced it: a 16-byte chunk as its four 32-bit words (fp16/bf16 elements held as packs
-// kept each 16-bit half in a register of its own: 8-40 bytes of spills at the forward's budgets), a chunk of one
-// element as itself. at(e): element e as float.
-template <typename T, int E, bool WORDS = E * sizeof(T) == 16>
-struct Held {
-    Pack<T, E> pk;
-    __device__ __forceinline__ void hold(const Pack<T, E>& v) { pk = v; }
-    __device__ __forceinline__ float at(int e) const { return to_float(pk.v[e]); }
-};
-template <typename T, int E>
-struct Held<T, E, true> {
-    unsigned w[4];
-    __device__ __forceinline__ void hold(const Pack<T, E>& v) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) w[k] = word_of(v, k);
-    }
-    __device__ __forceinline__ float at(int e) const {
-        if constexpr (sizeof(T) == 4) return __uint_as_float(w[e]);
-        else return half_of<T>(w[e / 2], e % 2);
-    }
-};
-
 // The sum of a row's pairs of values (the backward's two dot sums) over its `width` threads (row_sum's layout: a
 // power of two up to 32, else whole warps), to every one of them, in a fixed order: one barrier for both. Every
 // thread of the block calls it; scratch holds a pair a warp, and is not the previous call's (whose partials may still

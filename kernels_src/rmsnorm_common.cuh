@@ -47,10 +47,32 @@ template <bool BY_SHIFT> __device__ __forceinline__ float as_float(__nv_bfloat16
 }
 
 // Half `high` (0: element 2k, 1: element 2k + 1) of a 32-bit word of fp16/bf16 values as float: rows held as the
-// words their 16-byte loads produced (rmsnorm_fwd.cu's word-held rows, layernorm.cu's Held).
+// words their 16-byte loads produced (rmsnorm_fwd.cu's word-held rows, Held below).
 template <typename T> __device__ __forceinline__ float half_of(unsigned word, bool high) {
     return as_float<true>(from_bits<T>(high ? word >> 16 : word));
 }
+
+// A chunk of a row as its load produced it: a 16-byte chunk as its four 32-bit words (fp16/bf16 elements held as packs
+// kept each 16-bit half in a register of its own: 8-40 bytes of spills at the forward's budgets), a chunk of one
+// element as itself. at(e): element e as float.
+template <typename T, int E, bool WORDS = E * sizeof(T) == 16>
+struct Held {
+    Pack<T, E> pk;
+    __device__ __forceinline__ void hold(const Pack<T, E>& v) { pk = v; }
+    __device__ __forceinline__ float at(int e) const { return to_float(pk.v[e]); }
+};
+template <typename T, int E>
+struct Held<T, E, true> {
+    unsigned w[4];
+    __device__ __forceinline__ void hold(const Pack<T, E>& v) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[k] = word_of(v, k);
+    }
+    __device__ __forceinline__ float at(int e) const {
+        if constexpr (sizeof(T) == 4) return __uint_as_float(w[e]);
+        else return half_of<T>(w[e / 2], e % 2);
+    }
+};
 
 // weight + offset (no weight: 1, whatever the offset).
 template <typename W, int E, bool BY_SHIFT = false>

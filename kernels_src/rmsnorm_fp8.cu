@@ -7,7 +7,7 @@
 //   TOKEN_SCALE     one a row, written to p.scales: max |v| over the row (bounded by *p.scale_ub when given) / 448;
 //   64, 128         one per GROUP consecutive columns of a row (DeepSeek-V3's blocks), p.scales (rows, hidden / GROUP).
 // A dynamic scale is at least MIN_SCALE, so that a row or group of zeros quantizes to zeros. Values are multiplied by
-// the scale's reciprocal (one division a scale).
+// the scale's reciprocal (one division a scale; a row's scale folded with rstd into one factor).
 //
 // Row layout as rmsnorm_common.cuh's, except that chunks are always E = 16 / sizeof(T) elements: VEC rows move them
 // as 16-byte accesses (and 4- or 8-byte stores of y), the others element by element, so that a group of GROUP columns
@@ -152,95 +152,145 @@ __device__ __forceinline__ void for_chunks(int lane, int width, i64 hidden, F f)
     }
 }
 
-// Resident 512-thread blocks per SM asked of the compiler (its register budget) for rows of up to 2 register slots
-// (NPT 0 holds no row): 3 measured 15-18% faster than the compiler's own budget with dynamic scales (H200, bf16
-// [32768, 4096] one scale a row 203 -> 173 us, groups of 128 188 -> 162) and the same with a static scale. Rows of 4+
-// slots hold more and keep the compiler's budget.
-template <int NPT>
+// Whether a block walks rows (the planner's grid then holds the blocks the GPU runs at once: rmsnorm_plan_fp8.py's
+// walks_rows) and loads each thread's chunks of its next row while this one is reduced and quantized: rows of up to 2
+// register slots with one scale for the row's quantization or per group, without the fused add (whose residual store
+// would have to wait for the next row's loads). One block a row left the row's chain (loads, reduction, weight loads,
+// quantization, stores) exposed; walking with the next row in flight measured on an H200 (bf16, static scale)
+// [32768, 4096] 77% -> 89% of copy bandwidth, [8192, 7168] 63% -> 83%, [4096, 4096] 64% -> 76%, groups of 128
+// [8192, 7168] 55% -> 61%. One scale a row walked slower (its row maximum is a second barrier a row: 158 -> 176 us
+// at [32768, 4096]), so it keeps a block a row, as do rows of 4+ slots, which the second row's registers would spill.
+template <int NPT, bool ADD, int GROUP>
+__device__ constexpr bool prefetches_rows() {
+    return NPT > 0 && NPT <= 2 && !ADD && GROUP != TOKEN_SCALE;
+}
+
+// Resident 512-thread blocks per SM asked of the compiler (its register budget): rows of up to 2 register slots 3
+// (NPT 0 holds no row), 2 where the next row is in flight (56 registers), rows of 4+ slots hold more and keep the
+// compiler's budget. 3 measured 15-18% faster than the compiler's own budget with dynamic scales (H200, bf16
+// [32768, 4096] one scale a row 203 -> 173 us, groups of 128 188 -> 162) and the same with a static scale.
+template <int NPT, bool ADD, int GROUP>
 __device__ constexpr int fp8_min_blocks() {
-    return NPT <= 2 ? 3 : 1;
+    return prefetches_rows<NPT, ADD, GROUP>() ? 2 : NPT <= 2 ? 3 : 1;
 }
 
 // Weights are loaded after the reduction, as each chunk is quantized: loaded with x and held through it, they measured
 // 12-18% slower with a static scale (H200, bf16 [32768, 4096] 128 -> 152 us; [8192, 7168] 72 -> 85).
 template <typename T, typename W, bool VEC, int NPT, bool ADD, int GROUP>
-__global__ void __launch_bounds__(512, fp8_min_blocks<NPT>()) rms_norm_fp8(const Fp8NormParams p) {
+__global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_norm_fp8(const Fp8NormParams p) {
     wait_for_previous_grid();
     constexpr int E = 16 / sizeof(T);
     static_assert(GROUP <= TOKEN_SCALE || (GROUP % E == 0 && GROUP / E <= 32), "a group: whole chunks of one warp");
+    constexpr bool PREFETCH = prefetches_rows<NPT, ADD, GROUP>();
     __shared__ float scratch[32];
     // The scalars first, so that their loads overlap the row's.
     const float static_scale = GROUP == STATIC_SCALE ? *p.scale : 1.f;
     const float* const scale_ub = p.scale_ub;
     const float bound = GROUP != STATIC_SCALE && scale_ub ? *scale_ub : __int_as_float(0x7f800000);  // Inf
-    const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
-    const bool active = row < p.rows;  // inactive threads still join the row reductions
-    const int lane = threadIdx.x, width = blockDim.x;
-    const i64 hidden = active ? p.hidden : 0;  // no chunks
-    const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
-    T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
-    const T* const src = ADD ? res_row : x_row;  // what is normalized
-    unsigned char* const y_row = static_cast<unsigned char*>(p.y) + row * p.y_stride;
     const W* const weight = static_cast<const W*>(p.weight);
+    const float weight_offset = weight ? p.offset : 0.f;  // no weight: ones (below), and no offset
+    const float inverse = 1.f / static_scale;  // STATIC_SCALE's 1 / scale
+    const int lane = threadIdx.x, width = blockDim.x;
+    const i64 grid_rows = (i64)gridDim.x * blockDim.y;
 
-    Pack<T, E> held[NPT > 0 ? NPT : 1];
-    float sum_sq = 0.f;
-    for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
-        Pack<T, E> v = load_elems<VEC, E>(x_row, col, hidden);
-        if constexpr (ADD) {
-            const Pack<T, E> r = load_elems<VEC, E>(res_row, col, hidden);
+    // PREFETCH: a thread's chunks of row r, loaded while the row before is quantized.
+    Held<T, E> ahead[PREFETCH ? NPT : 1];
+    const auto load_ahead = [&](i64 r) {
+        if (r >= p.rows) return;
+        const T* const next_row = static_cast<const T*>(p.x) + r * p.x_stride;
+        for_chunks<PREFETCH ? NPT : 1, E>(lane, width, p.hidden, [&](int i, i64 col) {
+            ahead[i].hold(load_elems<VEC, E>(next_row, col, p.hidden));
+        });
+    };
+    if constexpr (PREFETCH) load_ahead((i64)blockIdx.x * blockDim.y + threadIdx.y);
+
+    // The loop bound is uniform across the block (the reductions contain barriers).
+    bool first_row = true;
+    for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += grid_rows) {
+        const i64 row = base + threadIdx.y;
+        const bool active = row < p.rows;  // inactive threads still join the row reductions
+        const i64 hidden = active ? p.hidden : 0;  // no chunks
+        const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+        T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
+        const T* const src = ADD ? res_row : x_row;  // what is normalized
+        unsigned char* const y_row = static_cast<unsigned char*>(p.y) + row * p.y_stride;
+
+        Held<T, E> held[NPT > 0 ? NPT : 1];
+        float sum_sq = 0.f;
+        for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
+            Held<T, E> v;
+            if constexpr (PREFETCH) {
+                v = ahead[i];
+            } else {
+                Pack<T, E> pk = load_elems<VEC, E>(x_row, col, hidden);
+                if constexpr (ADD) {
+                    const Pack<T, E> r = load_elems<VEC, E>(res_row, col, hidden);
 #pragma unroll
-            for (int e = 0; e < E; ++e) v.v[e] = from_float<T>(to_float(v.v[e]) + to_float(r.v[e]));
-            store_elems<VEC, E>(res_row, col, hidden, v);
+                    for (int e = 0; e < E; ++e) pk.v[e] = from_float<T>(to_float(pk.v[e]) + to_float(r.v[e]));
+                    store_elems<VEC, E>(res_row, col, hidden, pk);
+                }
+                v.hold(pk);
+            }
+            if constexpr (NPT > 0) held[i] = v;
+#pragma unroll
+            for (int e = 0; e < E; ++e) sum_sq = fmaf(v.at(e), v.at(e), sum_sq);
+        });
+        if constexpr (PREFETCH) load_ahead(row + grid_rows);
+        const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, first_row), p.inv_hidden, p.eps);
+        first_row = false;
+
+        // Chunk (i, col)'s values times coef: with coef = rstd, the normalized values as rms_norm computes them
+        // before its rounding; with the row's 1 / scale folded into coef, their quantized values. The weight is ones
+        // without one, so that its scale is one multiply whatever is given.
+        const auto normalized = [&](int i, i64 col, float coef, float (&v)[E]) {
+            Held<T, E> s;
+            if constexpr (NPT > 0) s = held[i];
+            else s.hold(load_elems<VEC, E>(src, col, hidden));
+            Pack<W, E> w;
+            if (weight) {
+                w = load_elems<VEC, E>(weight, col, hidden);
+            } else {
+#pragma unroll
+                for (int e = 0; e < E; ++e) w.v[e] = from_float<W>(1.f);
+            }
+#pragma unroll
+            for (int e = 0; e < E; ++e) v[e] = s.at(e) * coef * (as_float<true>(w.v[e]) + weight_offset);
+        };
+        const auto chunk_max = [](const float (&v)[E]) {
+            float m = 0.f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) m = fmaxf(m, fabsf(v[e]));
+            return m;
+        };
+
+        float row_inverse = inverse;  // 1 / the row's scale (STATIC_SCALE, TOKEN_SCALE)
+        if constexpr (GROUP == TOKEN_SCALE) {
+            float amax = 0.f;
+            for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
+                float v[E];
+                normalized(i, col, rstd, v);
+                amax = fmaxf(amax, chunk_max(v));
+            });
+            const float scale = scale_of(row_max(amax, width, scratch), bound);
+            if (active && lane == 0) p.scales[row] = scale;
+            row_inverse = 1.f / scale;
         }
-        if constexpr (NPT > 0) held[i] = v;
-#pragma unroll
-        for (int e = 0; e < E; ++e) sum_sq = fmaf(to_float(v.v[e]), to_float(v.v[e]), sum_sq);
-    });
-    const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, true), p.inv_hidden, p.eps);
-
-    // The normalized values of chunk (i, col), as rms_norm computes them before its rounding.
-    const auto normalized = [&](int i, i64 col, float (&v)[E]) {
-        Pack<T, E> s;
-        if constexpr (NPT > 0) s = held[i];
-        else s = load_elems<VEC, E>(src, col, hidden);
-        Pack<W, E> w;
-        if (weight) w = load_elems<VEC, E>(weight, col, hidden);
-#pragma unroll
-        for (int e = 0; e < E; ++e) v[e] = to_float(s.v[e]) * rstd * scale<W, E>(weight, p.offset, w, e);
-    };
-    const auto chunk_max = [](const float (&v)[E]) {
-        float m = 0.f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) m = fmaxf(m, fabsf(v[e]));
-        return m;
-    };
-
-    float inverse = 1.f / static_scale;  // 1 / scale: STATIC_SCALE and TOKEN_SCALE's, for the whole row
-    if constexpr (GROUP == TOKEN_SCALE) {
-        float amax = 0.f;
+        // A group's scale comes from its normalized values; a row's is folded into the coefficient.
+        const float coef = GROUP > TOKEN_SCALE ? rstd : rstd * row_inverse;
         for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
             float v[E];
-            normalized(i, col, v);
-            amax = fmaxf(amax, chunk_max(v));
-        });
-        const float scale = scale_of(row_max(amax, width, scratch), bound);
-        if (active && lane == 0) p.scales[row] = scale;
-        inverse = 1.f / scale;
-    }
-    for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
-        float v[E];
-        normalized(i, col, v);
-        float group_inverse = inverse;
-        if constexpr (GROUP > TOKEN_SCALE) {  // the group's lanes are all here: a group lies in the row or past it
-            const float scale = scale_of(group_max<GROUP / E>(chunk_max(v)), bound);
-            if (col % GROUP == 0) p.scales[row * (p.hidden / GROUP) + col / GROUP] = scale;
-            group_inverse = 1.f / scale;
-        }
+            normalized(i, col, coef, v);
+            if constexpr (GROUP > TOKEN_SCALE) {  // the group's lanes are all here: a group lies in the row or past it
+                const float scale = scale_of(group_max<GROUP / E>(chunk_max(v)), bound);
+                if (col % GROUP == 0) p.scales[row * (p.hidden / GROUP) + col / GROUP] = scale;
+                const float group_inverse = 1.f / scale;
 #pragma unroll
-        for (int e = 0; e < E; ++e) v[e] *= group_inverse;
-        store_fp8<VEC, E>(y_row, col, hidden, v);
-    });
+                for (int e = 0; e < E; ++e) v[e] *= group_inverse;
+            }
+            store_fp8<VEC, E>(y_row, col, hidden, v);
+        });
+        if constexpr (!PREFETCH) break;  // the grid has a block for each of the rows' slots
+    }
 }
 
 // The e4m3 conversion on its own, for the tests: y[i] = the byte of x[i], by the hardware's conversion (sm_89+) or

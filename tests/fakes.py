@@ -85,8 +85,8 @@ def stand_in_for_the_device(patch=setattr, shared_optin=227 * 1024, blocks_per_w
     bytes of shared memory a block, ``blocks_per_wave`` resident blocks and ``resident_clusters(split)`` clusters
     (default 16, clusters of 8 an H100 holds at once); no kernel is loaded and launches are plain."""
     from cupyrope._runtime import launch
-    from cupyrope.ops import (layernorm, profiles, rmsnorm, rmsnorm_plan_backward, rmsnorm_plan_forward, rmsnorm_rows,
-                              rope)
+    from cupyrope.ops import (layernorm, profiles, rmsnorm, rmsnorm_fp8, rmsnorm_plan_backward, rmsnorm_plan_forward,
+                              rmsnorm_rows, rope)
 
     no_kernel = SimpleNamespace(ptr=0, device=0, attribute=lambda attribute: 0)
     for module in (rope, rmsnorm, rmsnorm_rows, rmsnorm_plan_forward, layernorm):
@@ -96,7 +96,7 @@ def stand_in_for_the_device(patch=setattr, shared_optin=227 * 1024, blocks_per_w
     patch(rmsnorm_rows, "shared_optin", lambda device: shared_optin)
     patch(rmsnorm_rows, "allow_shared_memory", lambda *args: None)
     clusters = resident_clusters or (lambda split: 16)
-    for module in (rmsnorm_plan_backward, layernorm):
+    for module in (rmsnorm_plan_backward, layernorm, rmsnorm_fp8):
         patch(module, "blocks_per_wave", lambda *args: blocks_per_wave)
     for module in (rmsnorm_plan_forward, rmsnorm_plan_backward):
         patch(module, "runs_clusters", lambda device: True)

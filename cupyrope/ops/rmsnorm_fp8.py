@@ -13,8 +13,8 @@ from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import profiles, rmsnorm_checks
 from .rmsnorm import _scalars
 from .rmsnorm_checks import row_layout, rows
-from .rmsnorm_plan_fp8 import TOKEN_SCALE, kernel_group, plan_fp8
-from .rmsnorm_rows import kernel_for
+from .rmsnorm_plan_fp8 import TOKEN_SCALE, kernel_group, plan_fp8, walks_rows
+from .rmsnorm_rows import blocks_per_wave, kernel_for
 
 # Mirrors Fp8NormParams in kernels_src/rmsnorm_fp8.cu: its 7 pointers, then rows, hidden, three row strides, eps,
 # offset, 1 / hidden.
@@ -76,8 +76,10 @@ def _plan_call(xa, wa, ra, sa, ua, oa, _no_weight, _no_residual, _no_scale, _no_
         plan = plan_fp8(xa, ya, ra, wa, strides, n_rows, hidden, group, impl,
                         choices=profiles.profile_for(xa.device).rms_norm_forward)
         tail = FP8_TAIL.pack(n_rows, hidden, *strides, *_scalars(eps, offset, hidden))
-        plan.launch = Launch(kernel_for(plan, xa.device), plan.grid, plan.block, FP8_POINTERS, tail, xa.device,
-                             xa.kind)
+        kernel = kernel_for(plan, xa.device)
+        if walks_rows(plan, ra, group):  # a block walks rows: as many as the GPU holds at once
+            plan.grid = min(plan.grid, blocks_per_wave(kernel, plan, xa.device))
+        plan.launch = Launch(kernel, plan.grid, plan.block, FP8_POINTERS, tail, xa.device, xa.kind)
         plan.extents = tuple(None if a is None else checks.layout_key(a) for a in (xa, ra, oa))
     else:
         plan = EmptyPlan()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 from cupyrope._runtime.arrays import FLOAT_DTYPES, ITEMSIZE, Array  # noqa: E402
 from cupyrope._runtime.checks import IN_PLACE, NEW, OUT, output_mode  # noqa: E402
 from cupyrope.ops import all_variants, profiles, rmsnorm, rmsnorm_fp8, rope  # noqa: E402
-from cupyrope.ops.rmsnorm_plan_fp8 import TOKEN_SCALE  # noqa: E402
+from cupyrope.ops.rmsnorm_plan_fp8 import TOKEN_SCALE, kernel_group, walks_rows  # noqa: E402
 from cupyrope.ops import rmsnorm_plan_backward as backward  # noqa: E402
 from cupyrope.ops.rmsnorm_rows import STATIC_SHARED_BYTES  # noqa: E402
 from cupyrope.ops.rope_plan import _TAIL, NORM_POINTERS  # noqa: E402
@@ -30,10 +30,13 @@ ARGUMENTS = ("x:", "q:", "k:", "positions:", "cos_sin_cache:", "cos:", "sin:", "
              "out[1]:", "rotary_dim:", "impl:", "weight:", "residual:", "dy:", "rstd:", "eps:", "group_size:")
 
 
+BLOCKS_PER_WAVE = 132 * 2
+
+
 @pytest.fixture(autouse=True)
 def no_gpu(monkeypatch):
     """The device queries the planners make, answered as an H100-like GPU with an L4's shared memory."""
-    stand_in_for_the_device(monkeypatch.setattr, shared_optin=SHARED_OPTIN, blocks_per_wave=132 * 2,
+    stand_in_for_the_device(monkeypatch.setattr, shared_optin=SHARED_OPTIN, blocks_per_wave=BLOCKS_PER_WAVE,
                             resident_clusters=lambda split: 132 // split)
 
 
@@ -308,7 +311,11 @@ def test_rms_norm_fp8_plans_are_runnable_or_refused_clearly(call, mode, add, out
     hidden, elems = x.shape[-1], 16 // ITEMSIZE[x.dtype]
     width = plan.block[0]
     assert width * plan.slots * elems >= hidden if plan.slots else width == 512
-    assert plan.grid * plan.block[1] >= math.prod(x.shape[:-1])
+    row_blocks = -(-math.prod(x.shape[:-1]) // plan.block[1])
+    if walks_rows(plan, other if add else None, kernel_group(mode == "static", group_size)):
+        assert plan.grid == min(row_blocks, BLOCKS_PER_WAVE)  # the blocks the (stand-in) GPU holds walk the rows
+    else:
+        assert plan.grid == row_blocks
     if group_size:
         lanes = group_size // elems
         assert width >= lanes and width % lanes == 0

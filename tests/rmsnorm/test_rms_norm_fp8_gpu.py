@@ -9,8 +9,8 @@ import pytest
 
 import cupyrope
 from cupyrope import reference
-from helpers import (DTYPES, KINDS, data_ptr, poisoned_allocations, random_host, requires_gpu, requires_torch_cuda,
-                     to_device, to_host, unaligned_view)
+from helpers import (DTYPES, KINDS, data_ptr, fresh_plans, poisoned_allocations, random_host, requires_gpu,
+                     requires_torch_cuda, to_device, to_host, unaligned_view)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -93,6 +93,46 @@ def test_rms_norm_fp8(rng, kind, dtype, rows, hidden, mode, add):
     np.testing.assert_array_equal(to_host(x), x_host)
     if add:
         np.testing.assert_array_equal(to_host(r), reference.round_to(x_host + r_host, dtype))
+
+
+@requires_torch_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("hidden,mode", [(4096, "static"), (1027, "static"), (4096, "group128"), (7168, "group128")])
+def test_blocks_walking_rows(rng, monkeypatch, dtype, hidden, mode):
+    """More rows than the GPU's resident blocks hold at once, with a last round of a few: blocks walk the rows, each
+    loading its next row while it quantizes one (rows of 1-2 slots, a static scale or groups, 16-byte or element by
+    element), into poisoned outputs. The rows repeat a tile of 67 (the reference's), which falls differently on
+    the blocks in each round."""
+    import torch
+
+    from cupyrope._runtime.device import sm_count
+
+    options, ref_options = mode_options(mode)
+    rows = 80 * sm_count(0) + 5  # more than 32 blocks an SM of 2 rows hold
+    tile_host, w_host = random_host((67, hidden), dtype, rng, scale=2.0), random_host((hidden,), dtype, rng)
+    def tiled():
+        return to_device(tile_host, dtype, "torch").repeat(-(-rows // 67), 1)[:rows].contiguous()
+
+    x = tiled()
+    w = to_device(w_host, dtype, "torch")
+    call_options = device_options(options, "torch")
+    plans = fresh_plans(monkeypatch)
+    cupyrope.rms_norm_fp8(x, w, 1e-6, offset=0.25, **call_options)  # planned and compiled first
+    (plan,) = plans["rms_norm_fp8"].plans.values()
+    assert plan.grid * plan.block[1] < rows, plan  # the blocks walk
+    sizes = [rows * hidden] + ([rows * hidden // 128 * 4] if mode != "static" else [])
+    with poisoned_allocations("torch", [(n,) for n in sizes], "uint8", 0x7F) as blocks:
+        result = cupyrope.rms_norm_fp8(x, w, 1e-6, offset=0.25, **call_options)
+    y, scales = (result, None) if mode == "static" else result
+    assert {data_ptr(y)} | ({data_ptr(scales)} if scales is not None else set()) == blocks
+    q, ref_scales = reference.rms_norm_fp8(tile_host, w_host, 1e-6, offset=0.25, dtype=dtype, **ref_options)
+    codes, got_scales = codes_of(y), to_host(scales) if scales is not None else None
+    for j in range(67):  # rows j, j + 67, ... are tile row j
+        assert_fp8_matches(codes[j::67], np.broadcast_to(q[j], codes[j::67].shape))
+        if got_scales is not None:
+            np.testing.assert_allclose(got_scales[j::67], np.broadcast_to(ref_scales[j], got_scales[j::67].shape),
+                                       rtol=SLACK)
+    assert torch.equal(x, tiled())
 
 
 @pytest.mark.parametrize("kind", KINDS)

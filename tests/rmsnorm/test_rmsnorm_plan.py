@@ -536,6 +536,26 @@ def test_rms_norm_fp8_plans(dtype, hidden, group, vectorized, block, slots):
     assert (fp8.SOURCE, plan.name) in set(all_variants())
 
 
+@pytest.mark.parametrize(
+    "dtype,hidden,group,residual,walks",
+    [("bfloat16", 4096, fp8.STATIC_SCALE, False, True),  # 2 slots: the next row in flight
+     ("bfloat16", 7168, 128, False, True),
+     ("bfloat16", 1027, fp8.STATIC_SCALE, False, True),  # element by element
+     ("bfloat16", 4096, fp8.TOKEN_SCALE, False, False),  # the row maximum's barrier: a block a row
+     ("bfloat16", 4096, fp8.STATIC_SCALE, True, False),  # the fused add stores the residual
+     ("float32", 16384, 64, False, False),  # 8 slots: the next row would spill
+     ("bfloat16", 32768, fp8.STATIC_SCALE, False, False)],  # read again
+)
+def test_rms_norm_fp8_walks_rows_with_the_next_in_flight(dtype, hidden, group, residual, walks):
+    """walks_rows (the grid capped at the resident blocks) is the kernel's prefetches_rows: rows of 1-2 slots with a
+    static scale or groups, without the fused add."""
+    x, y = arr((300, hidden), dtype), arr((300, hidden), "uint8", ptr=BASE + 2**28)
+    r = arr((300, hidden), dtype, ptr=BASE + 2**29) if residual else None
+    plan = plan_fp8(x, y, r, None, (hidden, hidden, hidden if residual else 0), 300, hidden, group)
+    assert fp8.walks_rows(plan, r, group) == walks, plan
+    assert f", {str(residual).lower()}, {group}>" in plan.name
+
+
 def test_rms_norm_fp8_alignment():
     """16-byte accesses need x (and residual, weight) 16-byte aligned and y's rows aligned to a chunk's bytes; a
     misaligned out or x moves element by element; impl='vector' then refuses."""
