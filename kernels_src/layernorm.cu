@@ -59,11 +59,7 @@ __device__ __forceinline__ float2 row_sum_pair(float2 v, int width, float2* scra
 // shift are then one fma whatever is given.
 template <typename W, bool VEC, bool SHIFT, int E, typename I>
 __device__ __forceinline__ Pack<W, E> load_bias_chunk(const void* bias, I col, I hidden) {
-    if (bias) return load_weight_chunk<W, VEC, SHIFT, E>(bias, col, hidden);
-    Pack<W, E> zero;
-#pragma unroll
-    for (int e = 0; e < E; ++e) zero.v[e] = from_float<W>(0.f);
-    return zero;
+    return bias ? load_weight_chunk<W, VEC, SHIFT, E>(bias, col, hidden) : filled<W, E>(0.f);
 }
 
 template <typename T, typename W, int E>

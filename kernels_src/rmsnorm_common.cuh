@@ -16,23 +16,26 @@
 
 namespace cupyrope {
 
+// E values of T, each v (a missing weight's ones, a missing bias's zeros).
+template <typename T, int E>
+__device__ __forceinline__ Pack<T, E> filled(float v) {
+    Pack<T, E> pk;
+#pragma unroll
+    for (int e = 0; e < E; ++e) pk.v[e] = from_float<T>(v);
+    return pk;
+}
+
 // E float sums at zero (the backwards' dweight and dbias sums).
 template <int E>
 __device__ __forceinline__ Pack<float, E> zeros() {
-    Pack<float, E> z;
-#pragma unroll
-    for (int e = 0; e < E; ++e) z.v[e] = 0.f;
-    return z;
+    return filled<float, E>(0.f);
 }
 
 // Weight for E columns, raw (VEC: the planner checked the weight is 16-byte aligned); no weight: 1.
 template <typename W, bool VEC, int E>
 __device__ __forceinline__ Pack<W, E> load_weight(const void* weight, i64 col) {
     if (weight) return load_pack<VEC, E>(static_cast<const W*>(weight) + col);
-    Pack<W, E> one;
-#pragma unroll
-    for (int e = 0; e < E; ++e) one.v[e] = from_float<W>(1.f);
-    return one;
+    return filled<W, E>(1.f);
 }
 
 // to_float, or with BY_SHIFT bf16 -> fp32 as an integer shift (exact either way). cuda_bf16.h converts by
@@ -53,8 +56,8 @@ template <typename T> __device__ __forceinline__ float half_of(unsigned word, bo
 }
 
 // A chunk of a row as its load produced it: a 16-byte chunk as its four 32-bit words (fp16/bf16 elements held as packs
-// kept each 16-bit half in a register of its own: 8-40 bytes of spills at the forward's budgets), a chunk of one
-// element as itself. at(e): element e as float.
+// kept each 16-bit half in a register of its own: 8-40 bytes of spills at LayerNorm's forward budgets), a chunk of
+// one element as itself. at(e): element e as float.
 template <typename T, int E, bool WORDS = E * sizeof(T) == 16>
 struct Held {
     Pack<T, E> pk;

@@ -246,13 +246,7 @@ __global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_
             Held<T, E> s;
             if constexpr (NPT > 0) s = held[i];
             else s.hold(load_elems<VEC, E>(src, col, hidden));
-            Pack<W, E> w;
-            if (weight) {
-                w = load_elems<VEC, E>(weight, col, hidden);
-            } else {
-#pragma unroll
-                for (int e = 0; e < E; ++e) w.v[e] = from_float<W>(1.f);
-            }
+            const Pack<W, E> w = weight ? load_elems<VEC, E>(weight, col, hidden) : filled<W, E>(1.f);
 #pragma unroll
             for (int e = 0; e < E; ++e) v[e] = s.at(e) * coef * (as_float<true>(w.v[e]) + weight_offset);
         };

@@ -13,6 +13,7 @@ from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import profiles, rmsnorm_checks
 from .rmsnorm import _scalars
 from .rmsnorm_checks import row_layout, rows
+from .rmsnorm_plan_backward import cap_grid
 from .rmsnorm_plan_fp8 import TOKEN_SCALE, kernel_group, plan_fp8, walks_rows
 from .rmsnorm_rows import blocks_per_wave, kernel_for
 
@@ -78,7 +79,7 @@ def _plan_call(xa, wa, ra, sa, ua, oa, _no_weight, _no_residual, _no_scale, _no_
         tail = FP8_TAIL.pack(n_rows, hidden, *strides, *_scalars(eps, offset, hidden))
         kernel = kernel_for(plan, xa.device)
         if walks_rows(plan, ra, group):  # a block walks rows: as many as the GPU holds at once
-            plan.grid = min(plan.grid, blocks_per_wave(kernel, plan, xa.device))
+            plan.grid = cap_grid(plan, blocks_per_wave(kernel, plan, xa.device), n_rows, xa.dtype)
         plan.launch = Launch(kernel, plan.grid, plan.block, FP8_POINTERS, tail, xa.device, xa.kind)
         plan.extents = tuple(None if a is None else checks.layout_key(a) for a in (xa, ra, oa))
     else:

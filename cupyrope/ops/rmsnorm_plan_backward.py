@@ -341,7 +341,8 @@ def cluster_bwd_blocks(rows: int) -> int:
 
 
 def cap_grid(plan, max_blocks: int, rows: int, dtype) -> int:
-    """The backward's grid: at most max_blocks (at least 1). Shifted rows: a rows slot that visits several
+    """A grid whose blocks walk rows (the backwards', rms_norm_fp8's): at most max_blocks (at least 1), the blocks
+    the GPU holds at once. Shifted rows (the RMSNorm backward's): a rows slot that visits several
     rows (grid step of blocks x rows per block) keeps its columns' dweight sums in registers (rows read
     twice: in shared memory, from the row's shift), so every row it visits must start at the same offset
     from a 16-byte boundary: the step becomes a multiple of the elements in 16 bytes (the offset repeats
