@@ -63,19 +63,25 @@ __device__ __forceinline__ unsigned e4m3_pair(float low, float high) {
     return e4m3_by_software(low) | (e4m3_by_software(high) << 8);
 }
 
-// The maximum of v over a row's `width` threads (as row_sum: every thread of the block calls it).
-__device__ __forceinline__ float row_max(float v, int width, float* scratch) {
+// A row's sum (row_sum's tree: the same bits) and maximum over its `width` threads, to all of them, with one barrier
+// for both (as row_sum: every thread of the block calls it; scratch holds 64 floats; first_use as row_sum's).
+__device__ __forceinline__ float2 row_sum_max(float sum, float m, int width, float* scratch, bool first_use) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2)
-        if (offset < width) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-    if (width <= 32) return v;
-    const int warps = width / 32;
-    float* partials = scratch + threadIdx.y * warps;
-    __syncthreads();  // the sum of squares may still read scratch
-    if (threadIdx.x % 32 == 0) partials[threadIdx.x / 32] = v;
+        if (offset < width) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    if (width <= 32) return make_float2(lanes_sum(sum, width), m);
+    sum = group_sum<32>(sum);
+    const int warps = width / 32, lane = threadIdx.x % 32;
+    float* const sums = scratch + threadIdx.y * warps;
+    float* const maxima = scratch + 32 + threadIdx.y * warps;
+    if (!first_use) __syncthreads();  // the previous row's partials may still be read
+    if (lane == 0) {
+        sums[threadIdx.x / 32] = sum;
+        maxima[threadIdx.x / 32] = m;
+    }
     __syncthreads();
-    for (int w = 0; w < warps; ++w) v = fmaxf(v, partials[w]);
-    return v;
+    for (int w = 0; w < warps; ++w) m = fmaxf(m, maxima[w]);
+    return make_float2(partials_sum(sums, warps, lane), m);
 }
 
 // The maximum of v over the LANES consecutive lanes of a group (LANES a power of two up to 32, aligned in the warp;
@@ -154,12 +160,11 @@ __device__ __forceinline__ void for_chunks(int lane, int width, i64 hidden, F f)
 
 // Whether a block walks rows (the planner's grid then holds the blocks the GPU runs at once: rmsnorm_plan_fp8.py's
 // walks_rows) and loads each thread's chunks of its next row while this one is reduced and quantized: rows of up to 2
-// register slots with one scale for the row's quantization or per group, without the fused add (whose residual store
-// would have to wait for the next row's loads). One block a row left the row's chain (loads, reduction, weight loads,
-// quantization, stores) exposed; walking with the next row in flight measured on an H200 (bf16, static scale)
-// [32768, 4096] 77% -> 89% of copy bandwidth, [8192, 7168] 63% -> 83%, [4096, 4096] 64% -> 76%, groups of 128
-// [8192, 7168] 55% -> 61%. One scale a row walked slower (its row maximum is a second barrier a row: 158 -> 176 us
-// at [32768, 4096]), so it keeps a block a row, as do rows of 4+ slots, which the second row's registers would spill.
+// register slots without the fused add (whose residual store would have to wait for the next row's loads). One block
+// a row left the row's chain (loads, reduction, weight loads, quantization, stores) exposed; walking with the next
+// row in flight measured on an H200 (bf16, static scale) [32768, 4096] 77% -> 89% of copy bandwidth, [8192, 7168]
+// 63% -> 83%, [4096, 4096] 64% -> 76%, groups of 128 [8192, 7168] 55% -> 61%. One scale a row keeps a block a row
+// (walking measured 154 -> 162 us at [32768, 4096]), as do rows of 4+ slots: holding two rows would spill.
 template <int NPT, bool ADD, int GROUP>
 __device__ constexpr bool prefetches_rows() {
     return NPT > 0 && NPT <= 2 && !ADD && GROUP != TOKEN_SCALE;
@@ -182,7 +187,7 @@ __global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_
     constexpr int E = 16 / sizeof(T);
     static_assert(GROUP <= TOKEN_SCALE || (GROUP % E == 0 && GROUP / E <= 32), "a group: whole chunks of one warp");
     constexpr bool PREFETCH = prefetches_rows<NPT, ADD, GROUP>();
-    __shared__ float scratch[32];
+    __shared__ float scratch[64];  // row_sum_max's sums and maxima
     // The scalars first, so that their loads overlap the row's.
     const float static_scale = GROUP == STATIC_SCALE ? *p.scale : 1.f;
     const float* const scale_ub = p.scale_ub;
@@ -215,8 +220,20 @@ __global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_
         const T* const src = ADD ? res_row : x_row;  // what is normalized
         unsigned char* const y_row = static_cast<unsigned char*>(p.y) + row * p.y_stride;
 
+        // The weight's chunk at col: ones without a weight, so that its scale is one multiply whatever is given.
+        const auto weight_chunk = [&](i64 col) {
+            return weight ? load_elems<VEC, E>(weight, col, hidden) : filled<W, E>(1.f);
+        };
+        const auto chunk_max = [](const float (&v)[E]) {
+            float m = 0.f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) m = fmaxf(m, fabsf(v[e]));
+            return m;
+        };
+
         Held<T, E> held[NPT > 0 ? NPT : 1];
         float sum_sq = 0.f;
+        float xw_max = 0.f;  // TOKEN_SCALE: max |x (w + offset)|, which rstd > 0 scales to the row's max |v|
         for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
             Held<T, E> v;
             if constexpr (PREFETCH) {
@@ -234,41 +251,38 @@ __global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_
             if constexpr (NPT > 0) held[i] = v;
 #pragma unroll
             for (int e = 0; e < E; ++e) sum_sq = fmaf(v.at(e), v.at(e), sum_sq);
+            if constexpr (GROUP == TOKEN_SCALE) {
+                const Pack<W, E> w = weight_chunk(col);
+                float xw[E];
+#pragma unroll
+                for (int e = 0; e < E; ++e) xw[e] = v.at(e) * (as_float<true>(w.v[e]) + weight_offset);
+                xw_max = fmaxf(xw_max, chunk_max(xw));
+            }
         });
         if constexpr (PREFETCH) load_ahead(row + grid_rows);
-        const float rstd = inverse_rms(row_sum(sum_sq, width, scratch, first_row), p.inv_hidden, p.eps);
+        float rstd, row_inverse = inverse;  // row_inverse: 1 / the row's scale (STATIC_SCALE, TOKEN_SCALE)
+        if constexpr (GROUP == TOKEN_SCALE) {  // the row's sum and maximum in one reduction
+            const float2 reduced = row_sum_max(sum_sq, xw_max, width, scratch, first_row);
+            rstd = inverse_rms(reduced.x, p.inv_hidden, p.eps);
+            const float scale = scale_of(rstd * reduced.y, bound);
+            if (active && lane == 0) p.scales[row] = scale;
+            row_inverse = 1.f / scale;
+        } else {
+            rstd = inverse_rms(row_sum(sum_sq, width, scratch, first_row), p.inv_hidden, p.eps);
+        }
         first_row = false;
 
         // Chunk (i, col)'s values times coef: with coef = rstd, the normalized values as rms_norm computes them
-        // before its rounding; with the row's 1 / scale folded into coef, their quantized values. The weight is ones
-        // without one, so that its scale is one multiply whatever is given.
+        // before its rounding; with the row's 1 / scale folded into coef, their quantized values.
         const auto normalized = [&](int i, i64 col, float coef, float (&v)[E]) {
             Held<T, E> s;
             if constexpr (NPT > 0) s = held[i];
             else s.hold(load_elems<VEC, E>(src, col, hidden));
-            const Pack<W, E> w = weight ? load_elems<VEC, E>(weight, col, hidden) : filled<W, E>(1.f);
+            const Pack<W, E> w = weight_chunk(col);
 #pragma unroll
             for (int e = 0; e < E; ++e) v[e] = s.at(e) * coef * (as_float<true>(w.v[e]) + weight_offset);
         };
-        const auto chunk_max = [](const float (&v)[E]) {
-            float m = 0.f;
-#pragma unroll
-            for (int e = 0; e < E; ++e) m = fmaxf(m, fabsf(v[e]));
-            return m;
-        };
 
-        float row_inverse = inverse;  // 1 / the row's scale (STATIC_SCALE, TOKEN_SCALE)
-        if constexpr (GROUP == TOKEN_SCALE) {
-            float amax = 0.f;
-            for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
-                float v[E];
-                normalized(i, col, rstd, v);
-                amax = fmaxf(amax, chunk_max(v));
-            });
-            const float scale = scale_of(row_max(amax, width, scratch), bound);
-            if (active && lane == 0) p.scales[row] = scale;
-            row_inverse = 1.f / scale;
-        }
         // A group's scale comes from its normalized values; a row's is folded into the coefficient.
         const float coef = GROUP > TOKEN_SCALE ? rstd : rstd * row_inverse;
         for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {

@@ -100,8 +100,8 @@ def test_rms_norm_fp8(rng, kind, dtype, rows, hidden, mode, add):
 @pytest.mark.parametrize("hidden,mode", [(4096, "static"), (1027, "static"), (4096, "group128"), (7168, "group128")])
 def test_blocks_walking_rows(rng, monkeypatch, dtype, hidden, mode):
     """More rows than the GPU's resident blocks hold at once, with a last round of a few: blocks walk the rows, each
-    loading its next row while it quantizes one (rows of 1-2 slots, a static scale or groups, 16-byte or element by
-    element), into poisoned outputs. The rows repeat a tile of 67 (the reference's), which falls differently on
+    loading its next row while it quantizes one (rows of 1-2 slots, 16-byte or element by element), into poisoned
+    outputs. The rows repeat a tile of 67 (the reference's), which falls differently on
     the blocks in each round."""
     import torch
 
@@ -120,7 +120,8 @@ def test_blocks_walking_rows(rng, monkeypatch, dtype, hidden, mode):
     cupyrope.rms_norm_fp8(x, w, 1e-6, offset=0.25, **call_options)  # planned and compiled first
     (plan,) = plans["rms_norm_fp8"].plans.values()
     assert plan.grid * plan.block[1] < rows, plan  # the blocks walk
-    sizes = [rows * hidden] + ([rows * hidden // 128 * 4] if mode != "static" else [])
+    groups = hidden // options.get("group_size", hidden)
+    sizes = [rows * hidden] + ([rows * groups * 4] if mode != "static" else [])
     with poisoned_allocations("torch", [(n,) for n in sizes], "uint8", 0x7F) as blocks:
         result = cupyrope.rms_norm_fp8(x, w, 1e-6, offset=0.25, **call_options)
     y, scales = (result, None) if mode == "static" else result
