@@ -252,7 +252,11 @@ def _nvrtc_compile(source_file: str, name_expression: str, target: str) -> tuple
             nvrtc.compileProgram(program, (*compile_options(), f"-arch={target}"))
         except nvrtc.NVRTCError:
             raise _compile_error(name_expression, nvrtc.getProgramLog(program), target) from None
-        binary = nvrtc.getCUBIN(program) if target.startswith("sm_") else nvrtc.getPTX(program).encode()
+        if target.startswith("sm_"):
+            binary = nvrtc.getCUBIN(program)
+        else:  # PTX: bytes from CuPy 14, text before
+            binary = nvrtc.getPTX(program)
+            binary = binary if isinstance(binary, bytes) else binary.encode()
         return binary, nvrtc.getLoweredName(program, name_expression)
     finally:
         nvrtc.destroyProgram(program)

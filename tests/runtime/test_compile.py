@@ -148,6 +148,18 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path / "kernel_cache"
 
 
+def test_a_gpu_newer_than_nvrtc_gets_ptx_through_the_cache(cache_dir):
+    """What a GPU past NVRTC's newest target loads: the PTX of that target, compiled and cached like machine code
+    (the driver compiles it on load)."""
+    variant = all_variants()[0]
+    target = f"compute_{max(compile.nvrtc_archs())}"
+    binary, lowered, compiled = compile.cached_binary(*variant, target)
+    assert compiled and isinstance(binary, bytes)
+    text = binary.rstrip(b"\0").decode()
+    assert f".target sm_{max(compile.nvrtc_archs())}" in text and f".entry {lowered}" in text
+    assert compile.cached_binary(*variant, target)[:2] == (binary, lowered)  # read back, not compiled again
+
+
 def test_compile_fills_the_kernel_cache_and_a_second_run_compiles_nothing(cache_dir, monkeypatch):
     variants = all_variants()[:3] + all_variants()[-2:]
     first = compile.compile_all("sm_90", variants)

@@ -55,3 +55,28 @@ def test_after_compile_a_fresh_process_compiles_nothing(tmp_path):
     assert built.returncode == 0 and f"sm_{capability}: " in built.stdout, built.stdout + built.stderr
     first = subprocess.run([sys.executable, "-c", FIRST_CALLS], env=env, capture_output=True, text=True)
     assert first.returncode == 0 and "ok" in first.stdout, first.stderr[-3000:]
+
+
+PTX_CALLS = textwrap.dedent("""
+    import cupy, numpy as np
+    import cupyrope
+    from cupyrope import reference
+    from cupyrope._runtime import compile
+
+    # What a GPU newer than NVRTC's targets runs: PTX, compiled by the driver on load.
+    compile.target_of = lambda capability: f"compute_{capability}"
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((37, 4, 64)).astype(np.float32)
+    pos = rng.integers(0, 4096, 37)
+    out = cupyrope.rope(cupy.asarray(x), cupy.asarray(pos))
+    assert np.allclose(cupy.asnumpy(out), reference.rope(x, pos), rtol=1e-5, atol=1e-5)
+    print("ok")
+""")
+
+
+def test_kernels_load_from_ptx(tmp_path):
+    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path / "kernel_cache"),
+               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", PTX_CALLS], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+    assert list((tmp_path / "kernel_cache").glob("cupyrope-*.bin"))  # the PTX went through the cache
