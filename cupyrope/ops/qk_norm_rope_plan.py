@@ -19,7 +19,7 @@ SOURCE = "qk_norm_rope.cu"
 MAX_ITEMS = {True: 1, False: 4}  # items a thread, 16-byte and scalar (kernels_src/qk_norm_rope.cu: MAX_ITEMS)
 # Blocks an SM holds (kernels_src/qk_norm_rope.cu: FORWARD_MIN_BLOCKS, BACKWARD_MIN_BLOCKS), for balanced_tokens.
 BLOCKS_PER_SM = {False: 4, True: 3}  # by backward
-STATIC_SHARED_BYTES = 8 * 1024  # the kernels' BlockTokens and inverse frequencies
+STATIC_SHARED_BYTES = 9 * 1024  # the kernels' BlockTokens, inverse frequencies and the backward's x_offset
 
 
 @dataclasses.dataclass(frozen=True)

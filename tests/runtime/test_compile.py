@@ -2,6 +2,7 @@
 source discovery and cache keys, compile errors naming the file and line, target names."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,32 @@ def test_every_variant_compiles_without_a_gpu(arch):
     results = compile_variants(arch, jobs=os.cpu_count() or 1, cache=False)
     assert sorted(r[:2] for r in results) == sorted(all_variants())
     assert all(size > 1000 for _, _, size, _ in results)  # a real cubin each
+
+
+def _static_shared_bytes(source: str, name: str) -> int:
+    """The bytes of a variant's own shared arrays: the sizes of its PTX's static .shared declarations."""
+    ptx = compile._nvrtc_compile(source, name, "compute_90")[0].decode()
+    return sum(int(n) for n in re.findall(r"^\s*\.shared\s+\.align\s+\d+\s+\.b8\s+\S+\[(\d+)\];", ptx, re.M))
+
+
+def test_static_shared_memory_stays_within_what_the_planners_set_aside():
+    """A planner sizes a block's dynamic shared memory to fit beside the kernel's own arrays (its
+    STATIC_SHARED_BYTES): a kernel whose arrays outgrow that could ask for more than a block has."""
+    from cupyrope.ops import qk_norm_rope_plan, rmsnorm_rows
+
+    rows = rmsnorm_rows.STATIC_SHARED_BYTES
+    allowance = {"qk_norm_rope.cu": qk_norm_rope_plan.STATIC_SHARED_BYTES, "rmsnorm_fwd.cu": rows,
+                 "rmsnorm_bwd.cu": rows, "rmsnorm_fp8.cu": rows, "layernorm.cu": rows}
+    no_dynamic = ("rms_norm_dw<", "e4m3_encode<")  # launched with no dynamic shared memory
+    largest = {}  # per kernel: its first variant and its first with in-kernel cos/sin (their own table of frequencies)
+    for source, name in all_variants():
+        kernel = name.split("<")[0]
+        if source in allowance and not name.split("::")[-1].startswith(no_dynamic):
+            if kernel not in largest or (name.endswith(", false>") and not largest[kernel][1].endswith(", false>")):
+                largest[kernel] = (source, name)
+    assert {source for source, _ in largest.values()} == set(allowance)
+    for source, name in largest.values():
+        assert _static_shared_bytes(source, name) <= allowance[source], name
 
 
 def test_variant_list_covers_every_op_and_is_unique():
