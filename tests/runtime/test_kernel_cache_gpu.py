@@ -41,6 +41,12 @@ FIRST_CALLS = textwrap.dedent("""
 """)
 
 
+def fresh_process_env(tmp_path) -> dict:
+    """A child process's environment: this checkout importable, a kernel cache of its own under tmp_path."""
+    return dict(os.environ, CUPY_CACHE_DIR=str(tmp_path / "kernel_cache"),
+                PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+
+
 def test_after_compile_a_fresh_process_compiles_nothing(tmp_path):
     import cupy
 
@@ -49,8 +55,7 @@ def test_after_compile_a_fresh_process_compiles_nothing(tmp_path):
     capability = int("".join(map(str, cupy.cuda.Device(0).compute_capability)))
     if not target_of(capability).startswith("sm_"):
         pytest.skip(f"this NVRTC has no machine code for compute capability {capability} (PTX is compiled on use)")
-    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path / "kernel_cache"),
-               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    env = fresh_process_env(tmp_path)
     built = subprocess.run([sys.executable, "-m", "cupyrope", "compile"], env=env, capture_output=True, text=True)
     assert built.returncode == 0 and f"sm_{capability}: " in built.stdout, built.stdout + built.stderr
     first = subprocess.run([sys.executable, "-c", FIRST_CALLS], env=env, capture_output=True, text=True)
@@ -75,8 +80,7 @@ PTX_CALLS = textwrap.dedent("""
 
 
 def test_kernels_load_from_ptx(tmp_path):
-    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path / "kernel_cache"),
-               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    env = fresh_process_env(tmp_path)
     run = subprocess.run([sys.executable, "-c", PTX_CALLS], env=env, capture_output=True, text=True)
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
     assert list((tmp_path / "kernel_cache").glob("cupyrope-*.bin"))  # the PTX went through the cache
