@@ -342,9 +342,11 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
     const unsigned lanes = (unsigned)(p.rot_lanes + p.copy_lanes);
     const i64 width = 2 * p.head_dim;  // a group's sums: q's features, then k's
     constexpr int HALVES = STYLE == NEOX ? 2 : 1, PER_HEAD = HALVES * N * E, SLOTS = 2 * PER_HEAD;
-    float* slots = weights + width;  // [SLOTS][blockDim.x]; after the rows, the sums [groups][width]
+    // [SLOTS][BLOCK_THREADS] (the planner's block): a slot's offset is then an immediate, not an address computed a row
+    // and element; after the rows, the sums [groups][width]
+    float* slots = weights + width;
 #pragma unroll
-    for (int k = 0; k < SLOTS; ++k) slots[k * blockDim.x + threadIdx.x] = 0.f;
+    for (int k = 0; k < SLOTS; ++k) slots[k * BLOCK_THREADS + threadIdx.x] = 0.f;
     stage_weights<W>(p, weights);
     if constexpr (!CACHE) fill_inv_freq(p, inv_freq);
 
@@ -376,7 +378,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
             }
             const float rstd = row_rstd<LANES_LOOP>(p, items_squares(p, x, lane, G, active), G);
             const float* w = weights + (hr.is_q ? 0 : p.head_dim);
-            float* my_slots = slots + (hr.is_q ? 0 : PER_HEAD) * blockDim.x + threadIdx.x;
+            float* my_slots = slots + (hr.is_q ? 0 : PER_HEAD) * BLOCK_THREADS + threadIdx.x;
             float gw1[N][E], gw2[N][E], n1[N][E], n2[N][E];  // g * (w + offset) and n, item by item
             float dot = 0.f;
 #pragma unroll
@@ -388,8 +390,8 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
                                                    w2);
 #pragma unroll
                 for (int j = 0; j < E; ++j) {  // g and n are 0 where an item has no feature
-                    my_slots[(m * E + j) * blockDim.x] += g1[j] * n1[m][j];
-                    if constexpr (STYLE == NEOX) my_slots[((N + m) * E + j) * blockDim.x] += g2[j] * n2[m][j];
+                    my_slots[(m * E + j) * BLOCK_THREADS] += g1[j] * n1[m][j];
+                    if constexpr (STYLE == NEOX) my_slots[((N + m) * E + j) * BLOCK_THREADS] += g2[j] * n2[m][j];
                     gw1[m][j] = g1[j] * w1[j], gw2[m][j] = g2[j] * w2[j];
                     dot += gw1[m][j] * n1[m][j] + gw2[m][j] * n2[m][j];
                 }
@@ -411,7 +413,7 @@ __global__ void __launch_bounds__(BLOCK_THREADS, BACKWARD_MIN_BLOCKS) qk_norm_ro
     __syncthreads();
     float mine[SLOTS];
 #pragma unroll
-    for (int k = 0; k < SLOTS; ++k) mine[k] = slots[k * blockDim.x + threadIdx.x];
+    for (int k = 0; k < SLOTS; ++k) mine[k] = slots[k * BLOCK_THREADS + threadIdx.x];
     __syncthreads();
     float* sums = slots + (threadIdx.x / G) * width;  // this group's row of [groups][width]
 #pragma unroll
