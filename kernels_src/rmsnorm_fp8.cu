@@ -163,15 +163,16 @@ __device__ __forceinline__ void for_chunks(int lane, int width, i64 hidden, F f)
 // register slots without the fused add (whose residual store would have to wait for the next row's loads). One block
 // a row left the row's chain (loads, reduction, weight loads, quantization, stores) exposed; walking with the next
 // row in flight measured on an H200 (bf16, static scale) [32768, 4096] 77% -> 89% of copy bandwidth, [8192, 7168]
-// 63% -> 83%, [4096, 4096] 64% -> 76%, groups of 128 [8192, 7168] 55% -> 61%. One scale a row keeps a block a row
-// (walking measured 154 -> 162 us at [32768, 4096]), as do rows of 4+ slots: holding two rows would spill.
+// 63% -> 83%, [4096, 4096] 64% -> 76%, groups of 128 [8192, 7168] 55% -> 61%; one scale a row (its products held)
+// [32768, 4096] 133.6 -> 132.1 us, [8192, 7168] 71.7 -> 65.8. Rows of 4+ slots keep a block a row: holding two rows
+// would spill.
 template <int NPT, bool ADD, int GROUP>
 __device__ constexpr bool prefetches_rows() {
-    return NPT > 0 && NPT <= 2 && !ADD && GROUP != TOKEN_SCALE;
+    return NPT > 0 && NPT <= 2 && !ADD;
 }
 
 // Resident 512-thread blocks per SM asked of the compiler (its register budget): rows of up to 2 register slots 3
-// (NPT 0 holds no row), 2 where the next row is in flight (56 registers), rows of 4+ slots hold more and keep the
+// (NPT 0 holds no row), 2 where the next row is in flight (56-63 registers), rows of 4+ slots hold more and keep the
 // compiler's budget. 3 measured 15-18% faster than the compiler's own budget with dynamic scales (H200, bf16
 // [32768, 4096] one scale a row 203 -> 173 us, groups of 128 188 -> 162) and the same with a static scale.
 template <int NPT, bool ADD, int GROUP>
@@ -179,14 +180,19 @@ __device__ constexpr int fp8_min_blocks() {
     return prefetches_rows<NPT, ADD, GROUP>() ? 2 : NPT <= 2 ? 3 : 1;
 }
 
-// Weights are loaded after the reduction, as each chunk is quantized: loaded with x and held through it, they measured
-// 12-18% slower with a static scale (H200, bf16 [32768, 4096] 128 -> 152 us; [8192, 7168] 72 -> 85).
+// With a static scale or groups, weights are loaded after the reduction, as each chunk is quantized: loaded with x and
+// held through it, they measured 12-18% slower with a static scale (H200, bf16 [32768, 4096] 128 -> 152 us;
+// [8192, 7168] 72 -> 85). One scale a row needs them in the first pass, for the row's maximum.
 template <typename T, typename W, bool VEC, int NPT, bool ADD, int GROUP>
 __global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_norm_fp8(const Fp8NormParams p) {
     wait_for_previous_grid();
     constexpr int E = 16 / sizeof(T);
     static_assert(GROUP <= TOKEN_SCALE || (GROUP % E == 0 && GROUP / E <= 32), "a group: whole chunks of one warp");
     constexpr bool PREFETCH = prefetches_rows<NPT, ADD, GROUP>();
+    // One scale a row, rows held: the first pass's products x (w + offset) are held rather than x, so the output is
+    // one multiply an element, with no second weight load, unpacking or offset add (H200, bf16: [32768, 4096]
+    // 153.3 -> 133.6 us, [8192, 7168] 80.0 -> 71.7).
+    constexpr bool HOLDS_PRODUCTS = NPT > 0 && GROUP == TOKEN_SCALE;
     __shared__ float scratch[64];  // row_sum_max's sums and maxima
     // The scalars first, so that their loads overlap the row's.
     const float static_scale = GROUP == STATIC_SCALE ? *p.scale : 1.f;
@@ -231,7 +237,8 @@ __global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_
             return m;
         };
 
-        Held<T, E> held[NPT > 0 ? NPT : 1];
+        Held<T, E> held[NPT > 0 && !HOLDS_PRODUCTS ? NPT : 1];
+        float products[HOLDS_PRODUCTS ? NPT : 1][E];  // x (w + offset), which the output only scales
         float sum_sq = 0.f;
         float xw_max = 0.f;  // TOKEN_SCALE: max |x (w + offset)|, which rstd > 0 scales to the row's max |v|
         for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
@@ -248,7 +255,7 @@ __global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_
                 }
                 v.hold(pk);
             }
-            if constexpr (NPT > 0) held[i] = v;
+            if constexpr (NPT > 0 && !HOLDS_PRODUCTS) held[i] = v;
 #pragma unroll
             for (int e = 0; e < E; ++e) sum_sq = fmaf(v.at(e), v.at(e), sum_sq);
             if constexpr (GROUP == TOKEN_SCALE) {
@@ -257,6 +264,10 @@ __global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_
 #pragma unroll
                 for (int e = 0; e < E; ++e) xw[e] = v.at(e) * (as_float<true>(w.v[e]) + weight_offset);
                 xw_max = fmaxf(xw_max, chunk_max(xw));
+                if constexpr (HOLDS_PRODUCTS) {
+#pragma unroll
+                    for (int e = 0; e < E; ++e) products[i][e] = xw[e];
+                }
             }
         });
         if constexpr (PREFETCH) load_ahead(row + grid_rows);
@@ -275,6 +286,11 @@ __global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_
         // Chunk (i, col)'s values times coef: with coef = rstd, the normalized values as rms_norm computes them
         // before its rounding; with the row's 1 / scale folded into coef, their quantized values.
         const auto normalized = [&](int i, i64 col, float coef, float (&v)[E]) {
+            if constexpr (HOLDS_PRODUCTS) {
+#pragma unroll
+                for (int e = 0; e < E; ++e) v[e] = products[i][e] * coef;
+                return;
+            }
             Held<T, E> s;
             if constexpr (NPT > 0) s = held[i];
             else s.hold(load_elems<VEC, E>(src, col, hidden));

@@ -24,9 +24,9 @@ FP8_MAX_SLOTS = {4: 8, 2: 4}
 
 def walks_rows(plan: NormPlan, residual, group: int) -> bool:
     """Whether the kernel's blocks walk rows with the next one in flight (rmsnorm_fp8.cu's prefetches_rows: rows of
-    1-2 register slots, a static scale or groups, no fused add), so that the grid is the blocks the GPU holds at
+    1-2 register slots, no fused add), so that the grid is the blocks the GPU holds at
     once."""
-    return 0 < plan.slots <= 2 and residual is None and group != TOKEN_SCALE
+    return 0 < plan.slots <= 2 and residual is None
 
 
 def kernel_group(scale_given: bool, group_size) -> int:

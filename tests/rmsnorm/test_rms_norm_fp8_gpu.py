@@ -97,7 +97,8 @@ def test_rms_norm_fp8(rng, kind, dtype, rows, hidden, mode, add):
 
 @requires_torch_cuda
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("hidden,mode", [(4096, "static"), (1027, "static"), (4096, "group128"), (7168, "group128")])
+@pytest.mark.parametrize("hidden,mode", [(4096, "static"), (1027, "static"), (4096, "token"), (1027, "token"),
+                                         (4096, "group128"), (7168, "group128")])
 def test_blocks_walking_rows(rng, monkeypatch, dtype, hidden, mode):
     """More rows than the GPU's resident blocks hold at once, with a last round of a few: blocks walk the rows, each
     loading its next row while it quantizes one (rows of 1-2 slots, 16-byte or element by element), into poisoned

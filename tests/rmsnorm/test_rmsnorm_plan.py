@@ -541,14 +541,14 @@ def test_rms_norm_fp8_plans(dtype, hidden, group, vectorized, block, slots):
     [("bfloat16", 4096, fp8.STATIC_SCALE, False, True),  # 2 slots: the next row in flight
      ("bfloat16", 7168, 128, False, True),
      ("bfloat16", 1027, fp8.STATIC_SCALE, False, True),  # element by element
-     ("bfloat16", 4096, fp8.TOKEN_SCALE, False, False),  # the row maximum's barrier: a block a row
+     ("bfloat16", 4096, fp8.TOKEN_SCALE, False, True),  # one scale a row: its products held, the next row in flight
      ("bfloat16", 4096, fp8.STATIC_SCALE, True, False),  # the fused add stores the residual
      ("float32", 16384, 64, False, False),  # 8 slots: the next row would spill
      ("bfloat16", 32768, fp8.STATIC_SCALE, False, False)],  # read again
 )
 def test_rms_norm_fp8_walks_rows_with_the_next_in_flight(dtype, hidden, group, residual, walks):
-    """walks_rows (the grid capped at the resident blocks) is the kernel's prefetches_rows: rows of 1-2 slots with a
-    static scale or groups, without the fused add."""
+    """walks_rows (the grid capped at the resident blocks) is the kernel's prefetches_rows: rows of 1-2 slots without
+    the fused add, whatever the scales."""
     x, y = arr((300, hidden), dtype), arr((300, hidden), "uint8", ptr=BASE + 2**28)
     r = arr((300, hidden), dtype, ptr=BASE + 2**29) if residual else None
     plan = plan_fp8(x, y, r, None, (hidden, hidden, hidden if residual else 0), 300, hidden, group)
