@@ -84,12 +84,12 @@ __device__ __forceinline__ float2 row_sum_max(float sum, float m, int width, flo
     return make_float2(partials_sum(sums, warps, lane), m);
 }
 
-// The maximum of v over the LANES consecutive lanes of a group (LANES a power of two up to 32, aligned in the warp;
-// only they call it).
-template <int LANES>
+// The maximum of v over the LANES consecutive lanes of a group (LANES a power of two up to 32, aligned in the warp).
+// WHOLE_WARP: every lane of the warp calls it (a full-mask shuffle); else only the group's lanes do.
+template <int LANES, bool WHOLE_WARP>
 __device__ __forceinline__ float group_max(float v) {
     const unsigned lane = (threadIdx.x + threadIdx.y * blockDim.x) % 32;
-    const unsigned mask = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << (lane / LANES * LANES);
+    const unsigned mask = WHOLE_WARP || LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << (lane / LANES * LANES);
 #pragma unroll
     for (int offset = LANES / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(mask, v, offset));
     return v;
@@ -183,9 +183,11 @@ __device__ constexpr int fp8_min_blocks() {
 // With a static scale or groups, weights are loaded after the reduction, as each chunk is quantized: loaded with x and
 // held through it, they measured 12-18% slower with a static scale (H200, bf16 [32768, 4096] 128 -> 152 us;
 // [8192, 7168] 72 -> 85). One scale a row needs them in the first pass, for the row's maximum.
-template <typename T, typename W, bool VEC, int NPT, bool ADD, int GROUP>
-__global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_norm_fp8(const Fp8NormParams p) {
-    wait_for_previous_grid();
+// WEIGHTED: p.weight is given. rms_norm_fp8 picks the instance at run time, so that no chunk selects between its
+// weights and ones: a select a chunk measured 5% of the static kernel's time (H200, bf16 [32768, 4096] static
+// 104.7 -> 99.4 us, groups of 128 148.9 -> 144.0, one scale a row 133.6 -> 130.8).
+template <typename T, typename W, bool VEC, int NPT, bool ADD, int GROUP, bool WEIGHTED>
+__device__ __forceinline__ void fp8_norm_rows(const Fp8NormParams& p, float* scratch) {
     constexpr int E = 16 / sizeof(T);
     static_assert(GROUP <= TOKEN_SCALE || (GROUP % E == 0 && GROUP / E <= 32), "a group: whole chunks of one warp");
     constexpr bool PREFETCH = prefetches_rows<NPT, ADD, GROUP>();
@@ -193,13 +195,12 @@ __global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_
     // one multiply an element, with no second weight load, unpacking or offset add (H200, bf16: [32768, 4096]
     // 153.3 -> 133.6 us, [8192, 7168] 80.0 -> 71.7).
     constexpr bool HOLDS_PRODUCTS = NPT > 0 && GROUP == TOKEN_SCALE;
-    __shared__ float scratch[64];  // row_sum_max's sums and maxima
     // The scalars first, so that their loads overlap the row's.
     const float static_scale = GROUP == STATIC_SCALE ? *p.scale : 1.f;
     const float* const scale_ub = p.scale_ub;
     const float bound = GROUP != STATIC_SCALE && scale_ub ? *scale_ub : __int_as_float(0x7f800000);  // Inf
     const W* const weight = static_cast<const W*>(p.weight);
-    const float weight_offset = weight ? p.offset : 0.f;  // no weight: ones (below), and no offset
+    const float weight_offset = WEIGHTED ? p.offset : 0.f;  // no weight: ones (below), and no offset
     const float inverse = 1.f / static_scale;  // STATIC_SCALE's 1 / scale
     const int lane = threadIdx.x, width = blockDim.x;
     const i64 grid_rows = (i64)gridDim.x * blockDim.y;
@@ -228,7 +229,8 @@ __global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_
 
         // The weight's chunk at col: ones without a weight, so that its scale is one multiply whatever is given.
         const auto weight_chunk = [&](i64 col) {
-            return weight ? load_elems<VEC, E>(weight, col, hidden) : filled<W, E>(1.f);
+            if constexpr (WEIGHTED) return load_elems<VEC, E>(weight, col, hidden);
+            else return filled<W, E>(1.f);
         };
         const auto chunk_max = [](const float (&v)[E]) {
             float m = 0.f;
@@ -301,20 +303,43 @@ __global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_
 
         // A group's scale comes from its normalized values; a row's is folded into the coefficient.
         const float coef = GROUP > TOKEN_SCALE ? rstd : rstd * row_inverse;
-        for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) {
-            float v[E];
-            normalized(i, col, coef, v);
+        // Chunk (i, col) quantized and stored. in_row false: a slot past the row, which joins its group's maximum
+        // (zeros) and stores nothing.
+        const auto quantize = [&](int i, i64 col, bool in_row) {
+            float v[E] = {};
+            if (in_row) normalized(i, col, coef, v);
             if constexpr (GROUP > TOKEN_SCALE) {  // the group's lanes are all here: a group lies in the row or past it
-                const float scale = scale_of(group_max<GROUP / E>(chunk_max(v)), bound);
+                const float scale = scale_of(group_max<GROUP / E, (NPT > 0)>(chunk_max(v)), bound);
+                if (!in_row) return;
                 if (col % GROUP == 0) p.scales[row * (p.hidden / GROUP) + col / GROUP] = scale;
                 const float group_inverse = 1.f / scale;
 #pragma unroll
                 for (int e = 0; e < E; ++e) v[e] *= group_inverse;
             }
             store_fp8<VEC, E>(y_row, col, hidden, v);
-        });
+        };
+        if constexpr (GROUP > TOKEN_SCALE && NPT > 0) {
+            // Every lane takes part in each slot's group maximum, so that its shuffles are the whole warp's: with the
+            // group's lanes as the mask, under the slot's branch, each compiled to a shuffle in a collective region
+            // (H200, bf16 groups of 128: [32768, 4096] 144.0 -> 141.9 us, [4096, 4096] 20.7 -> 19.9).
+#pragma unroll
+            for (int i = 0; i < NPT; ++i) {
+                const i64 col = (i64)(lane + i * width) * E;
+                quantize(i, col, col < hidden);
+            }
+        } else {
+            for_chunks<NPT, E>(lane, width, hidden, [&](int i, i64 col) { quantize(i, col, true); });
+        }
         if constexpr (!PREFETCH) break;  // the grid has a block for each of the rows' slots
     }
+}
+
+template <typename T, typename W, bool VEC, int NPT, bool ADD, int GROUP>
+__global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_norm_fp8(const Fp8NormParams p) {
+    wait_for_previous_grid();
+    __shared__ float scratch[64];  // row_sum_max's sums and maxima
+    if (p.weight) fp8_norm_rows<T, W, VEC, NPT, ADD, GROUP, true>(p, scratch);
+    else fp8_norm_rows<T, W, VEC, NPT, ADD, GROUP, false>(p, scratch);
 }
 
 // The e4m3 conversion on its own, for the tests: y[i] = the byte of x[i], by the hardware's conversion (sm_89+) or
