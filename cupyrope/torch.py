@@ -24,7 +24,7 @@ from .ops import rmsnorm_checks as _norm_checks
 from .ops import rope_checks as _rope_checks
 from .ops.layernorm import fused_add_layer_norm as _fused_add_layer_norm
 from .ops.layernorm import layer_norm as _layer_norm
-from .ops.layernorm import layer_norm_backward as _layer_norm_backward
+from .ops.layernorm import parameter_grads_backward as _layer_norm_backward
 from .ops.qk_norm_rope import qk_norm_rope as _qk_norm_rope
 from .ops.qk_norm_rope import qk_norm_rope_backward as _qk_norm_rope_backward
 from .ops.rmsnorm import add_rms_norm as _add_rms_norm
@@ -678,9 +678,10 @@ def _layer_norm_backward_cpu(dy, x, weight, bias, mean, rstd, eps):
     xhat = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     g = dyf * weight.float() if weight is not None else dyf
     dx = rstd.unsqueeze(-1) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-    dw = None if weight is None else _column_sums(dyf * xhat, weight.dtype)
-    db = None if bias is None else _column_sums(dyf, bias.dtype)
-    return dx.to(x.dtype), dw, db
+    param = weight if weight is not None else bias
+    grads = None if param is None else torch.stack([_column_sums(dyf * xhat, param.dtype),
+                                                    _column_sums(dyf, param.dtype)])
+    return dx.to(x.dtype), grads
 
 
 def _layer_norm_any(x, weight, bias, eps, return_stats=True):
@@ -701,16 +702,17 @@ def _layer_norm_any(x, weight, bias, eps, return_stats=True):
 
 
 def _layer_norm_backward_any(dy, x, weight, bias, mean, rstd, eps):
+    """(dx, grads): grads the (2, hidden) dweight and dbias (None without either parameter)."""
     order = _row_order(x)  # the forward's: mean and rstd are laid out in it
     if order is not None:
         dy, x = _in_row_order(dy, order), _in_row_order(x, order)
         mean, rstd = (_in_row_order(t, order, rows_only=True).contiguous() for t in (mean, rstd))
     if not x.is_cuda:
-        dx, dw, db = _layer_norm_backward_cpu(_contiguous_last(dy), x, weight, bias, mean, rstd, eps)
+        dx, grads = _layer_norm_backward_cpu(_contiguous_last(dy), x, weight, bias, mean, rstd, eps)
     else:
         dy, x = _rows_in_runs(dy, x, levels=1)
-        dx, dw, db = _layer_norm_backward(dy, x, weight, bias, mean, rstd, eps)
-    return _from_row_order(dx, order), dw, db
+        dx, grads = _layer_norm_backward(dy, x, weight, bias, mean, rstd, eps)
+    return _from_row_order(dx, order), grads
 
 
 @torch.library.custom_op("cupyrope::layer_norm", mutates_args=(), device_types=("cuda", "cpu"))
@@ -727,25 +729,27 @@ def _(x, weight, bias, eps):
 
 @torch.library.custom_op("cupyrope::layer_norm_backward", mutates_args=(), device_types=("cuda", "cpu"))
 def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
-                            rstd: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dweight, dbias); an empty tensor stands for a missing parameter's gradient (ops cannot return None)."""
-    dx, dw, db = _layer_norm_backward_any(dy, x, weight, bias, mean, rstd, eps)
-    return dx, (dw if dw is not None else dx.new_empty(0)), (db if db is not None else dx.new_empty(0))
+                            rstd: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(dx, grads): grads the (2, hidden) dweight and dbias in one tensor (ops return no views of their outputs),
+    empty without either parameter (ops cannot return None)."""
+    dx, grads = _layer_norm_backward_any(dy, x, weight, bias, mean, rstd, eps)
+    return dx, (grads if grads is not None else dx.new_empty(0))
 
 
 @_layer_norm_backward_op.register_fake
 def _(dy, x, weight, bias, mean, rstd, eps):
-    grads = [x.new_empty(0) if param is None else torch.empty(param.shape, dtype=param.dtype, device=param.device)
-             for param in (weight, bias)]
-    return _new_rows_like(x), *grads
+    param = weight if weight is not None else bias
+    grads = x.new_empty(0) if param is None else param.new_empty((2, param.shape[-1]))
+    return _new_rows_like(x), grads
 
 
 def _layer_norm_grads(ctx, grad_y, backward):
     """layer_norm's gradients (x, weight, bias, eps) through backward (the op or the function)."""
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = backward(grad_y, x, weight, bias, mean, rstd, ctx.eps)
-    return ((dx if ctx.needs_input_grad[0] else None), (dw if weight is not None and ctx.needs_input_grad[1] else None),
-            (db if bias is not None and ctx.needs_input_grad[2] else None), None)
+    dx, grads = backward(grad_y, x, weight, bias, mean, rstd, ctx.eps)
+    return ((dx if ctx.needs_input_grad[0] else None),
+            (grads[0] if weight is not None and ctx.needs_input_grad[1] else None),
+            (grads[1] if bias is not None and ctx.needs_input_grad[2] else None), None)
 
 
 def _layer_norm_setup(ctx, inputs, output):

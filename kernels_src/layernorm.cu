@@ -198,7 +198,8 @@ __global__ void __launch_bounds__(LayerNormBounds<NPT, ADD, SHIFT>::threads, Lay
 // grid's slots, ... and owns partial row s of each sum: held in registers (NPT > 0: a thread owns the same columns in
 // every row) and stored at the end, or (NPT == 0) added to in place, each column by the one thread that owns it (in
 // shared memory where they fit, then stored: fp32 [8192, 16384] 33% -> 59% of copy bandwidth on an H200).
-// rms_norm_dw then adds the partial rows in a fixed order: bitwise deterministic. Rows move in 16-byte chunks or
+// rms_norm_dw then adds the partial rows in a fixed order, dweight's and dbias's columns in one launch (a slot's
+// two partial rows are one row of 2 * hidden): bitwise deterministic. Rows move in 16-byte chunks or
 // element by element (no SHIFT: a slot's rows would not share one shift).
 
 struct LayerNormBwdParams {  // mirrored by layernorm.py's BWD_TAIL (after the pointers)
@@ -208,7 +209,7 @@ struct LayerNormBwdParams {  // mirrored by layernorm.py's BWD_TAIL (after the p
     const float* mean;
     const float* rstd;
     void* dx;
-    float* partial;  // [2][slots][hidden]: dweight's sums, then dbias's; null: neither is asked for
+    float* partial;  // [slots][2][hidden]: a slot's dweight sums, then its dbias sums; null: neither is asked for
     i64 rows, hidden;
     i64 dy_stride, x_stride, dx_stride;
     i64 slots;  // gridDim.x * blockDim.y
@@ -312,8 +313,8 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T)>::
     extern __shared__ __align__(16) uint4 stage[];
     const int lane = threadIdx.x, width = blockDim.x, step = width * E;
     const i64 slot = (i64)blockIdx.x * blockDim.y + threadIdx.y;
-    float* const dw_out = p.partial ? p.partial + slot * p.hidden : nullptr;
-    float* const db_out = p.partial ? p.partial + (p.slots + slot) * p.hidden : nullptr;
+    float* const dw_out = p.partial ? p.partial + 2 * slot * p.hidden : nullptr;
+    float* const db_out = p.partial ? dw_out + p.hidden : nullptr;
     // NPT == 0: the slot's partial rows are added to in shared memory where the planner gave room (shared_sums),
     // and copied out at the end; else in place in p.partial.
     const bool shared_sums = NPT == 0 && p.shared_sums && dw_out;

@@ -67,27 +67,31 @@ def layer_norm_backward(dy, x, weight=None, bias=None, mean=None, rstd=None, eps
 
     mean, rstd (fp32, shape x.shape[:-1], as layer_norm(..., return_stats=True) returns them): without them,
     layer_norm computes them first (a read of x more), so that dx has the same bits either way. dweight and dbias
-    are reduced in a fixed order: bitwise identical from run to run, no atomics."""
+    are reduced in a fixed order: bitwise identical from run to run, no atomics. They are the two rows of one
+    (2, hidden) array, reduced by one launch."""
+    dx, grads = parameter_grads_backward(dy, x, weight, bias, mean, rstd, eps, impl=impl)
+    return dx, (grads[0] if weight is not None else None), (grads[1] if bias is not None else None)
+
+
+def parameter_grads_backward(dy, x, weight=None, bias=None, mean=None, rstd=None, eps=1e-5, *, impl="auto"):
+    """layer_norm_backward's (dx, grads): grads the (2, hidden) array of dweight and dbias (a row without its
+    parameter unused), None without either parameter."""
     plan, (d_ptr, x_ptr, w_ptr, b_ptr, m_ptr, r_ptr) = _backward_plans.find(
         (dy, x, weight, bias, mean, rstd), (weight is None, bias is None, mean is None, rstd is None, eps, impl))
     if mean is None and plan.grid:  # the forward's own statistics: the same bits as layer_norm's
         # (held until the launches: freed, their memory could be handed to dx or the partial sums the kernel writes)
         mean, rstd, (m_ptr, r_ptr) = _forward(x, weight, bias, eps, None, True, impl)[1:]  # y freed at once
     dx, dx_ptr = plan.new_dx(x)
-    dweight, dweight_ptr = plan.new_param(weight) if weight is not None else (None, 0)
-    dbias, dbias_ptr = plan.new_param(bias) if bias is not None else (None, 0)
+    grads, grads_ptr = plan.new_params(weight if weight is not None else bias) if plan.new_params else (None, 0)
     if not plan.grid:
-        for grad in (dweight, dbias):
-            if grad is not None and len(grad):
-                grad[...] = 0
-        return dx, dweight, dbias
-    partial, partial_ptr = plan.new_partial(x) if plan.sums_bytes else (None, 0)
+        if grads is not None and grads.size:
+            grads[...] = 0
+        return dx, grads
+    partial, partial_ptr = plan.new_partial(x) if grads is not None else (None, 0)
     plan.launch(d_ptr, x_ptr, w_ptr, m_ptr, r_ptr, dx_ptr, partial_ptr)
-    if dweight is not None:
-        plan.dw_launch(partial_ptr, dweight_ptr)
-    if dbias is not None:
-        plan.dw_launch(partial_ptr + plan.sums_bytes, dbias_ptr)
-    return dx, dweight, dbias
+    if grads is not None:
+        plan.dw_launch(partial_ptr, grads_ptr)
+    return dx, grads
 
 
 # ------------------------------------------------------------------------------------------ planning
@@ -142,18 +146,17 @@ def _plan_backward_call(da, xa, wa, ba, ma, ra, _no_weight, _no_bias, _no_mean, 
         slots = plan.grid * plan.block[1]
         tail = BWD_TAIL.pack(n_rows, hidden, *layout.strides_of(0, 1, 2), slots, 1 / hidden, int(plan.shared_acc))
         plan.launch = Launch(kernel, plan.grid, plan.block, 7, tail, xa.device, xa.kind, plan.shared_mem)
-        # dweight's partial rows, then dbias's (none where neither is asked for)
-        plan.sums_bytes = slots * hidden * 4 if wa is not None or ba is not None else 0
-        if plan.sums_bytes:
+        # a slot's partial rows of dweight and dbias, one row of 2 * hidden (none where neither is asked for)
+        if wa is not None or ba is not None:
             dw_kernel = get_kernel(DW_SOURCE, dweight_kernel_name(weight_dtype(wa, ba)), xa.device)
-            plan.dw_launch = Launch(dw_kernel, -(-hidden // 32), (32, DW_SPLIT), 2, DW_TAIL.pack(slots, hidden),
-                                    xa.device, xa.kind)
-            plan.new_partial = allocator(xa, (2, slots, hidden), "float32")
+            plan.dw_launch = Launch(dw_kernel, -(-2 * hidden // 32), (32, DW_SPLIT), 2,
+                                    DW_TAIL.pack(slots, 2 * hidden), xa.device, xa.kind)
+            plan.new_partial = allocator(xa, (slots, 2, hidden), "float32")
     else:
         plan = EmptyPlan()
     plan.new_dx = allocator(xa, xa.shape, xa.dtype)
     param = wa if wa is not None else ba
-    plan.new_param = allocator(param, (hidden,), param.dtype) if param is not None else None
+    plan.new_params = allocator(param, (2, hidden), param.dtype) if param is not None else None
     return plan
 
 

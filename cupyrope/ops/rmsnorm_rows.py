@@ -28,7 +28,7 @@ class NormPlan:
     __slots__ = ("source", "name", "grid", "block", "vectorized", "shifted", "staged", "slots", "extents",
                  "shared_mem", "shared_acc", "reread", "split", "cluster_step", "one_cluster", "cluster_rounds",
                  "out_layouts", "launch", "dw_launch", "new_output", "new_rstd", "new_dx", "new_dweight",
-                 "new_partial", "new_scales", "new_stat", "new_param", "sums_bytes")
+                 "new_partial", "new_scales", "new_stat", "new_params")
 
     def __init__(self, source, name, grid, block, vectorized, slots):
         self.source = source  # the .cu file of the kernel
