@@ -58,10 +58,10 @@ __device__ __forceinline__ Pack<T, E> output(const NormParams& p, const Pack<T, 
     return y;
 }
 
-// Vectorized fp16/bf16 rows of 2+ chunks a thread (not the fused add) hold each chunk as its four 32-bit words,
-// half the registers of eight converted floats: shifted rows 5-13% faster, aligned rows as fast, and 5-10% faster
-// on one- and two-wave grids together with their weight loaded early. Element 2k of a chunk is the low half of
-// word k, element 2k + 1 the high half.
+// Vectorized fp16/bf16 rows of 2+ chunks a thread (the fused add's aligned ones only: ADD_WORDS_EARLY_BYTES) hold
+// each chunk as its four 32-bit words, half the registers of eight converted floats: shifted rows 5-13% faster,
+// aligned rows as fast, and 5-10% faster on one- and two-wave grids together with their weight loaded early.
+// Element 2k of a chunk is the low half of word k, element 2k + 1 the high half.
 // half_of (rmsnorm_common.cuh) reads them.
 // The same value through a byte permute in inline PTX, which ptxas does not fold into half_of's
 // operations: the output cannot reuse the floats the sum of squares converted (8 registers a chunk held
@@ -105,7 +105,8 @@ __device__ constexpr bool straddles() {
 }
 
 // Weight bytes per thread loaded with x and kept in registers through the reduction: FWD_EARLY_BYTES for the plain
-// forward's aligned vectorized rows, WEIGHT_EARLY_BYTES for the fused add and shifted rows (early, the fused add
+// forward's aligned vectorized rows, ADD_WORDS_EARLY_BYTES for the fused add's rows held as words,
+// WEIGHT_EARLY_BYTES for the other fused-add rows and shifted rows (early, the fused add of converted elements
 // spilled and ran 3x slower; shifted rows, which load the weight element by element, 5-10% slower). The other
 // weights are loaded after the reduction, each right before its store. A weight load behind a store (which may
 // alias it) waits for that store: late weights add a memory round trip a chunk to a row's chain, which single- and
@@ -123,6 +124,13 @@ constexpr int FWD_MIN_BLOCKS_4 = 2;
 // faster from 2048 rows but 4-9% slower at 512.
 constexpr int ADD_MIN_BLOCKS_1 = 3;
 constexpr int ADD_MIN_BLOCKS_2 = 2;
+// The fused add's aligned fp16/bf16 rows of 2+ chunks a thread are held as words too (x's, then the rounded sums':
+// see half_again), their weight loaded with x up to ADD_WORDS_EARLY_BYTES. Against holding converted elements with
+// the weight loaded late, bf16 add_rms_norm on an H200: [32768, 4096] 271.7 -> 260.8 us, [16384, 8192] 278.8 ->
+// 258.2, [8192, 7168] 127.8 -> 113.2, [64, 4096] 3.4 -> 2.2, [1, 4096] 2.1 -> 1.4 (the weight early: 0.3-0.6 us of
+// that at 1-64 rows, 1-2% at large ones; 48 registers, none spilled; budgets of three blocks an SM measured the
+// same).
+constexpr int ADD_WORDS_EARLY_BYTES = 32;
 // Chunks a thread loads at once in the loops over rows read twice (NPT == 0). The backward's take one: two spill
 // at its 64 registers and measured up to 3x slower.
 constexpr int TWO_PASS_CHUNKS = 2;
@@ -134,6 +142,7 @@ template <typename W, bool VEC, int NPT, int E, bool ADD, bool SHIFT>
 __device__ constexpr bool weight_early() {
     constexpr int bytes = NPT * E * (int)sizeof(W);
     if (NPT == 1 && !(ADD && SHIFT)) return bytes <= 32;
+    if (ADD && VEC && !SHIFT && E == 8 && NPT >= 2) return bytes <= ADD_WORDS_EARLY_BYTES;  // held as words
     return bytes <= (VEC && !ADD && !SHIFT ? FWD_EARLY_BYTES : WEIGHT_EARLY_BYTES);
 }
 
@@ -183,13 +192,16 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
     constexpr int LANES = ADD || NPT < 4 ? LANES_SKIP : VEC ? LANES_LOOP : LANES_JUMP;
     // Rows held as words (see half_of): a branch of its own, so that the words are what the loads produce and the
     // loop holds (the Pack path below with only its output converting from word_of(v[i], k) kept 54-56 registers).
-    if constexpr (sizeof(T) == 2 && VEC && NPT >= 2 && !ADD) {
+    if constexpr (sizeof(T) == 2 && VEC && NPT >= 2 && (!ADD || !SHIFT)) {
         const T* const x_row = row_base<true>(
             static_cast<const T*>(p.x) + (RUNS ? in_runs(p, row, p.x_stride, &Runs::x_outer) : row * p.x_stride));
         T* const y_row = row_base<true>(
             static_cast<T*>(p.y) + (RUNS ? in_runs(p, row, p.y_stride, &Runs::y_outer) : row * p.y_stride));
+        T* const res_row = ADD ? row_base<true>(static_cast<T*>(p.residual) + row * p.residual_stride) : nullptr;
+        T* const sum_row = OUT ? row_base<true>(static_cast<T*>(p.residual_out) + row * p.residual_out_stride) : res_row;
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         unsigned words[NPT][4] = {};  // chunks outside the row stay 0 and add nothing to the sum
+        unsigned residual_words[ADD ? NPT : 1][4];
         // EARLY: the weight's chunks held as loaded words too (held as Packs: 64 instead of 56 registers
         // at 4 bf16 chunks; the compiler splits the halves at the load).
         constexpr int WEIGHT_WORDS = E * sizeof(W) / 4;
@@ -201,10 +213,32 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
                 const Pack<T, E> v = load_chunk<VEC, SHIFT, E>(x_row, col, hidden);
 #pragma unroll
                 for (int k = 0; k < 4; ++k) words[i][k] = word_of(v, k);
+                if constexpr (ADD) {
+                    const Pack<T, E> r = load_chunk<VEC, SHIFT, E>(res_row, col, hidden);
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) residual_words[ADD ? i : 0][k] = word_of(r, k);
+                }
                 if constexpr (EARLY) {
                     const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E, STRADDLE>(p.weight, col, hidden);
 #pragma unroll
                     for (int k = 0; k < WEIGHT_WORDS; ++k) weight_words[EARLY ? i : 0][k] = word_of(w, k);
+                }
+            }
+        }
+        if constexpr (ADD) {  // the sums, rounded to T, replace x's words (every load above is issued)
+#pragma unroll
+            for (int i = 0; i < NPT; ++i) {
+                const int col = first + i * step;
+                if (active && col < hidden) {
+                    Pack<T, E> sum;
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const unsigned r = residual_words[ADD ? i : 0][k];
+                        words[i][k] = pair_of<T>(half_of<T>(words[i][k], false) + half_of<T>(r, false),
+                                                 half_of<T>(words[i][k], true) + half_of<T>(r, true));
+                        set_word(sum, k, words[i][k]);
+                    }
+                    store_chunk<VEC, SHIFT, E>(sum_row, col, hidden, sum);
                 }
             }
         }
@@ -246,10 +280,9 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
     } else if constexpr (NPT > 0) {
         constexpr bool BY_SHIFT = VEC && NPT >= 2 && !ADD;  // bf16 conversions: see as_float
         // Held row pointers (row_base) where they measured faster: rows moved element by element, and the fused
-        // add of shifted rows or of fp16/bf16 rows of 4+ chunks a thread, where the plain addressing spilled (up
-        // to 19% faster). Elsewhere they changed nothing or were slower: 1% for the 2-chunk fused add, 11-14% for
-        // the fp32 fused add of 4+ chunks.
-        constexpr bool HELD = !VEC || (ADD && NPT >= 2 && (SHIFT || (NPT >= 4 && sizeof(T) == 2)));
+        // add of shifted rows, where the plain addressing spilled (up to 19% faster). Elsewhere they changed
+        // nothing or were slower: 1% for the 2-chunk fused add, 11-14% for the fp32 fused add of 4+ chunks.
+        constexpr bool HELD = !VEC || (ADD && NPT >= 2 && SHIFT);
         const T* const x_row = row_base<HELD>(
             static_cast<const T*>(p.x) + (RUNS ? in_runs(p, row, p.x_stride, &Runs::x_outer) : row * p.x_stride));
         T* const y_row = row_base<HELD>(
