@@ -46,23 +46,31 @@ __device__ __forceinline__ const T* residual_grad_row(const NormBwdParams& p, i6
     return GRAD ? static_cast<const T*>(p.residual_grad) + row * p.residual_grad_stride : nullptr;
 }
 
-// dx for E columns from column col (returned), plus the chunk of grad_row there (a row of residual_grad) where given,
-// before dx's one rounding; adds dy * x * rstd to sums.
+// dx for E columns (returned), plus g (a chunk of residual_grad) where with_grad, before dx's one rounding; adds
+// dy * x * rstd to sums.
+template <typename T, typename W, int E>
+__device__ __forceinline__ Pack<T, E> dx_chunk(const NormBwdParams& p, const Pack<T, E>& d, const Pack<T, E>& xx,
+                                               const Pack<W, E>& w, float rstd, float coef, Pack<float, E>& sums,
+                                               bool with_grad, const Pack<T, E>& g) {
+    Pack<T, E> out;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const float xf = to_float(xx.v[e]), df = to_float(d.v[e]);
+        const float dx = rstd * df * scale<W, E>(p.weight, p.offset, w, e) - xf * coef;
+        out.v[e] = from_float<T>(with_grad ? dx + to_float(g.v[e]) : dx);
+        sums.v[e] += df * xf * rstd;
+    }
+    return out;
+}
+
+// dx_chunk for E columns from column col, with the chunk of grad_row there (a row of residual_grad) where given.
 template <typename T, typename W, int E, bool VEC = true, bool SHIFT = false, typename I = int>
 __device__ __forceinline__ Pack<T, E> bwd_chunk(const NormBwdParams& p, const Pack<T, E>& d, const Pack<T, E>& xx,
                                                 const Pack<W, E>& w, float rstd, float coef, Pack<float, E>& sums,
                                                 const T* grad_row, I col, I hidden) {
     Pack<T, E> g;
     if (grad_row) g = load_chunk<VEC, SHIFT, E>(grad_row, col, hidden);
-    Pack<T, E> out;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-        const float xf = to_float(xx.v[e]), df = to_float(d.v[e]);
-        const float dx = rstd * df * scale<W, E>(p.weight, p.offset, w, e) - xf * coef;
-        out.v[e] = from_float<T>(grad_row ? dx + to_float(g.v[e]) : dx);
-        sums.v[e] += df * xf * rstd;
-    }
-    return out;
+    return dx_chunk<T, W, E>(p, d, xx, w, rstd, coef, sums, grad_row != nullptr, g);
 }
 
 // The row sum the backward needs from E columns: dot += dy * (w + offset) * x. Every kernel adds a thread's
@@ -298,9 +306,11 @@ struct StagedMaxThreads {
     static constexpr int value = NPT == 1 || (NPT == 2 && !LEAN) ? 1024 : 512;
 };
 
-template <int NPT>
+// A thread's slot for chunk i of a tensor of a stage: [STAGES][TENSORS][NPT][blockDim.x] chunks, the tensors dy, x
+// and (GRAD, in rms_norm_bwd_staged and rms_norm_bwd_cluster) residual_grad.
+template <int NPT, int TENSORS = 2>
 __device__ __forceinline__ uint4* stage_slot(uint4* staged, int stage, int tensor, int i) {
-    return staged + ((stage * 2 + tensor) * NPT + i) * blockDim.x + threadIdx.x;
+    return staged + ((stage * TENSORS + tensor) * NPT + i) * blockDim.x + threadIdx.x;
 }
 
 // Column of a thread's chunk i. Aligned rows take their own expressions (lane * E here, plain 16-byte copies and
@@ -319,10 +329,10 @@ __device__ __forceinline__ void stage_chunk(uint4* slot, const T* row, int col, 
     else copy_async16(slot, row + col);
 }
 
-// Starts copying this thread's chunks of row `row` (nothing past the last row) into `stage`, as one
-// commit group (an empty one past the last row, so every thread's group count stays the same).
-// `first`: the thread's first column (rows are < 2^31 elements: planner).
-template <typename T, int NPT, bool SHIFT>
+// Starts copying this thread's chunks of row `row`'s dy and x (nothing past the last row) into `stage`, as one
+// commit group (an empty one past the last row, so every thread's group count stays the same); TENSORS 3: the
+// group stays open for stage_grad. `first`: the thread's first column (rows are < 2^31 elements: planner).
+template <typename T, int NPT, bool SHIFT, int TENSORS = 2>
 __device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged, i64 row, int stage, int first) {
     constexpr int E = 16 / sizeof(T);
     if (row < p.rows) {
@@ -334,12 +344,32 @@ __device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged,
             const int col = SHIFT ? first + i * blockDim.x * E : (i * blockDim.x + threadIdx.x) * E;
             if (col < p.hidden) {
                 if constexpr (SHIFT) {
-                    stage_chunk(stage_slot<NPT>(staged, stage, 0, i), dy_row, col, (int)p.hidden);
-                    stage_chunk(stage_slot<NPT>(staged, stage, 1, i), x_row, col, (int)p.hidden);
+                    stage_chunk(stage_slot<NPT, TENSORS>(staged, stage, 0, i), dy_row, col, (int)p.hidden);
+                    stage_chunk(stage_slot<NPT, TENSORS>(staged, stage, 1, i), x_row, col, (int)p.hidden);
                 } else {
-                    copy_async16(stage_slot<NPT>(staged, stage, 0, i), dy_row + col);
-                    copy_async16(stage_slot<NPT>(staged, stage, 1, i), x_row + col);
+                    copy_async16(stage_slot<NPT, TENSORS>(staged, stage, 0, i), dy_row + col);
+                    copy_async16(stage_slot<NPT, TENSORS>(staged, stage, 1, i), x_row + col);
                 }
+            }
+        }
+    }
+    if (TENSORS == 2) copy_async_commit();
+}
+
+// The rest of stage_row's group for a stage of three tensors: row `row`'s residual_grad, then the commit. Copied
+// once the stage's residual_grad has been read (after dx's stores), where dy and x go as soon as they are in
+// registers; staged rather than loaded at dx's store, where each row waited a memory round trip for it.
+template <typename T, int NPT, bool SHIFT>
+__device__ __forceinline__ void stage_grad(const NormBwdParams& p, uint4* staged, i64 row, int stage, int first) {
+    constexpr int E = 16 / sizeof(T);
+    if (row < p.rows) {
+        const T* grad_row = static_cast<const T*>(p.residual_grad) + row * p.residual_grad_stride;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i) {
+            const int col = SHIFT ? first + i * blockDim.x * E : (i * blockDim.x + threadIdx.x) * E;
+            if (col < p.hidden) {
+                if constexpr (SHIFT) stage_chunk(stage_slot<NPT, 3>(staged, stage, 2, i), grad_row, col, (int)p.hidden);
+                else copy_async16(stage_slot<NPT, 3>(staged, stage, 2, i), grad_row + col);
             }
         }
     }
@@ -406,10 +436,11 @@ __device__ __forceinline__ void store_staged_partial(const NormBwdParams& p, flo
 
 // The block's rows (blockIdx.x, + gridDim.x, ...): dx written, dw[i] the dweight sums of chunk i from column
 // `first` (set here: the same in every row of the block, SHIFT with its one shift), staged through `staged`
-// ([STAGES][dy, x][NPT][blockDim.x] chunks of dynamic shared memory).
+// ([STAGES][dy, x, GRAD: residual_grad][NPT][blockDim.x] chunks of dynamic shared memory).
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN, bool GRAD, int E>
 __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* scratch, uint4* staged, int& first,
                                                  Pack<float, E> (&dw)[NPT]) {
+    constexpr int TENSORS = GRAD ? 3 : 2;
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
     const i64 row_step = gridDim.x;
@@ -427,7 +458,10 @@ __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* 
     }
 
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, blockIdx.x + s * row_step, s, first);
+    for (int s = 0; s < STAGES; ++s) {
+        stage_row<T, NPT, SHIFT, TENSORS>(p, staged, blockIdx.x + s * row_step, s, first);
+        if constexpr (GRAD) stage_grad<T, NPT, SHIFT>(p, staged, blockIdx.x + s * row_step, s, first);
+    }
     RstdAhead given(p, blockIdx.x);
     int stage = 0;
     // The loop bound is uniform across the block (one row per block; the reduction has barriers).
@@ -441,33 +475,34 @@ __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* 
         for (int i = 0; i < NPT; ++i) {
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
             if (col < p.hidden) {
-                dyv[i] = unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 0, i), col, hidden);
-                xv[i] = unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden);
+                dyv[i] = unstage_chunk<SHIFT, T, E>(stage_slot<NPT, TENSORS>(staged, stage, 0, i), col, hidden);
+                xv[i] = unstage_chunk<SHIFT, T, E>(stage_slot<NPT, TENSORS>(staged, stage, 1, i), col, hidden);
                 const Pack<W, E> w = staged_weight<HOLD, E>(p, wv, i, col);
                 add_row_dot<T, W, E>(p, dyv[i], xv[i], w, dot);
             }
         }
         // The shared reads above precede this refill in program order, and a copy's write lands
-        // only after its global read: the slot is free.
-        stage_row<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, stage, first);
+        // only after its global read: the slots are free.
+        stage_row<T, NPT, SHIFT, TENSORS>(p, staged, row + STAGES * row_step, stage, first);
+        const int current = stage;  // GRAD: its residual_grad is read below
         stage = stage + 1 == STAGES ? 0 : stage + 1;
         const float coef = row_coef(p, rstd, row_sum<LANES_JUMP>(dot, width, scratch));
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
-        const T* grad_row = residual_grad_row<GRAD, T>(p, row);
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = staged_column<SHIFT, E>(first, lane, i, step);
             if (col < p.hidden) {
                 const Pack<W, E> w = staged_weight<HOLD, E>(p, wv, i, col);
+                Pack<T, E> g;  // GRAD: this row's residual_grad (outside a shifted row: not stored)
+                if constexpr (GRAD) g = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT, 3>(staged, current, 2, i)));
                 if constexpr (SHIFT)
-                    store_chunk<true, true, E>(dx_row, col, hidden, bwd_chunk<T, W, E, true, true>(p, dyv[i], xv[i], w, rstd,
-                                                                                               coef, dw[i], grad_row, col,
-                                                                                               hidden));
+                    store_chunk<true, true, E>(dx_row, col, hidden, dx_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef,
+                                                                                     dw[i], GRAD, g));
                 else
-                    store_pack<true, E>(dx_row + col, bwd_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i], grad_row,
-                                                                         col, hidden));
+                    store_pack<true, E>(dx_row + col, dx_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef, dw[i], GRAD, g));
             }
         }
+        if constexpr (GRAD) stage_grad<T, NPT, SHIFT>(p, staged, row + STAGES * row_step, current, first);
     }
     copy_async_wait<0>();  // no copy may outlive the block
 }
@@ -477,7 +512,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
     wait_for_previous_grid();
     constexpr int E = 16 / sizeof(T);
     __shared__ float scratch[32];  // row_sum's warp partials
-    extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]
+    extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x, GRAD: residual_grad][NPT][blockDim.x]
     int first;
     Pack<float, E> dw[NPT];
     walk_staged_rows<T, W, NPT, STAGES, SHIFT, LEAN, GRAD>(p, scratch, staged, first, dw);
@@ -503,7 +538,7 @@ __global__ void CLUSTER_DIMS(CLUSTER) __launch_bounds__(StagedMaxThreads<NPT, tr
     constexpr int E = 16 / sizeof(T);
     __shared__ float scratch[32];  // row_sum's warp partials
     extern __shared__ __align__(16) uint4 staged[];  // the stages, then this block's dweight sums: [hidden] floats
-    float* sums = reinterpret_cast<float*>(staged + STAGES * 2 * NPT * blockDim.x);
+    float* sums = reinterpret_cast<float*>(staged + STAGES * (GRAD ? 3 : 2) * NPT * blockDim.x);
     int first;
     Pack<float, E> dw[NPT];
     walk_staged_rows<T, W, NPT, STAGES, SHIFT, true, GRAD>(p, scratch, staged, first, dw);

@@ -49,6 +49,10 @@ STAGED_LOOKAHEAD_BYTES = 128 * 1024
 STAGED_SLOTS = {4: (1, 4, 8), 2: (1, 2)}
 STAGED_MAX_THREADS = {1: 1024, 2: 1024, 4: 512, 8: 512}  # by slots; mirrors StagedMaxThreads<NPT, false>
 STAGED_STAGES = (1, 2, 3)
+# The GRAD variants of rms_norm_bwd_staged and rms_norm_bwd_cluster stage residual_grad beside dy and x (three
+# tensors a stage, the same lookahead in bytes), rather than loading it at dx's store, where each row waited a memory
+# round trip for it.
+STAGED_GRAD_TENSORS = 3
 # Rows of several chunks a thread on 1024 threads (a power of two) whose chunks fill less than this share (%)
 # of the slots take rms_norm_bwd_reread instead (by element size): bf16 [8192, 8200], 1025 chunks on 1024 x 2,
 # 211 -> 169 us; [8192, 10240] (62% full) the same; [8192, 12288] (75%) 233 -> 246. On 512 threads as empty
@@ -138,14 +142,21 @@ def _staged_row(itemsize: int, hidden: int, shifted: bool):
     return chunks, slots, width
 
 
+def _stage_tensors(grad: bool) -> int:
+    """The tensors a stage of rms_norm_bwd_staged or rms_norm_bwd_cluster holds: dy and x, and residual_grad in the
+    GRAD variants."""
+    return STAGED_GRAD_TENSORS if grad else 2
+
+
 def _staged_variant(dtype, weight_dtype, slots: int, shifted: bool) -> str:
     """The template arguments the staged kernels share, with `{stages}` for _staged_plan to fill."""
     return f"{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, {flag(shifted)}"
 
 
-def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False, lean=False):
+def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False, lean=False, grad=False):
     """The plan of rms_norm_bwd_staged (threads, slots and stages by _staged_row), of rms_norm_bwd_reread where the
-    row goes there, or None where neither applies. lean: the LEAN variant (see lean_staged)."""
+    row goes there, or None where neither applies. lean: the LEAN variant (see lean_staged). grad: the GRAD variant,
+    whose stages hold residual_grad too (STAGED_GRAD_TENSORS)."""
     row = _staged_row(ITEMSIZE[dtype], hidden, shifted)
     if row is None:
         return None
@@ -154,10 +165,10 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
         return _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
     lean = lean and width <= STAGED_LEAN_MAX_THREADS[slots]
     return _staged_plan(f"cupyrope::rms_norm_bwd_staged<{_staged_variant(dtype, weight_dtype, slots, shifted)}, "
-                        f"{flag(lean)}>", rows, width, slots, shared_limit, shifted)
+                        f"{flag(lean)}>", rows, width, slots, shared_limit, shifted, tensors=_stage_tensors(grad))
 
 
-def _plan_clusters(dtype, weight_dtype, rows, hidden, shared_limit, shifted, blocks):
+def _plan_clusters(dtype, weight_dtype, rows, hidden, shared_limit, shifted, blocks, grad=False):
     """The plan of rms_norm_bwd_cluster on clusters of `blocks` for rows that rms_norm_bwd_staged can take with its
     LEAN variant (each block's dweight sums after its stages; its grid for the caller to set), or None where it
     cannot, or the sums do not fit."""
@@ -169,16 +180,16 @@ def _plan_clusters(dtype, weight_dtype, rows, hidden, shared_limit, shifted, blo
         return None
     sums = hidden * 4
     plan = _staged_plan(f"cupyrope::rms_norm_bwd_cluster<{_staged_variant(dtype, weight_dtype, slots, shifted)}, "
-                        f"{blocks}>", rows, width, slots, shared_limit - sums, shifted)
+                        f"{blocks}>", rows, width, slots, shared_limit - sums, shifted, tensors=_stage_tensors(grad))
     if plan:
         plan.shared_mem += sums
         plan.split = blocks
     return plan
 
 
-def _plan_one_cluster(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False):
+def _plan_one_cluster(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False, grad=False):
     """_plan_clusters' plan as one cluster of cluster_bwd_blocks(rows), which writes dweight itself."""
-    plan = _plan_clusters(dtype, weight_dtype, rows, hidden, shared_limit, shifted, cluster_bwd_blocks(rows))
+    plan = _plan_clusters(dtype, weight_dtype, rows, hidden, shared_limit, shifted, cluster_bwd_blocks(rows), grad)
     if plan:
         plan.grid, plan.one_cluster = plan.split, True
     return plan
@@ -229,11 +240,12 @@ def _plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit, shifte
     return None
 
 
-def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=None):
-    """A plan of a staged kernel (one row per block, the next rows' dy and x in shared memory), `name` with
-    `{stages}` where its stage count goes: about STAGED_LOOKAHEAD_BYTES of rows ahead, at most max_stages
-    (default STAGED_STAGES[-1]) and what shared memory holds; None where not even one stage fits."""
-    stage_bytes = 2 * slots * width * 16
+def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=None, tensors=2):
+    """A plan of a staged kernel (one row per block, the next rows' dy and x, and where tensors is 3 residual_grad,
+    in shared memory), `name` with `{stages}` where its stage count goes: about STAGED_LOOKAHEAD_BYTES of rows
+    ahead, at most max_stages (default STAGED_STAGES[-1]) and what shared memory holds; None where not even one
+    stage fits."""
+    stage_bytes = tensors * slots * width * 16
     lookahead = max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes)
     stages = min(max_stages or STAGED_STAGES[-1], lookahead, shared_limit // stage_bytes)
     if stages < 1:
@@ -274,17 +286,19 @@ def _plan_rows_kernel(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, 
     # rms_norm_bwd's own register prefetch (fp32 rows of up to 8 elements a thread: its PREFETCH)
     # measured a little faster than staging; everywhere else aligned rows are staged.
     prefetches = plan.vectorized and plan.slots and ITEMSIZE[x.dtype] == 4 and plan.slots * 4 <= 8
+    grad = residual_grad is not None
     if plan.vectorized and not prefetches and not runs:
         if clusters and weight is not None and rows <= choices.one_cluster_max_rows:  # one launch, where it applies
-            one = _plan_one_cluster(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted)
+            one = _plan_one_cluster(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, grad)
             if one:
                 return one
         if rounds and weight is not None and not plan.shifted:
-            many = _plan_clusters(x.dtype, weight_dtype, rows, hidden, shared_limit, False, CLUSTER_ROUNDS_BLOCKS)
+            many = _plan_clusters(x.dtype, weight_dtype, rows, hidden, shared_limit, False, CLUSTER_ROUNDS_BLOCKS,
+                                  grad)
             if many:
                 many.cluster_rounds = True
                 return many
-        plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean) or plan
+        plan = _plan_staged(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted, lean, grad) or plan
     if clusters and plan.vectorized and not (plan.staged or plan.slots or runs):  # else read twice
         plan = _plan_backward_split(x.dtype, weight_dtype, rows, hidden, shared_limit, plan.shifted) or plan
     # One resident wave of blocks, each walking rows with a grid stride: few dweight partials.

@@ -63,11 +63,12 @@ def test_add_rms_norm_views(rng, kind, dtype, hidden, start):
 
 
 # (rows, hidden, dtype) reaching each backward kernel: register rows (fp32 4096 with prefetch, odd 61 element by
-# element, shifted 1027), staged (bf16 [8192, 4096]), one cluster (bf16 [64, 4096] on sm_90+), read twice from shared
-# memory (bf16 [64, 20000], odd [64, 20001]), split over a cluster (bf16 [16, 40000], odd fp32 [16, 33001] on sm_90+).
+# element), staged (bf16 [8192, 4096]; 2 chunks a thread, [512, 7168]; shifted, 1027), one cluster (bf16 [64, 4096]
+# on sm_90+), read twice from shared memory (bf16 [64, 20000], odd [64, 20001]), split over a cluster (bf16 [16,
+# 40000], odd fp32 [16, 33001] on sm_90+). Rounds of clusters: test_backward_residual_grad_clusters.
 BACKWARD_CASES = [(300, 4096, "float32"), (300, 61, "float32"), (300, 1027, "bfloat16"), (8192, 4096, "bfloat16"),
-                  (64, 4096, "bfloat16"), (64, 4096, "float16"), (64, 20000, "bfloat16"), (64, 20001, "float16"),
-                  (16, 40000, "bfloat16"), (16, 33001, "float32")]
+                  (512, 7168, "bfloat16"), (64, 4096, "bfloat16"), (64, 4096, "float16"), (64, 20000, "bfloat16"),
+                  (64, 20001, "float16"), (16, 40000, "bfloat16"), (16, 33001, "float32")]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -75,6 +76,34 @@ BACKWARD_CASES = [(300, 4096, "float32"), (300, 61, "float32"), (300, 1027, "bfl
 @pytest.mark.parametrize("weighted", [True, False])
 def test_backward_residual_grad(rng, kind, rows, hidden, dtype, weighted):
     """dx = rms_norm's dx + residual_grad, rounded once; dweight bitwise what it is without residual_grad."""
+    assert_backward_residual_grad(rng, kind, rows, hidden, dtype, weighted)
+
+
+# rms_norm_bwd_cluster's GRAD variants (sm_90+), whose stages hold residual_grad beside dy and x: over rounds of
+# clusters (forced at small sizes, as test_backward_cluster_rounds does: 1 and 2 chunks a thread, 3 rows a block, a
+# short last cluster) and as one cluster.
+@pytest.mark.skipif(not runs_clusters(), reason="thread block clusters need compute capability 9.0+")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows,hidden,dtype,rounds", [(2003, 4096, "bfloat16", True), (1500, 8192, "float16", True),
+                                                      (64, 4096, "bfloat16", False)])
+def test_backward_residual_grad_clusters(rng, monkeypatch, kind, rows, hidden, dtype, rounds):
+    from cupyrope.ops import rmsnorm_plan_backward as backward
+
+    if rounds:
+        monkeypatch.setattr(backward, "STAGED_LEAN_MAX_ROWS", {**backward.STAGED_LEAN_MAX_ROWS, 1: 2, 2: 2})
+        monkeypatch.setattr(backward, "CLUSTER_ROUNDS_ROWS", {1: 3, 2: 3})
+        use_choices(monkeypatch, rms_norm_backward={"one_cluster_max_rows": 0})
+    else:
+        use_choices(monkeypatch, rms_norm_backward={"one_cluster_max_rows": 64})
+    assert_backward_residual_grad(rng, kind, rows, hidden, dtype, True)
+    plan = planned("bwd")
+    assert plan.name.startswith("cupyrope::rms_norm_bwd_cluster<") and plan.name.endswith(", true>"), plan
+    assert plan.cluster_rounds == rounds and plan.one_cluster != rounds, plan
+
+
+def assert_backward_residual_grad(rng, kind, rows, hidden, dtype, weighted):
+    """rms_norm_backward with residual_grad into poisoned dx against float64 (sampled rows), residual_grad unchanged,
+    and dweight bitwise the plain backward's."""
     s_host, dy_host, g_host = (random_host((rows, hidden), dtype, rng) for _ in range(3))
     w_host = random_host((hidden,), "float32", rng) if weighted else None
     s, dy, g = (to_device(a, dtype, kind) for a in (s_host, dy_host, g_host))
