@@ -148,7 +148,7 @@ def rms_workload(cupy, rng, rows, hidden, dtype="bfloat16", op="forward", eager=
     import cupyrope
 
     def make():
-        nbytes = rows * hidden * (2 if dtype != "float32" else 4) * 3
+        nbytes = rows * hidden * (2 if dtype != "float32" else 4) * (4 if op == "add backward" else 3)
         calls = []
         weight = _random(cupy, (hidden,), dtype, rng)
         for _ in range(1 if eager else copies_for(nbytes)):
@@ -157,9 +157,11 @@ def rms_workload(cupy, rng, rows, hidden, dtype="bfloat16", op="forward", eager=
                 calls.append(lambda x=x, y=other: cupyrope.rms_norm(x, weight, out=y))
             elif op == "fused add":
                 calls.append(lambda x=x, r=other: cupyrope.fused_add_rms_norm(x, r, weight))
-            else:
+            else:  # "backward", or with residual_grad (add_rms_norm's) "add backward"
                 _, rstd = cupyrope.rms_norm(x, weight, return_rstd=True)
-                calls.append(lambda x=x, dy=other, rstd=rstd: cupyrope.rms_norm_backward(dy, x, weight, rstd))
+                grad = _random(cupy, (rows, hidden), dtype, rng) if op == "add backward" else None
+                calls.append(lambda x=x, dy=other, rstd=rstd, grad=grad:
+                             cupyrope.rms_norm_backward(dy, x, weight, rstd, residual_grad=grad))
         return calls
 
     return Workload(f"rms_norm {op} {dtype} [{rows}, {hidden}]", make, eager)
@@ -183,6 +185,8 @@ def choices_to_tune(cupy, rng):
     bwd_register = [rms_workload(cupy, rng, rows, hidden, dtype, "backward") for rows, hidden, dtype in
                     [(8192, 2048, "float32"), (8192, 1027, "bfloat16"), (4096, 8191, "float32")]]
     bwd_few = [rms_workload(cupy, rng, rows, 4096, "bfloat16", "backward", eager=True) for rows in (4, 16, 32)]
+    bwd_add_long = [rms_workload(cupy, rng, rows, hidden, "bfloat16", "add backward") for rows, hidden in
+                    [(32768, 4096), (65536, 2048), (16384, 4096)]]
     qk_forward = [qk_norm_rope_workload(cupy, rng, tokens) for tokens in (1024, 8192, 32768)]
     qk_backward = [qk_norm_rope_workload(cupy, rng, tokens, backward=True) for tokens in (1024, 8192, 32768)]
     return [
@@ -198,6 +202,7 @@ def choices_to_tune(cupy, rng):
         ("rms_norm_forward", "split_min_row_bytes", (65536, 98304, 131072, 262144), fwd_long),
         ("rms_norm_backward", "long_row_bytes", (4096, 8192, 16384), bwd_register),
         ("rms_norm_backward", "one_cluster_max_rows", (0, 8, 16, 32), bwd_few),
+        ("rms_norm_backward", "grad_lean_max_rows", (48, 96, 1 << 20), bwd_add_long),
     ]
 
 

@@ -113,10 +113,17 @@ class BackwardChoices:
       and on the GPU within 0.1 us of the two launches but at bf16 [32, 1024] (4.5 against 4.0 us) and fp32
       [16, 8192] (7.2 against 6.6). From 64 rows the one cluster's SMs take longer than the two launches' whole
       grid (bf16 [64, 4096] 8.3 against 6.6 us). The kernel is tested up to 64 rows (4 a block).
+    grad_lean_max_rows: with residual_grad (add_rms_norm's backward), staged rows of one chunk a thread take the
+      LEAN walk where each resident block walks at most this many rows; past it, rounds of clusters
+      (STAGED_LEAN_MAX_ROWS is the plain backward's limit). On an H200, residual_grad staged with dy and x: LEAN at
+      any length, bf16 [32768, 4096] 263.8 us against 318.2 on rounds of clusters (8-32 rows a block: 307-341) and
+      285.2 staged without LEAN; [65536, 2048] 260.9 against 296.9. The H100's profile keeps the plain limit (not
+      measured there).
     """
 
     long_row_bytes: int = choice(0, 1 << 20)
     one_cluster_max_rows: int = choice(0, 4 * CLUSTER_BWD_BLOCKS[-1])
+    grad_lean_max_rows: int = choice(0, 1 << 20)
 
 
 def _staged_row(itemsize: int, hidden: int, shifted: bool):
@@ -324,12 +331,14 @@ def _plan_rows_kernel(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, 
     return plan
 
 
-def lean_staged(plan, rows: int) -> bool:
+def lean_staged(plan, rows: int, max_rows=None) -> bool:
     """Whether a staged plan whose grid is its resident blocks should take the LEAN variant: each block
-    walking at most STAGED_LEAN_MAX_ROWS rows, on at most STAGED_LEAN_MAX_THREADS (by chunks a thread)."""
+    walking at most max_rows rows (default STAGED_LEAN_MAX_ROWS), on at most STAGED_LEAN_MAX_THREADS (by chunks a
+    thread)."""
     if not plan.staged or plan.reread or plan.split > 1:
         return False
-    return rows <= STAGED_LEAN_MAX_ROWS[plan.slots] * plan.grid and plan.block[0] <= STAGED_LEAN_MAX_THREADS[plan.slots]
+    limit = STAGED_LEAN_MAX_ROWS[plan.slots] if max_rows is None else max_rows
+    return rows <= limit * plan.grid and plan.block[0] <= STAGED_LEAN_MAX_THREADS[plan.slots]
 
 
 def takes_cluster_rounds(plan, weighted: bool, device: int) -> bool:
@@ -397,7 +406,8 @@ def plan_backward_for_device(dy, x, dx, weight, row_strides, rows, hidden, n_sm,
     if kernel is None:  # no cluster fits: rows read twice, or two launches
         plan = plan_backward(*planning, **options)
         kernel = resident_grid(plan, rows, device, x.dtype)
-    if lean_staged(plan, rows):  # decided on the default variant's resident grid
+    grad_rows = choices.grad_lean_max_rows if residual_grad is not None and plan.slots == 1 else None
+    if lean_staged(plan, rows, grad_rows):  # decided on the default variant's resident grid
         plan = plan_backward(*planning, lean=True, **options)
         kernel = resident_grid(plan, rows, device, x.dtype)
     elif takes_cluster_rounds(plan, weight is not None, device):

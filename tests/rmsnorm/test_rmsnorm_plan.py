@@ -228,6 +228,33 @@ def test_rms_norm_backward_lean_rule():
                 with_flag(plan.name, grad) in names for grad in (False, True))
 
 
+def test_rms_norm_backward_grad_lean_rule(monkeypatch):
+    # With residual_grad (add_rms_norm's backward), staged rows of one chunk a thread take LEAN up to the profile's
+    # grad_lean_max_rows rows a resident block, past it rounds of clusters; without residual_grad, and for rows of 2
+    # chunks a thread, the plain rule (STAGED_LEAN_MAX_ROWS) stays.
+    import dataclasses
+
+    from fakes import stand_in_for_the_device
+
+    stand_in_for_the_device(monkeypatch.setattr, blocks_per_wave=264)
+
+    def plan(rows, hidden, grad_lean_max_rows, grad=True):
+        choices = dataclasses.replace(PLANNING_PROFILE.rms_norm_backward, grad_lean_max_rows=grad_lean_max_rows)
+        x, w = arr((rows, hidden)), arr((hidden,))
+        plan, _ = backward.plan_backward_for_device(x, x, x, w, (hidden,) * 4 if grad else (hidden,) * 3, rows, hidden,
+                                                    132, "auto", 227 * 1024, 0, choices, x if grad else None)
+        return plan
+
+    lean = plan(32768, 4096, 1 << 20)  # 124-125 rows a block
+    assert lean.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, __nv_bfloat16, 1, 3, false, true, true>", lean
+    assert lean.shared_mem == 3 * 3 * 8192 and not lean.cluster_rounds
+    assert plan(32768, 4096, 125).name == lean.name
+    for rounds in (plan(32768, 4096, 124), plan(32768, 4096, 1 << 20, grad=False)):
+        assert rounds.cluster_rounds and rounds.name.startswith("cupyrope::rms_norm_bwd_cluster<"), rounds
+    assert plan(32768, 4096, 124).shared_mem == 3 * 3 * 8192 + 4096 * 4  # three tensors a stage, then the sums
+    assert plan(16384, 8192, 1 << 20).cluster_rounds  # 2 chunks a thread: the plain rule
+
+
 def test_rms_norm_backward_reread_plans():
     # Aligned rows past what the staged kernel holds in registers with their dweight sums (fp16/bf16 over
     # 16384 elements, fp32 over 16384) take rms_norm_bwd_reread where a stage fits in shared memory: 4 (8 for

@@ -73,13 +73,13 @@ def test_profile_text_reads_back(tmp_path):
     (dict(gpu={"name": "x"}), "gpu: expected name, compute_capability"),
     (dict(rope=None), "rope: expected an object of choices"),
     (dict(rope={"items_per_block": 640}), "rope: missing blocks_per_sm"),
-    (dict(rms_norm_backward={"long_row_bytes": 8192, "one_cluster_max_rows": 32, "spare": 1}),
+    (dict(rms_norm_backward={"long_row_bytes": 8192, "one_cluster_max_rows": 32, "grad_lean_max_rows": 48, "spare": 1}),
      "rms_norm_backward: unknown spare"),
-    (dict(rms_norm_backward={"long_row_bytes": 8192, "one_cluster_max_rows": 65}),
+    (dict(rms_norm_backward={"long_row_bytes": 8192, "one_cluster_max_rows": 65, "grad_lean_max_rows": 48}),
      r"rms_norm_backward.one_cluster_max_rows: expected an integer in \[0, 64\], got 65"),
-    (dict(rms_norm_backward={"long_row_bytes": 8192.0, "one_cluster_max_rows": 32}),
+    (dict(rms_norm_backward={"long_row_bytes": 8192.0, "one_cluster_max_rows": 32, "grad_lean_max_rows": 48}),
      "rms_norm_backward.long_row_bytes: expected an integer"),
-    (dict(rms_norm_backward={"long_row_bytes": True, "one_cluster_max_rows": 32}),
+    (dict(rms_norm_backward={"long_row_bytes": True, "one_cluster_max_rows": 32, "grad_lean_max_rows": 48}),
      "rms_norm_backward.long_row_bytes: expected an integer"),
 ])
 def test_a_profile_that_does_not_fit_is_refused_saying_why(tmp_path, changes, message):
