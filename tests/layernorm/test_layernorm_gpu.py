@@ -9,7 +9,7 @@ import cupyrope
 from cupyrope import reference
 from helpers import (DTYPES, KINDS, assert_matches, fresh_plans, outside_rows, poison, random_host, requires_gpu,
                      requires_torch_cuda, to_device, to_host, ulp, unaligned_view)
-from norm_helpers import sample_rows, strided_rows
+from norm_helpers import fill_next_allocation_with_nan, sample_rows, strided_rows
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -168,6 +168,9 @@ def check_backward(rng, dtype, rows, hidden):
     x, dy = to_device(x_host, dtype, "cupy"), to_device(dy_host, dtype, "cupy")
     w, b = device_or_none(w_host, weight_dtype, "cupy"), device_or_none(b_host, weight_dtype, "cupy")
     _, mean, rstd = cupyrope.layer_norm(x, w, b, return_stats=True)
+    fill_next_allocation_with_nan((rows, hidden), dtype, "cupy")  # dx
+    if w_host is not None or b_host is not None:
+        fill_next_allocation_with_nan((2, hidden), weight_dtype, "cupy")  # dweight and dbias, one array's rows
     dx, dw, db = cupyrope.layer_norm_backward(dy, x, w, b, mean, rstd)
     ref_dx, ref_dw, ref_db = reference.layer_norm_backward(dy_host, x_host, w_host, b_host)
     _, _, ref_rstd = reference.layer_norm(x_host, return_stats=True)
