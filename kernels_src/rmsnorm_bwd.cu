@@ -321,11 +321,12 @@ __device__ __forceinline__ int staged_column(int first, int lane, int i, int ste
     return SHIFT ? first + i * step : lane * E + i * step;
 }
 
-// Copies the 16 bytes of a shifted chunk at `col`, but only what lies before the row's end.
-template <typename T>
+// Starts copying this thread's chunk at `col` of a row into its slot: aligned rows 16 bytes; SHIFT only what lies
+// before the row's end.
+template <bool SHIFT, typename T>
 __device__ __forceinline__ void stage_chunk(uint4* slot, const T* row, int col, int hidden) {
     constexpr int E = 16 / sizeof(T);
-    if (col + E > hidden) copy_async16_first(slot, row + col, (hidden - col) * (int)sizeof(T));
+    if (SHIFT && col + E > hidden) copy_async16_first(slot, row + col, (hidden - col) * (int)sizeof(T));
     else copy_async16(slot, row + col);
 }
 
@@ -343,13 +344,8 @@ __device__ __forceinline__ void stage_row(const NormBwdParams& p, uint4* staged,
             // Aligned rows: their own expression (see staged_column).
             const int col = SHIFT ? first + i * blockDim.x * E : (i * blockDim.x + threadIdx.x) * E;
             if (col < p.hidden) {
-                if constexpr (SHIFT) {
-                    stage_chunk(stage_slot<NPT, TENSORS>(staged, stage, 0, i), dy_row, col, (int)p.hidden);
-                    stage_chunk(stage_slot<NPT, TENSORS>(staged, stage, 1, i), x_row, col, (int)p.hidden);
-                } else {
-                    copy_async16(stage_slot<NPT, TENSORS>(staged, stage, 0, i), dy_row + col);
-                    copy_async16(stage_slot<NPT, TENSORS>(staged, stage, 1, i), x_row + col);
-                }
+                stage_chunk<SHIFT>(stage_slot<NPT, TENSORS>(staged, stage, 0, i), dy_row, col, (int)p.hidden);
+                stage_chunk<SHIFT>(stage_slot<NPT, TENSORS>(staged, stage, 1, i), x_row, col, (int)p.hidden);
             }
         }
     }
@@ -367,10 +363,7 @@ __device__ __forceinline__ void stage_grad(const NormBwdParams& p, uint4* staged
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = SHIFT ? first + i * blockDim.x * E : (i * blockDim.x + threadIdx.x) * E;
-            if (col < p.hidden) {
-                if constexpr (SHIFT) stage_chunk(stage_slot<NPT, 3>(staged, stage, 2, i), grad_row, col, (int)p.hidden);
-                else copy_async16(stage_slot<NPT, 3>(staged, stage, 2, i), grad_row + col);
-            }
+            if (col < p.hidden) stage_chunk<SHIFT>(stage_slot<NPT, 3>(staged, stage, 2, i), grad_row, col, (int)p.hidden);
         }
     }
     copy_async_commit();
