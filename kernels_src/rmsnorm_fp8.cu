@@ -175,7 +175,7 @@ __device__ __forceinline__ void for_chunks(int lane, int width, i64 hidden, F f)
 // 63% -> 83%, [4096, 4096] 64% -> 76%, groups of 128 [8192, 7168] 55% -> 61%; one scale a row (its products held)
 // [32768, 4096] 133.6 -> 132.1 us, [8192, 7168] 71.7 -> 65.8. Rows of 4+ slots keep a block a row: holding two rows
 // would spill.
-template <int NPT, bool ADD, int GROUP>
+template <int NPT, bool ADD>
 __device__ constexpr bool prefetches_rows() {
     return NPT > 0 && NPT <= 2 && !ADD;
 }
@@ -184,9 +184,9 @@ __device__ constexpr bool prefetches_rows() {
 // (NPT 0 holds no row), 2 where the next row is in flight (56-63 registers), rows of 4+ slots hold more and keep the
 // compiler's budget. 3 measured 15-18% faster than the compiler's own budget with dynamic scales (H200, bf16
 // [32768, 4096] one scale a row 203 -> 173 us, groups of 128 188 -> 162) and the same with a static scale.
-template <int NPT, bool ADD, int GROUP>
+template <int NPT, bool ADD>
 __device__ constexpr int fp8_min_blocks() {
-    return prefetches_rows<NPT, ADD, GROUP>() ? 2 : NPT <= 2 ? 3 : 1;
+    return prefetches_rows<NPT, ADD>() ? 2 : NPT <= 2 ? 3 : 1;
 }
 
 // With a static scale or groups, weights are loaded after the reduction, as each chunk is quantized: loaded with x and
@@ -199,7 +199,7 @@ template <typename T, typename W, bool VEC, int NPT, bool ADD, int GROUP, bool W
 __device__ __forceinline__ void fp8_norm_rows(const Fp8NormParams& p, float* scratch) {
     constexpr int E = 16 / sizeof(T);
     static_assert(GROUP <= TOKEN_SCALE || (GROUP % E == 0 && GROUP / E <= 32), "a group: whole chunks of one warp");
-    constexpr bool PREFETCH = prefetches_rows<NPT, ADD, GROUP>();
+    constexpr bool PREFETCH = prefetches_rows<NPT, ADD>();
     // One scale a row, rows held: the first pass's products x (w + offset) are held rather than x, so the output is
     // one multiply an element, with no second weight load, unpacking or offset add (H200, bf16: [32768, 4096]
     // 153.3 -> 133.6 us, [8192, 7168] 80.0 -> 71.7).
@@ -340,7 +340,7 @@ __device__ __forceinline__ void fp8_norm_rows(const Fp8NormParams& p, float* scr
 }
 
 template <typename T, typename W, bool VEC, int NPT, bool ADD, int GROUP>
-__global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD, GROUP>())) rms_norm_fp8(const Fp8NormParams p) {
+__global__ void __launch_bounds__(512, (fp8_min_blocks<NPT, ADD>())) rms_norm_fp8(const Fp8NormParams p) {
     wait_for_previous_grid();
     __shared__ float scratch[64];  // row_sum_max's sums and maxima
     if (p.weight) fp8_norm_rows<T, W, VEC, NPT, ADD, GROUP, true>(p, scratch);

@@ -78,7 +78,7 @@ def _plan_call(xa, wa, ra, sa, ua, oa, _no_weight, _no_residual, _no_scale, _no_
                         choices=profiles.profile_for(xa.device).rms_norm_forward)
         tail = FP8_TAIL.pack(n_rows, hidden, *strides, *_scalars(eps, offset, hidden))
         kernel = kernel_for(plan, xa.device)
-        if walks_rows(plan, ra, group):  # a block walks rows: as many as the GPU holds at once
+        if walks_rows(plan, ra):  # a block walks rows: as many as the GPU holds at once
             plan.grid = cap_grid(plan, blocks_per_wave(kernel, plan, xa.device), n_rows, xa.dtype)
         plan.launch = Launch(kernel, plan.grid, plan.block, FP8_POINTERS, tail, xa.device, xa.kind)
         plan.extents = tuple(None if a is None else checks.layout_key(a) for a in (xa, ra, oa))

@@ -22,10 +22,9 @@ GROUP_SIZES = (64, 128)
 FP8_MAX_SLOTS = {4: 8, 2: 4}
 
 
-def walks_rows(plan: NormPlan, residual, group: int) -> bool:
+def walks_rows(plan: NormPlan, residual) -> bool:
     """Whether the kernel's blocks walk rows with the next one in flight (rmsnorm_fp8.cu's prefetches_rows: rows of
-    1-2 register slots, no fused add), so that the grid is the blocks the GPU holds at
-    once."""
+    1-2 register slots, no fused add), so that the grid is the blocks the GPU holds at once."""
     return 0 < plan.slots <= 2 and residual is None
 
 

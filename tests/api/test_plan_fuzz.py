@@ -15,7 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 from cupyrope._runtime.arrays import FLOAT_DTYPES, ITEMSIZE, Array  # noqa: E402
 from cupyrope._runtime.checks import IN_PLACE, NEW, OUT, output_mode  # noqa: E402
 from cupyrope.ops import all_variants, profiles, rmsnorm, rmsnorm_fp8, rope  # noqa: E402
-from cupyrope.ops.rmsnorm_plan_fp8 import TOKEN_SCALE, kernel_group, walks_rows  # noqa: E402
+from cupyrope.ops.rmsnorm_plan_fp8 import TOKEN_SCALE, walks_rows  # noqa: E402
 from cupyrope.ops import rmsnorm_plan_backward as backward  # noqa: E402
 from cupyrope.ops.rmsnorm_rows import STATIC_SHARED_BYTES  # noqa: E402
 from cupyrope.ops.rope_plan import _TAIL, NORM_POINTERS  # noqa: E402
@@ -312,7 +312,7 @@ def test_rms_norm_fp8_plans_are_runnable_or_refused_clearly(call, mode, add, out
     width = plan.block[0]
     assert width * plan.slots * elems >= hidden if plan.slots else width == 512
     row_blocks = -(-math.prod(x.shape[:-1]) // plan.block[1])
-    if walks_rows(plan, other if add else None, kernel_group(mode == "static", group_size)):
+    if walks_rows(plan, other if add else None):
         assert plan.grid == min(row_blocks, BLOCKS_PER_WAVE)  # the blocks the (stand-in) GPU holds walk the rows
     else:
         assert plan.grid == row_blocks
