@@ -149,12 +149,6 @@ def _staged_row(itemsize: int, hidden: int, shifted: bool):
     return chunks, slots, width
 
 
-def _stage_tensors(grad: bool) -> int:
-    """The tensors a stage of rms_norm_bwd_staged or rms_norm_bwd_cluster holds: dy and x, and residual_grad in the
-    GRAD variants."""
-    return STAGED_GRAD_TENSORS if grad else 2
-
-
 def _staged_variant(dtype, weight_dtype, slots: int, shifted: bool) -> str:
     """The template arguments the staged kernels share, with `{stages}` for _staged_plan to fill."""
     return f"{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {{stages}}, {flag(shifted)}"
@@ -172,7 +166,7 @@ def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False,
         return _plan_reread(dtype, weight_dtype, rows, chunks, shared_limit, shifted)
     lean = lean and width <= STAGED_LEAN_MAX_THREADS[slots]
     return _staged_plan(f"cupyrope::rms_norm_bwd_staged<{_staged_variant(dtype, weight_dtype, slots, shifted)}, "
-                        f"{flag(lean)}>", rows, width, slots, shared_limit, shifted, tensors=_stage_tensors(grad))
+                        f"{flag(lean)}>", rows, width, slots, shared_limit, shifted, grad=grad)
 
 
 def _plan_clusters(dtype, weight_dtype, rows, hidden, shared_limit, shifted, blocks, grad=False):
@@ -187,7 +181,7 @@ def _plan_clusters(dtype, weight_dtype, rows, hidden, shared_limit, shifted, blo
         return None
     sums = hidden * 4
     plan = _staged_plan(f"cupyrope::rms_norm_bwd_cluster<{_staged_variant(dtype, weight_dtype, slots, shifted)}, "
-                        f"{blocks}>", rows, width, slots, shared_limit - sums, shifted, tensors=_stage_tensors(grad))
+                        f"{blocks}>", rows, width, slots, shared_limit - sums, shifted, grad=grad)
     if plan:
         plan.shared_mem += sums
         plan.split = blocks
@@ -247,12 +241,12 @@ def _plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit, shifte
     return None
 
 
-def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=None, tensors=2):
-    """A plan of a staged kernel (one row per block, the next rows' dy and x, and where tensors is 3 residual_grad,
-    in shared memory), `name` with `{stages}` where its stage count goes: about STAGED_LOOKAHEAD_BYTES of rows
-    ahead, at most max_stages (default STAGED_STAGES[-1]) and what shared memory holds; None where not even one
-    stage fits."""
-    stage_bytes = tensors * slots * width * 16
+def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=None, grad=False):
+    """A plan of a staged kernel (one row per block, the next rows' dy and x in shared memory, and with grad their
+    residual_grad: STAGED_GRAD_TENSORS), `name` with `{stages}` where its stage count goes: about
+    STAGED_LOOKAHEAD_BYTES of rows ahead, at most max_stages (default STAGED_STAGES[-1]) and what shared memory
+    holds; None where not even one stage fits."""
+    stage_bytes = (STAGED_GRAD_TENSORS if grad else 2) * slots * width * 16
     lookahead = max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes)
     stages = min(max_stages or STAGED_STAGES[-1], lookahead, shared_limit // stage_bytes)
     if stages < 1:
