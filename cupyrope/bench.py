@@ -290,6 +290,8 @@ def autograd_provider(torch, fn, leaves, cotangents):
     """A peer's backward as torch autograd runs it: the inputs named by `leaves` as fresh leaves, fn's outputs made once
     (untimed), each call the leaves' gradients for the cotangents named by `cotangents`. The graph runs again every
     call (retain_graph), so compiled graphs may not donate their saved buffers."""
+    import torch._functorch.config  # an attribute of torch._functorch once imported (torch.compile imports it)
+
     torch._functorch.config.donated_buffer = False
 
     def factory(d):

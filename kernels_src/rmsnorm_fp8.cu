@@ -7,7 +7,8 @@
 //   TOKEN_SCALE     one a row, written to p.scales: max |v| over the row (bounded by *p.scale_ub when given) / 448;
 //   64, 128         one per GROUP consecutive columns of a row (DeepSeek-V3's blocks), p.scales (rows, hidden / GROUP).
 // A dynamic scale is at least MIN_SCALE, so that a row or group of zeros quantizes to zeros. Values are multiplied by
-// the scale's reciprocal (one division a scale; a row's scale folded with rstd into one factor).
+// the scale's reciprocal (a static scale's by one division, a dynamic one's by reciprocal_of), folded with rstd into
+// one factor.
 //
 // Row layout as rmsnorm_common.cuh's, except that chunks are always E = 16 / sizeof(T) elements: VEC rows move them
 // as 16-byte accesses (and 4- or 8-byte stores of y), the others element by element, so that a group of GROUP columns
@@ -63,6 +64,19 @@ __device__ __forceinline__ unsigned e4m3_pair(float low, float high) {
     return e4m3_by_software(low) | (e4m3_by_software(high) << 8);
 }
 
+// The maximum of the warps' partial maxima (2 <= warps <= 32, all >= 0), to every lane: as partials_sum, each lane
+// reads one and a shuffle tree as deep as the warps need combines them (a loop over the partials in every lane took
+// ~50 instructions a row).
+__device__ __forceinline__ float partials_max(const float* partials, int warps, int lane) {
+    const int group = 1 << (32 - __clz(warps - 1));
+    const int slot = lane & (group - 1);
+    float m = slot < warps ? partials[slot] : 0.f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+        if (offset < group) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    return m;
+}
+
 // A row's sum (row_sum's tree: the same bits) and maximum over its `width` threads, to all of them, with one barrier
 // for both (as row_sum: every thread of the block calls it; scratch holds 64 floats; first_use as row_sum's).
 __device__ __forceinline__ float2 row_sum_max(float sum, float m, int width, float* scratch, bool first_use) {
@@ -80,8 +94,7 @@ __device__ __forceinline__ float2 row_sum_max(float sum, float m, int width, flo
         maxima[threadIdx.x / 32] = m;
     }
     __syncthreads();
-    for (int w = 0; w < warps; ++w) m = fmaxf(m, maxima[w]);
-    return make_float2(partials_sum(sums, warps, lane), m);
+    return make_float2(partials_sum(sums, warps, lane), partials_max(maxima, warps, lane));
 }
 
 // The maximum of v over the LANES consecutive lanes of a group (LANES a power of two up to 32, aligned in the warp).
@@ -95,9 +108,18 @@ __device__ __forceinline__ float group_max(float v) {
     return v;
 }
 
-// A dynamic scale from the maximum |v| it covers and the bound of that maximum (scale_ub; none: Inf).
+// A dynamic scale from the maximum |v| it covers and the bound of that maximum (scale_ub; none: Inf). amax is rstd
+// times the maximum product x (w + offset): NaN where a row holding Inf has rstd 0, which counts as 0 (its normalized
+// values are NaN, which no maximum counts, and zeros), not as the bound fminf would give.
 __device__ __forceinline__ float scale_of(float amax, float bound) {
-    return fmaxf(fminf(amax, bound) / E4M3_MAX, MIN_SCALE);
+    return fmaxf(fminf(fmaxf(amax, 0.f), bound) / E4M3_MAX, MIN_SCALE);
+}
+
+// 1 / a dynamic scale, as what quantizes multiplies by: the hardware's reciprocal (within 2 ulp; 1 / Inf = 0), not a
+// rounded division with its range check and slow path, which held a branch in each group (the output is checked
+// within 2e-6 of the float64 quotient, where an FP8 rounding boundary lies that close).
+__device__ __forceinline__ float reciprocal_of(float scale) {
+    return __fdividef(1.f, scale);
 }
 
 // E elements of a row from column col (VEC: one 16-byte access; else element by element, 0 past the row's end). Not
@@ -218,7 +240,7 @@ __device__ __forceinline__ void fp8_norm_rows(const Fp8NormParams& p, float* scr
     Held<T, E> ahead[PREFETCH ? NPT : 1];
     const auto load_ahead = [&](i64 r) {
         if (r >= p.rows) return;
-        const T* const next_row = static_cast<const T*>(p.x) + r * p.x_stride;
+        const T* const next_row = row_base<true>(static_cast<const T*>(p.x) + r * p.x_stride);
         for_chunks<PREFETCH ? NPT : 1, E>(lane, width, p.hidden, [&](int i, i64 col) {
             ahead[i].hold(load_elems<VEC, E>(next_row, col, p.hidden));
         });
@@ -231,10 +253,11 @@ __device__ __forceinline__ void fp8_norm_rows(const Fp8NormParams& p, float* scr
         const i64 row = base + threadIdx.y;
         const bool active = row < p.rows;  // inactive threads still join the row reductions
         const i64 hidden = active ? p.hidden : 0;  // no chunks
-        const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
-        T* const res_row = ADD ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
+        const T* const x_row = row_base<true>(static_cast<const T*>(p.x) + row * p.x_stride);
+        T* const res_row = ADD ? row_base<true>(static_cast<T*>(p.residual) + row * p.residual_stride) : nullptr;
         const T* const src = ADD ? res_row : x_row;  // what is normalized
-        unsigned char* const y_row = static_cast<unsigned char*>(p.y) + row * p.y_stride;
+        unsigned char* const y_row = row_base<true>(static_cast<unsigned char*>(p.y) + row * p.y_stride);
+        float* const scales_row = GROUP > TOKEN_SCALE ? row_base<true>(p.scales + row * (p.hidden / GROUP)) : nullptr;
 
         // The weight's chunk at col: ones without a weight, so that its scale is one multiply whatever is given.
         const auto weight_chunk = [&](i64 col) {
@@ -288,7 +311,7 @@ __device__ __forceinline__ void fp8_norm_rows(const Fp8NormParams& p, float* scr
             rstd = inverse_rms(reduced.x, p.inv_hidden, p.eps);
             const float scale = scale_of(rstd * reduced.y, bound);
             if (active && lane == 0) p.scales[row] = scale;
-            row_inverse = 1.f / scale;
+            row_inverse = reciprocal_of(scale);
         } else {
             rstd = inverse_rms(row_sum(sum_sq, width, scratch, first_row), p.inv_hidden, p.eps);
         }
@@ -310,20 +333,22 @@ __device__ __forceinline__ void fp8_norm_rows(const Fp8NormParams& p, float* scr
             for (int e = 0; e < E; ++e) v[e] = s.at(e) * coef * (as_float<true>(w.v[e]) + weight_offset);
         };
 
-        // A group's scale comes from its normalized values; a row's is folded into the coefficient.
-        const float coef = GROUP > TOKEN_SCALE ? rstd : rstd * row_inverse;
+        // A row's scale is folded into the coefficient. A group's maximum is taken over the products x (w + offset),
+        // which rstd > 0 scales to the maximum of its normalized values (the same bits: rounding is monotone), and
+        // its scale is folded into rstd (one multiply an element, not two).
+        const float coef = GROUP > TOKEN_SCALE ? 1.f : rstd * row_inverse;
         // Chunk (i, col) quantized and stored. in_row false: a slot past the row, which joins its group's maximum
         // (zeros) and stores nothing.
         const auto quantize = [&](int i, i64 col, bool in_row) {
             float v[E] = {};
             if (in_row) normalized(i, col, coef, v);
             if constexpr (GROUP > TOKEN_SCALE) {  // the group's lanes are all here: a group lies in the row or past it
-                const float scale = scale_of(group_max<GROUP / E, (NPT > 0)>(chunk_max(v)), bound);
+                const float scale = scale_of(rstd * group_max<GROUP / E, (NPT > 0)>(chunk_max(v)), bound);
                 if (!in_row) return;
-                if (col % GROUP == 0) p.scales[row * (p.hidden / GROUP) + col / GROUP] = scale;
-                const float group_inverse = 1.f / scale;
+                if (col % GROUP == 0) scales_row[col / GROUP] = scale;
+                const float group_coef = rstd * reciprocal_of(scale);
 #pragma unroll
-                for (int e = 0; e < E; ++e) v[e] *= group_inverse;
+                for (int e = 0; e < E; ++e) v[e] *= group_coef;
             }
             store_fp8<VEC, E>(y_row, col, hidden, v);
         };
