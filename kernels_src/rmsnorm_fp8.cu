@@ -64,27 +64,28 @@ __device__ __forceinline__ unsigned e4m3_pair(float low, float high) {
     return e4m3_by_software(low) | (e4m3_by_software(high) << 8);
 }
 
-// The maximum of the warps' partial maxima (2 <= warps <= 32, all >= 0), to every lane: as partials_sum, each lane
-// reads one and a shuffle tree as deep as the warps need combines them (a loop over the partials in every lane took
-// ~50 instructions a row).
-__device__ __forceinline__ float partials_max(const float* partials, int warps, int lane) {
-    const int group = 1 << (32 - __clz(warps - 1));
-    const int slot = lane & (group - 1);
-    float m = slot < warps ? partials[slot] : 0.f;
+// The sum and the maximum of (sum, m) over groups of `width` lanes (a power of two up to 32), to all of them: both
+// shuffled under one test of each step (the sum's tree is lanes_sum's: the same bits).
+__device__ __forceinline__ float2 lanes_sum_max(float sum, float m, int width) {
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2)
-        if (offset < group) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    return m;
+    for (int offset = 16; offset > 0; offset /= 2) {
+        if (offset < width) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+        }
+    }
+    return make_float2(sum, m);
 }
 
 // A row's sum (row_sum's tree: the same bits) and maximum over its `width` threads, to all of them, with one barrier
-// for both (as row_sum: every thread of the block calls it; scratch holds 64 floats; first_use as row_sum's).
+// for both (as row_sum: every thread of the block calls it; scratch holds 64 floats; first_use as row_sum's). The
+// warps' partials are combined as partials_sum combines them, each lane reading one (a loop over the maxima in every
+// lane took ~50 instructions a row).
 __device__ __forceinline__ float2 row_sum_max(float sum, float m, int width, float* scratch, bool first_use) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2)
-        if (offset < width) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    if (width <= 32) return make_float2(lanes_sum(sum, width), m);
+    if (width <= 32) return lanes_sum_max(sum, m, width);
     sum = group_sum<32>(sum);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
     const int warps = width / 32, lane = threadIdx.x % 32;
     float* const sums = scratch + threadIdx.y * warps;
     float* const maxima = scratch + 32 + threadIdx.y * warps;
@@ -94,7 +95,9 @@ __device__ __forceinline__ float2 row_sum_max(float sum, float m, int width, flo
         maxima[threadIdx.x / 32] = m;
     }
     __syncthreads();
-    return make_float2(partials_sum(sums, warps, lane), partials_max(maxima, warps, lane));
+    const int group = 1 << (32 - __clz(warps - 1));
+    const int slot = lane & (group - 1);
+    return lanes_sum_max(slot < warps ? sums[slot] : 0.f, slot < warps ? maxima[slot] : 0.f, group);
 }
 
 // The maximum of v over the LANES consecutive lanes of a group (LANES a power of two up to 32, aligned in the warp).
@@ -115,11 +118,14 @@ __device__ __forceinline__ float scale_of(float amax, float bound) {
     return fmaxf(fminf(fmaxf(amax, 0.f), bound) / E4M3_MAX, MIN_SCALE);
 }
 
-// 1 / a dynamic scale, as what quantizes multiplies by: the hardware's reciprocal (within 2 ulp; 1 / Inf = 0), not a
+// 1 / a dynamic scale, as what quantizes multiplies by: the hardware's reciprocal (within 1 ulp; 1 / Inf = 0), not a
 // rounded division with its range check and slow path, which held a branch in each group (the output is checked
-// within 2e-6 of the float64 quotient, where an FP8 rounding boundary lies that close).
+// within 2e-6 of the float64 quotient, where an FP8 rounding boundary lies that close). A scale is at least MIN_SCALE
+// and its reciprocal at most 448 * 512: neither is subnormal, which the instruction would flush.
 __device__ __forceinline__ float reciprocal_of(float scale) {
-    return __fdividef(1.f, scale);
+    float inverse;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inverse) : "f"(scale));
+    return inverse;
 }
 
 // E elements of a row from column col (VEC: one 16-byte access; else element by element, 0 past the row's end). Not
