@@ -3,7 +3,9 @@ cupyrope/ and kernels_src/: this checkout, or another revision's) and, optionall
 anything is planned (a planner's knob). Each (round, variant) runs in a process of its own, the variants taking
 turns, a different one first each round; each case is checked against float64 and timed as the benchmark suite
 times it (bench.run_case: GPU µs per call by CUDA-graph replay, the L2 flushed by rotating inputs). Prints each case's
-median per variant, its runs, and its ratio to the first variant. Compare variants of one run only.
+median per variant, its runs, and its ratio to the first variant. Compare variants of one run only. --budget SECONDS
+stops starting processes once the next would not finish in time (judged by the longest so far) and prints what it has,
+so that a device call's time limit never takes the whole table with it; each process's end is logged on stderr.
 
 Usage, from a checkout on a GPU machine (PYTHONPATH may add the peers' site directory):
   python tools/ab.py --rounds 3 --cases add_bwd:32768x4096,rms_bwd:32768x4096,qk_norm_rope:8192 \\
@@ -23,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 
 def parse_variant(text: str) -> dict:
@@ -86,6 +89,7 @@ def main() -> None:
     parser.add_argument("--cases", required=True, help="comma-separated OP:SHAPE[:DTYPE]")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--peers", action="store_true", help="time the peers too (in the first variant's processes)")
+    parser.add_argument("--budget", type=float, help="seconds: start no process that would end past them")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     cases = [c for c in args.cases.split(",") if c]
@@ -96,19 +100,27 @@ def main() -> None:
     if not names or len(set(names)) != len(names):
         parser.error("give one or more variants, each of its own name")
     times = collections.defaultdict(list)  # (case, variant) -> GPU µs, a round each
-    for turn in range(args.rounds):
-        for i in range(len(args.variants)):
-            variant = args.variants[(turn + i) % len(args.variants)]
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [variant["tree"], os.environ.get("PYTHONPATH")])))
-            command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(variant),
-                       "--cases", args.cases] + (["--peers"] if args.peers and variant is args.variants[0] else [])
-            run = subprocess.run(command, env=env, capture_output=True, text=True)
-            for line in run.stdout.splitlines():
-                if line.startswith("{"):
-                    result = json.loads(line)
-                    times[result["case"], result["variant"]].append(result["us"])
-            if run.returncode:
-                print(f"round {turn + 1}, {variant['name']}: exit {run.returncode}\n{run.stderr[-2000:]}", file=sys.stderr)
+    start, longest = time.monotonic(), 0.0
+    turns = [(turn, args.variants[(turn + i) % len(args.variants)])
+             for turn in range(args.rounds) for i in range(len(args.variants))]
+    for turn, variant in turns:
+        began = time.monotonic()
+        if args.budget and began - start + longest > args.budget:
+            print(f"budget of {args.budget:.0f} s: stopped before round {turn + 1}, {variant['name']}", file=sys.stderr)
+            break
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [variant["tree"], os.environ.get("PYTHONPATH")])))
+        command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(variant),
+                   "--cases", args.cases] + (["--peers"] if args.peers and variant is args.variants[0] else [])
+        run = subprocess.run(command, env=env, capture_output=True, text=True)
+        for line in run.stdout.splitlines():
+            if line.startswith("{"):
+                result = json.loads(line)
+                times[result["case"], result["variant"]].append(result["us"])
+        longest = max(longest, time.monotonic() - began)
+        print(f"round {turn + 1}, {variant['name']}: exit {run.returncode} after {time.monotonic() - began:.0f} s",
+              file=sys.stderr, flush=True)
+        if run.returncode:
+            print(run.stderr[-2000:], file=sys.stderr)
     for spec in cases:
         first = times.get((spec, names[0]))
         for (case, name), runs in times.items():
