@@ -323,8 +323,9 @@ __device__ __forceinline__ void fp8_norm_rows(const Fp8NormParams& p, float* scr
         }
         first_row = false;
 
-        // Chunk (i, col)'s values times coef: with coef = rstd, the normalized values as rms_norm computes them
-        // before its rounding; with the row's 1 / scale folded into coef, their quantized values.
+        // Chunk (i, col)'s products x (w + offset) times coef: with coef = rstd, the normalized values as rms_norm
+        // computes them before its rounding; with the row's 1 / scale folded into coef, their quantized values; with
+        // coef = 1 (groups), the products, which the group's scale and rstd then multiply.
         const auto normalized = [&](int i, i64 col, float coef, float (&v)[E]) {
             if constexpr (HOLDS_PRODUCTS) {
 #pragma unroll
