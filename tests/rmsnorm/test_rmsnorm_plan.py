@@ -255,6 +255,32 @@ def test_rms_norm_backward_grad_lean_rule(monkeypatch):
     assert plan(16384, 8192, 1 << 20).cluster_rounds  # 2 chunks a thread: the plain rule
 
 
+def test_rms_norm_backward_forced_rounds_walk_as_the_plain_call(monkeypatch):
+    # What test_backward_residual_grad_clusters (GPU) relies on: with rounds of clusters forced at small sizes and
+    # grad_lean_max_rows lowered with the plain limit, the residual_grad call walks as the plain call does (the
+    # cluster kernel, the same grid), so that dweight is summed in one order and is bitwise the same.
+    import dataclasses
+
+    from fakes import stand_in_for_the_device
+
+    stand_in_for_the_device(monkeypatch.setattr, blocks_per_wave=264)
+    monkeypatch.setattr(backward, "STAGED_LEAN_MAX_ROWS", {**backward.STAGED_LEAN_MAX_ROWS, 1: 2, 2: 2})
+    monkeypatch.setattr(backward, "CLUSTER_ROUNDS_ROWS", {1: 3, 2: 3})
+    choices = dataclasses.replace(PLANNING_PROFILE.rms_norm_backward, one_cluster_max_rows=0, grad_lean_max_rows=2)
+
+    def plan(rows, hidden, dtype, grad):
+        x, w = arr((rows, hidden), dtype), arr((hidden,))
+        plan, _ = backward.plan_backward_for_device(x, x, x, w, (hidden,) * (4 if grad else 3), rows, hidden, 132,
+                                                    "auto", 227 * 1024, 0, choices, x if grad else None)
+        return plan
+
+    for rows, hidden, dtype in ((2003, 4096, "bfloat16"), (1500, 8192, "float16")):
+        with_grad, plain = plan(rows, hidden, dtype, True), plan(rows, hidden, dtype, False)
+        assert with_grad.name.startswith("cupyrope::rms_norm_bwd_cluster<") and with_grad.name.endswith(", true>")
+        assert with_grad.cluster_rounds and plain.cluster_rounds, (with_grad, plain)
+        assert (with_grad.grid, with_grad.block) == (plain.grid, plain.block), (with_grad, plain)
+
+
 def test_rms_norm_backward_reread_plans():
     # Aligned rows past what the staged kernel holds in registers with their dweight sums (fp16/bf16 over
     # 16384 elements, fp32 over 16384) take rms_norm_bwd_reread where a stage fits in shared memory: 4 (8 for
