@@ -14,7 +14,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from cupyrope._runtime.arrays import FLOAT_DTYPES, ITEMSIZE, Array  # noqa: E402
 from cupyrope._runtime.checks import IN_PLACE, NEW, OUT, output_mode  # noqa: E402
-from cupyrope.ops import all_variants, profiles, rmsnorm, rmsnorm_fp8, rope  # noqa: E402
+from cupyrope.ops import all_variants, layernorm, profiles, rmsnorm, rmsnorm_fp8, rope  # noqa: E402
 from cupyrope.ops.rmsnorm_plan_fp8 import TOKEN_SCALE, walks_rows  # noqa: E402
 from cupyrope.ops import rmsnorm_plan_backward as backward  # noqa: E402
 from cupyrope.ops.rmsnorm_rows import STATIC_SHARED_BYTES  # noqa: E402
@@ -27,7 +27,8 @@ SHARED_OPTIN = 99 * 1024  # an L4's or RTX 4090's: below the H100's, so the limi
 DEFAULT_SHARED = 48 * 1024  # what a kernel gets without opting in (the RoPE kernels do not)
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ARGUMENTS = ("x:", "q:", "k:", "positions:", "cos_sin_cache:", "cos:", "sin:", "freq_step:", "out:", "out[0]:",
-             "out[1]:", "rotary_dim:", "impl:", "weight:", "residual:", "dy:", "rstd:", "eps:", "group_size:")
+             "out[1]:", "rotary_dim:", "impl:", "weight:", "residual:", "dy:", "rstd:", "eps:", "group_size:", "bias:",
+             "mean:")
 
 
 BLOCKS_PER_WAVE = 132 * 2
@@ -327,3 +328,56 @@ def test_rms_norm_fp8_plans_are_runnable_or_refused_clearly(call, mode, add, out
         y_out = y if out else None
         assert y_out is None or (y_out.ptr % elems == 0 and all(s % elems == 0 for n, s in zip(y_out.shape[:-1],
                                                                                             y_out.strides[:-1]) if n > 1))
+
+
+@SETTINGS
+@given(norm_calls(), st.sampled_from(["forward", "forward out", "fused add", "backward", "backward, stats"]),
+       st.sampled_from(["weight", "bias", "both", "neither"]), st.data(), launch_profiles())
+def test_layer_norm_plans_are_runnable_or_refused_clearly(call, op, params, data, profile):
+    """layer_norm's plans: a compiled variant within its launch bounds (forward rows of 4+ register slots up to 1024
+    threads, others and the backward up to 512), shared memory within the GPU's, a row's chunks covered by its
+    threads' slots, 16-byte accesses only where every array the call reads or writes is aligned (shifted rows aside);
+    the backward's grid no more blocks than rows need."""
+    x, weight, other, eps, _, impl = call
+    if weight is not None and params in ("bias", "neither"):
+        weight = None
+    bias = None
+    if params in ("bias", "both"):
+        bias_dtype = weight.dtype if weight is not None and data.draw(st.integers(0, 9)) else \
+            data.draw(st.sampled_from(["float32", x.dtype]))
+        bias = data.draw(arrays((x.shape[-1],), bias_dtype, BASE + 2**36, padded=False))
+    rows = math.prod(x.shape[:-1])
+    stats = [Array(None, "cupy", BASE + 2**37 + i * 2**30, "float32", x.shape[:-1],
+                   tuple(math.prod(x.shape[1 + j:-1]) for j in range(len(x.shape) - 1)), 0) for i in range(2)]
+    with profiles.planning_with(profile):
+        try:
+            if op.startswith("forward"):
+                out, mode = (other, OUT) if op == "forward out" else (None, NEW)
+                plan = layernorm._plan_forward_call(x, weight, bias, out, mode, weight is None, bias is None, eps,
+                                                    True, impl)
+            elif op == "fused add":
+                plan = layernorm._plan_fused_add_call(x, other, weight, bias, weight is None, bias is None, eps, impl)
+            else:
+                mean, rstd = stats if op == "backward, stats" else (None, None)
+                plan = layernorm._plan_backward_call(other, x, weight, bias, mean, rstd, weight is None, bias is None,
+                                                     mean is None, rstd is None, eps, impl)
+        except (TypeError, ValueError) as error:
+            assert_clear_error(error)
+            return
+    if not plan.grid:
+        return
+    event(f"planned: {plan.name.split('<')[0].removeprefix('cupyrope::')}, vectorized {plan.vectorized}, "
+          f"slots {plan.slots}")
+    assert plan.name in VARIANTS, plan.name
+    threads = plan.block[0] * plan.block[1]
+    assert 1 <= plan.grid < 2**31 and 1 <= threads <= (1024 if "_fwd<" in plan.name and plan.slots >= 4 else 512)
+    assert plan.shared_mem <= SHARED_OPTIN - STATIC_SHARED_BYTES
+    if plan.slots:
+        assert plan.block[0] * plan.slots * (16 // ITEMSIZE[x.dtype] if plan.vectorized else 1) >= x.shape[-1]
+    if "_bwd<" in plan.name:
+        assert plan.grid <= max(1, -(-rows // plan.block[1]))  # no block without a row
+    used = {"forward": (x, weight, bias), "forward out": (x, other, weight, bias), "fused add": (x, other, weight, bias),
+            "backward": (x, other, weight), "backward, stats": (x, other, weight)}[op]  # bias: its dtype alone
+    if plan.vectorized and not plan.shifted:
+        assert all(aligned_16(a) for a in used if a is not None)
+
