@@ -85,14 +85,16 @@ def stand_in_for_the_device(patch=setattr, shared_optin=227 * 1024, blocks_per_w
     bytes of shared memory a block, ``blocks_per_wave`` resident blocks and ``resident_clusters(split)`` clusters
     (default 16, clusters of 8 an H100 holds at once); no kernel is loaded and launches are plain."""
     from cupyrope._runtime import launch
-    from cupyrope.ops import (layernorm, profiles, rmsnorm, rmsnorm_fp8, rmsnorm_plan_backward, rmsnorm_plan_forward,
-                              rmsnorm_rows, rope)
+    from cupyrope.ops import (layernorm, profiles, qk_norm_rope, rmsnorm, rmsnorm_fp8, rmsnorm_plan_backward,
+                              rmsnorm_plan_forward, rmsnorm_rows, rope)
 
     no_kernel = SimpleNamespace(ptr=0, device=0, attribute=lambda attribute: 0)
-    for module in (rope, rmsnorm, rmsnorm_rows, rmsnorm_plan_forward, layernorm):
+    for module in (rope, rmsnorm, rmsnorm_rows, rmsnorm_plan_forward, layernorm, qk_norm_rope):
         patch(module, "get_kernel", lambda *args: no_kernel)
-    for module in (rope, rmsnorm, rmsnorm_rows):
+    for module in (rope, rmsnorm, rmsnorm_rows, qk_norm_rope):
         patch(module, "sm_count", lambda device: 132)
+    patch(qk_norm_rope, "allow_shared_memory", lambda *args: None)
+    patch(qk_norm_rope, "resident_blocks", lambda *args: blocks_per_wave // 132)
     patch(rmsnorm_rows, "shared_optin", lambda device: shared_optin)
     patch(rmsnorm_rows, "allow_shared_memory", lambda *args: None)
     clusters = resident_clusters or (lambda split: 16)

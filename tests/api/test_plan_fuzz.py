@@ -14,7 +14,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from cupyrope._runtime.arrays import FLOAT_DTYPES, ITEMSIZE, Array  # noqa: E402
 from cupyrope._runtime.checks import IN_PLACE, NEW, OUT, output_mode  # noqa: E402
-from cupyrope.ops import all_variants, layernorm, profiles, rmsnorm, rmsnorm_fp8, rope  # noqa: E402
+from cupyrope.ops import all_variants, layernorm, profiles, qk_norm_rope, rmsnorm, rmsnorm_fp8, rope  # noqa: E402
 from cupyrope.ops.rmsnorm_plan_fp8 import TOKEN_SCALE, walks_rows  # noqa: E402
 from cupyrope.ops import rmsnorm_plan_backward as backward  # noqa: E402
 from cupyrope.ops.rmsnorm_rows import STATIC_SHARED_BYTES  # noqa: E402
@@ -28,7 +28,7 @@ DEFAULT_SHARED = 48 * 1024  # what a kernel gets without opting in (the RoPE ker
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ARGUMENTS = ("x:", "q:", "k:", "positions:", "cos_sin_cache:", "cos:", "sin:", "freq_step:", "out:", "out[0]:",
              "out[1]:", "rotary_dim:", "impl:", "weight:", "residual:", "dy:", "rstd:", "eps:", "group_size:", "bias:",
-             "mean:")
+             "mean:", "q_weight:", "k_weight:", "dq:", "dk:")
 
 
 BLOCKS_PER_WAVE = 132 * 2
@@ -381,3 +381,45 @@ def test_layer_norm_plans_are_runnable_or_refused_clearly(call, op, params, data
     if plan.vectorized and not plan.shifted:
         assert all(aligned_16(a) for a in used if a is not None)
 
+
+
+@SETTINGS
+@given(rope_calls(qk=True), st.sampled_from(["in place", "new", "backward"]), st.data(), launch_profiles())
+def test_qk_norm_rope_plans_are_runnable_or_refused_clearly(call, op, data, profile):
+    """qk_norm_rope's forward (in place, into new arrays) and backward plans: a compiled variant, launch limits,
+    shared memory within the GPU's, 16-byte accesses only where q and k (and dq, dk) are 16-byte aligned; the
+    backward's partial rows of the weight gradients at least one."""
+    q, k, positions, cache, options = call
+    head_dim = q.shape[-1]
+    weight_dtype = data.draw(st.sampled_from(["float32", q.dtype, "float16"]))
+    q_weight = data.draw(arrays((head_dim,), weight_dtype, BASE + 2**36, padded=False))
+    k_weight = data.draw(arrays((head_dim,), data.draw(mostly(st.just(weight_dtype), st.just("float32"))),
+                                BASE + 2**37, padded=False))
+    eps = data.draw(st.sampled_from([1e-6, 1e-6, 1e-6, 1e-5, 0.0]))
+    rope_options = (eps, 0.0, options["theta"], options["style"], options["rotary_dim"],
+                    options["impl"], None, False, 0)
+    with profiles.planning_with(profile):
+        try:
+            if op == "backward":
+                dq, dk = (data.draw(arrays(a.shape, a.dtype, BASE + 2**38 + i * 2**32)) for i, a in enumerate((q, k)))
+                plan = qk_norm_rope._plan_backward_call(dq, dk, q, k, q_weight, k_weight, positions, cache, None, None,
+                                                        cache is None, *rope_options)
+                written = [dq, dk]
+            else:
+                mode = NEW if op == "new" else IN_PLACE
+                plan = qk_norm_rope._plan_forward_call(q, k, q_weight, k_weight, positions, cache, None, None, None,
+                                                       None, mode, cache is None, *rope_options)
+                written = []
+        except (TypeError, ValueError) as error:
+            assert_clear_error(error)
+            return
+    if not plan.grid:
+        return
+    event(f"planned: {plan.name.split('<')[0].removeprefix('cupyrope::')}, vectorized {plan.vectorized}")
+    assert plan.name in VARIANTS, plan.name
+    assert 1 <= plan.grid < 2**31 and 1 <= plan.block[0] * (plan.block[1] if len(plan.block) > 1 else 1) <= 1024
+    assert plan.shared_mem <= SHARED_OPTIN - STATIC_SHARED_BYTES
+    if plan.vectorized:
+        assert all(aligned_16(a) for a in [q, k, *written])
+    if op == "backward":
+        assert plan.partial_rows >= 1
