@@ -28,7 +28,8 @@ DEFAULT_SHARED = 48 * 1024  # what a kernel gets without opting in (the RoPE ker
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ARGUMENTS = ("x:", "q:", "k:", "positions:", "cos_sin_cache:", "cos:", "sin:", "freq_step:", "out:", "out[0]:",
              "out[1]:", "rotary_dim:", "impl:", "weight:", "residual:", "dy:", "rstd:", "eps:", "group_size:", "bias:",
-             "mean:", "q_weight:", "k_weight:", "dq:", "dk:")
+             "mean:", "q_weight:", "k_weight:", "dq:", "dk:", "cu_seqlens:", "seqlen_offsets:", "mrope_section:",
+             "mrope_interleaved:")
 
 
 BLOCKS_PER_WAVE = 132 * 2
@@ -388,34 +389,53 @@ def test_layer_norm_plans_are_runnable_or_refused_clearly(call, op, params, data
 def test_qk_norm_rope_plans_are_runnable_or_refused_clearly(call, op, data, profile):
     """qk_norm_rope's forward (in place, into new arrays) and backward plans: a compiled variant, launch limits,
     shared memory within the GPU's, 16-byte accesses only where q and k (and dq, dk) are 16-byte aligned; the
-    backward's partial rows of the weight gradients at least one."""
+    backward's partial rows of the weight gradients at least one. Positions, or M-RoPE's three rows of them with
+    its sections, or packed sequences (cu_seqlens, perhaps with seqlen_offsets)."""
     q, k, positions, cache, options = call
     head_dim = q.shape[-1]
+    source = data.draw(st.sampled_from(["positions", "positions", "mrope", "varlen"]))
+    section, interleaved, cu_seqlens, seqlen_offsets = None, False, None, None
+    if source == "mrope":
+        rows = data.draw(mostly(st.just(3), st.sampled_from([1, 2, 4])))
+        positions = data.draw(arrays((rows, *positions.shape), positions.dtype, BASE + 2**32, padded=False))
+        half = (options["rotary_dim"] or head_dim) // 2
+        t = data.draw(st.integers(0, max(half, 0)))
+        h = data.draw(st.integers(0, max(half - t, 0)))
+        section = data.draw(mostly(st.just([t, h, half - t - h]), st.lists(st.integers(-1, 40), max_size=4)))
+        interleaved = data.draw(st.booleans())
+    elif source == "varlen":
+        n_seqs = data.draw(st.integers(0, 5))
+        cu_seqlens = data.draw(arrays((n_seqs + 1,), data.draw(mostly(st.just("int32"), st.just("int64"))),
+                                      BASE + 2**32, padded=False))
+        if data.draw(st.booleans()):
+            seqlen_offsets = data.draw(arrays((max(n_seqs, 1),), data.draw(st.sampled_from(["int32", "int64"])),
+                                              BASE + 2**32 + 2**20, padded=False))
+        positions = None
     weight_dtype = data.draw(st.sampled_from(["float32", q.dtype, "float16"]))
     q_weight = data.draw(arrays((head_dim,), weight_dtype, BASE + 2**36, padded=False))
     k_weight = data.draw(arrays((head_dim,), data.draw(mostly(st.just(weight_dtype), st.just("float32"))),
                                 BASE + 2**37, padded=False))
     eps = data.draw(st.sampled_from([1e-6, 1e-6, 1e-6, 1e-5, 0.0]))
-    rope_options = (eps, 0.0, options["theta"], options["style"], options["rotary_dim"],
-                    options["impl"], None, False, 0)
+    rope_options = (eps, 0.0, options["theta"], options["style"], options["rotary_dim"], options["impl"], section,
+                    interleaved, rope._absent(positions, cu_seqlens, seqlen_offsets))
     with profiles.planning_with(profile):
         try:
             if op == "backward":
                 dq, dk = (data.draw(arrays(a.shape, a.dtype, BASE + 2**38 + i * 2**32)) for i, a in enumerate((q, k)))
-                plan = qk_norm_rope._plan_backward_call(dq, dk, q, k, q_weight, k_weight, positions, cache, None, None,
-                                                        cache is None, *rope_options)
+                plan = qk_norm_rope._plan_backward_call(dq, dk, q, k, q_weight, k_weight, positions, cache,
+                                                        cu_seqlens, seqlen_offsets, cache is None, *rope_options)
                 written = [dq, dk]
             else:
                 mode = NEW if op == "new" else IN_PLACE
-                plan = qk_norm_rope._plan_forward_call(q, k, q_weight, k_weight, positions, cache, None, None, None,
-                                                       None, mode, cache is None, *rope_options)
+                plan = qk_norm_rope._plan_forward_call(q, k, q_weight, k_weight, positions, cache, None, None,
+                                                       cu_seqlens, seqlen_offsets, mode, cache is None, *rope_options)
                 written = []
         except (TypeError, ValueError) as error:
             assert_clear_error(error)
             return
     if not plan.grid:
         return
-    event(f"planned: {plan.name.split('<')[0].removeprefix('cupyrope::')}, vectorized {plan.vectorized}")
+    event(f"planned: {plan.name.split('<')[0].removeprefix('cupyrope::')}, {source}, vectorized {plan.vectorized}")
     assert plan.name in VARIANTS, plan.name
     assert 1 <= plan.grid < 2**31 and 1 <= plan.block[0] * (plan.block[1] if len(plan.block) > 1 else 1) <= 1024
     assert plan.shared_mem <= SHARED_OPTIN - STATIC_SHARED_BYTES
