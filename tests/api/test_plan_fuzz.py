@@ -136,14 +136,43 @@ def rope_calls(draw, qk=False):
     return x, positions, cache, out, options
 
 
+def position_sources(data, positions, head_dim, rotary_dim):
+    """A call's positions as drawn (rope_calls'), or M-RoPE's rows of them with its sections (mostly three rows and
+    sections adding up to rotary_dim / 2), or packed sequences: (source, positions, cu_seqlens, seqlen_offsets,
+    mrope_section, mrope_interleaved)."""
+    source = data.draw(st.sampled_from(["positions", "positions", "mrope", "varlen"]))
+    if source == "mrope":
+        rows = data.draw(mostly(st.just(3), st.sampled_from([1, 2, 4])))
+        positions = data.draw(arrays((rows, *positions.shape), positions.dtype, BASE + 2**32, padded=False))
+        half = (rotary_dim or head_dim) // 2
+        t = data.draw(st.integers(0, max(half, 0)))
+        h = data.draw(st.integers(0, max(half - t, 0)))
+        section = data.draw(mostly(st.just([t, h, half - t - h]), st.lists(st.integers(-1, 40), max_size=4)))
+        return source, positions, None, None, section, data.draw(st.booleans())
+    if source == "varlen":
+        n_seqs = data.draw(st.integers(0, 5))
+        cu_seqlens = data.draw(arrays((n_seqs + 1,), data.draw(mostly(st.just("int32"), st.just("int64"))),
+                                      BASE + 2**32, padded=False))
+        seqlen_offsets = None
+        if data.draw(st.booleans()):
+            seqlen_offsets = data.draw(arrays((max(n_seqs, 1),), data.draw(st.sampled_from(["int32", "int64"])),
+                                              BASE + 2**32 + 2**20, padded=False))
+        return source, None, cu_seqlens, seqlen_offsets, None, False
+    return source, positions, None, None, None, False
+
+
 @SETTINGS
-@given(rope_calls(), launch_profiles())
-def test_rope_plans_are_runnable_or_refused_clearly(call, profile):
+@given(rope_calls(), st.data(), launch_profiles())
+def test_rope_plans_are_runnable_or_refused_clearly(call, data, profile):
     x, positions, cache, out, options = call
+    source, positions, cu_seqlens, offsets, section, interleaved = position_sources(data, positions, x.shape[-1],
+                                                                                    options["rotary_dim"])
+    event(f"positions: {source}")
     with profiles.planning_with(profile):
         try:
             mode = output_mode(out, x)
-            plan = rope._plan_rope_call(x, positions, cache, out if mode == OUT else None, None, None, mode, cache is None, **options)
+            plan = rope._plan_rope_call(x, positions, cache, out if mode == OUT else None, cu_seqlens, offsets, mode,
+                                        cache is None, **options, section=section, interleaved=interleaved)
         except (TypeError, ValueError) as error:
             assert_clear_error(error)
             return
@@ -151,14 +180,18 @@ def test_rope_plans_are_runnable_or_refused_clearly(call, profile):
 
 
 @SETTINGS
-@given(rope_calls(qk=True), st.booleans(), launch_profiles())
-def test_rope_qk_plans_are_runnable_or_refused_clearly(call, new, profile):
+@given(rope_calls(qk=True), st.booleans(), st.data(), launch_profiles())
+def test_rope_qk_plans_are_runnable_or_refused_clearly(call, new, data, profile):
     """In place, or into new arrays (out="new": the planner describes them as contiguous)."""
     q, k, positions, cache, options = call
+    source, positions, cu_seqlens, offsets, section, interleaved = position_sources(data, positions, q.shape[-1],
+                                                                                    options["rotary_dim"])
+    event(f"positions: {source}")
     with profiles.planning_with(profile):
         try:
-            plan = rope._plan_rope_qk_call(q, k, positions, cache, None, None, None, None, NEW if new else IN_PLACE, cache is None,
-                                           **options)
+            plan = rope._plan_rope_qk_call(q, k, positions, cache, None, None, cu_seqlens, offsets,
+                                           NEW if new else IN_PLACE, cache is None, **options, section=section,
+                                           interleaved=interleaved)
         except (TypeError, ValueError) as error:
             assert_clear_error(error)
             return
@@ -393,24 +426,8 @@ def test_qk_norm_rope_plans_are_runnable_or_refused_clearly(call, op, data, prof
     its sections, or packed sequences (cu_seqlens, perhaps with seqlen_offsets)."""
     q, k, positions, cache, options = call
     head_dim = q.shape[-1]
-    source = data.draw(st.sampled_from(["positions", "positions", "mrope", "varlen"]))
-    section, interleaved, cu_seqlens, seqlen_offsets = None, False, None, None
-    if source == "mrope":
-        rows = data.draw(mostly(st.just(3), st.sampled_from([1, 2, 4])))
-        positions = data.draw(arrays((rows, *positions.shape), positions.dtype, BASE + 2**32, padded=False))
-        half = (options["rotary_dim"] or head_dim) // 2
-        t = data.draw(st.integers(0, max(half, 0)))
-        h = data.draw(st.integers(0, max(half - t, 0)))
-        section = data.draw(mostly(st.just([t, h, half - t - h]), st.lists(st.integers(-1, 40), max_size=4)))
-        interleaved = data.draw(st.booleans())
-    elif source == "varlen":
-        n_seqs = data.draw(st.integers(0, 5))
-        cu_seqlens = data.draw(arrays((n_seqs + 1,), data.draw(mostly(st.just("int32"), st.just("int64"))),
-                                      BASE + 2**32, padded=False))
-        if data.draw(st.booleans()):
-            seqlen_offsets = data.draw(arrays((max(n_seqs, 1),), data.draw(st.sampled_from(["int32", "int64"])),
-                                              BASE + 2**32 + 2**20, padded=False))
-        positions = None
+    source, positions, cu_seqlens, seqlen_offsets, section, interleaved = position_sources(data, positions, head_dim,
+                                                                                          options["rotary_dim"])
     weight_dtype = data.draw(st.sampled_from(["float32", q.dtype, "float16"]))
     q_weight = data.draw(arrays((head_dim,), weight_dtype, BASE + 2**36, padded=False))
     k_weight = data.draw(arrays((head_dim,), data.draw(mostly(st.just(weight_dtype), st.just("float32"))),
