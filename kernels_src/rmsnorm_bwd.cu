@@ -306,8 +306,11 @@ struct StagedMaxThreads {
     static constexpr int value = NPT == 1 || (NPT == 2 && !LEAN) ? 1024 : 512;
 };
 
-// A thread's slot for chunk i of a tensor of a stage: [STAGES][TENSORS][NPT][blockDim.x] chunks, the tensors dy, x
-// and (GRAD, in rms_norm_bwd_staged and rms_norm_bwd_cluster) residual_grad.
+// The tensors a stage holds: dy and x, and with GRAD (in rms_norm_bwd_staged and rms_norm_bwd_cluster) residual_grad.
+template <bool GRAD>
+constexpr int STAGE_TENSORS = GRAD ? 3 : 2;
+
+// A thread's slot for chunk i of a tensor of a stage: [STAGES][TENSORS][NPT][blockDim.x] chunks (STAGE_TENSORS).
 template <int NPT, int TENSORS = 2>
 __device__ __forceinline__ uint4* stage_slot(uint4* staged, int stage, int tensor, int i) {
     return staged + ((stage * TENSORS + tensor) * NPT + i) * blockDim.x + threadIdx.x;
@@ -362,8 +365,9 @@ __device__ __forceinline__ void stage_grad(const NormBwdParams& p, uint4* staged
         const T* grad_row = static_cast<const T*>(p.residual_grad) + row * p.residual_grad_stride;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
-            const int col = SHIFT ? first + i * blockDim.x * E : (i * blockDim.x + threadIdx.x) * E;
-            if (col < p.hidden) stage_chunk<SHIFT>(stage_slot<NPT, 3>(staged, stage, 2, i), grad_row, col, (int)p.hidden);
+            const int col = SHIFT ? first + i * blockDim.x * E : (i * blockDim.x + threadIdx.x) * E;  // stage_row's
+            if (col < p.hidden)
+                stage_chunk<SHIFT>(stage_slot<NPT, STAGE_TENSORS<true>>(staged, stage, 2, i), grad_row, col, (int)p.hidden);
         }
     }
     copy_async_commit();
@@ -433,7 +437,7 @@ __device__ __forceinline__ void store_staged_partial(const NormBwdParams& p, flo
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool LEAN, bool GRAD, int E>
 __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* scratch, uint4* staged, int& first,
                                                  Pack<float, E> (&dw)[NPT]) {
-    constexpr int TENSORS = GRAD ? 3 : 2;
+    constexpr int TENSORS = STAGE_TENSORS<GRAD>;
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
     const i64 row_step = gridDim.x;
@@ -487,7 +491,8 @@ __device__ __forceinline__ void walk_staged_rows(const NormBwdParams& p, float* 
             if (col < p.hidden) {
                 const Pack<W, E> w = staged_weight<HOLD, E>(p, wv, i, col);
                 Pack<T, E> g;  // GRAD: this row's residual_grad (outside a shifted row: not stored)
-                if constexpr (GRAD) g = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT, 3>(staged, current, 2, i)));
+                if constexpr (GRAD)
+                    g = load_pack<true, E>(reinterpret_cast<const T*>(stage_slot<NPT, TENSORS>(staged, current, 2, i)));
                 if constexpr (SHIFT)
                     store_chunk<true, true, E>(dx_row, col, hidden, dx_chunk<T, W, E>(p, dyv[i], xv[i], w, rstd, coef,
                                                                                      dw[i], GRAD, g));
@@ -531,7 +536,7 @@ __global__ void CLUSTER_DIMS(CLUSTER) __launch_bounds__(StagedMaxThreads<NPT, tr
     constexpr int E = 16 / sizeof(T);
     __shared__ float scratch[32];  // row_sum's warp partials
     extern __shared__ __align__(16) uint4 staged[];  // the stages, then this block's dweight sums: [hidden] floats
-    float* sums = reinterpret_cast<float*>(staged + STAGES * (GRAD ? 3 : 2) * NPT * blockDim.x);
+    float* sums = reinterpret_cast<float*>(staged + STAGES * STAGE_TENSORS<GRAD> * NPT * blockDim.x);
     int first;
     Pack<float, E> dw[NPT];
     walk_staged_rows<T, W, NPT, STAGES, SHIFT, true, GRAD>(p, scratch, staged, first, dw);

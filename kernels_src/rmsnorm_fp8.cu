@@ -64,6 +64,17 @@ __device__ __forceinline__ unsigned e4m3_pair(float low, float high) {
     return e4m3_by_software(low) | (e4m3_by_software(high) << 8);
 }
 
+// The maximum of v over the LANES consecutive lanes of a group (LANES a power of two up to 32, aligned in the warp).
+// WHOLE_WARP: every lane of the warp calls it (a full-mask shuffle); else only the group's lanes do.
+template <int LANES, bool WHOLE_WARP>
+__device__ __forceinline__ float group_max(float v) {
+    const unsigned lane = (threadIdx.x + threadIdx.y * blockDim.x) % 32;
+    const unsigned mask = WHOLE_WARP || LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << (lane / LANES * LANES);
+#pragma unroll
+    for (int offset = LANES / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(mask, v, offset));
+    return v;
+}
+
 // The sum and the maximum of (sum, m) over groups of `width` lanes (a power of two up to 32), to all of them: both
 // shuffled under one test of each step (the sum's tree is lanes_sum's: the same bits).
 __device__ __forceinline__ float2 lanes_sum_max(float sum, float m, int width) {
@@ -84,8 +95,7 @@ __device__ __forceinline__ float2 lanes_sum_max(float sum, float m, int width) {
 __device__ __forceinline__ float2 row_sum_max(float sum, float m, int width, float* scratch, bool first_use) {
     if (width <= 32) return lanes_sum_max(sum, m, width);
     sum = group_sum<32>(sum);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    m = group_max<32, true>(m);
     const int warps = width / 32, lane = threadIdx.x % 32;
     float* const sums = scratch + threadIdx.y * warps;
     float* const maxima = scratch + 32 + threadIdx.y * warps;
@@ -98,17 +108,6 @@ __device__ __forceinline__ float2 row_sum_max(float sum, float m, int width, flo
     const int group = 1 << (32 - __clz(warps - 1));
     const int slot = lane & (group - 1);
     return lanes_sum_max(slot < warps ? sums[slot] : 0.f, slot < warps ? maxima[slot] : 0.f, group);
-}
-
-// The maximum of v over the LANES consecutive lanes of a group (LANES a power of two up to 32, aligned in the warp).
-// WHOLE_WARP: every lane of the warp calls it (a full-mask shuffle); else only the group's lanes do.
-template <int LANES, bool WHOLE_WARP>
-__device__ __forceinline__ float group_max(float v) {
-    const unsigned lane = (threadIdx.x + threadIdx.y * blockDim.x) % 32;
-    const unsigned mask = WHOLE_WARP || LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << (lane / LANES * LANES);
-#pragma unroll
-    for (int offset = LANES / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(mask, v, offset));
-    return v;
 }
 
 // A dynamic scale from the maximum |v| it covers and the bound of that maximum (scale_ub; none: Inf). amax is rstd
