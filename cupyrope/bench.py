@@ -286,13 +286,18 @@ def rope_providers(torch):
     return providers
 
 
+def _keep_saved_buffers(torch):
+    """Compiled graphs whose backward is run again (retain_graph) may not donate their saved buffers."""
+    import torch._functorch.config  # an attribute of torch._functorch once imported (torch.compile imports it)
+
+    torch._functorch.config.donated_buffer = False
+
+
 def autograd_provider(torch, fn, leaves, cotangents):
     """A peer's backward as torch autograd runs it: the inputs named by `leaves` as fresh leaves, fn's outputs made once
     (untimed), each call the leaves' gradients for the cotangents named by `cotangents`. The graph runs again every
     call (retain_graph), so compiled graphs may not donate their saved buffers."""
-    import torch._functorch.config  # an attribute of torch._functorch once imported (torch.compile imports it)
-
-    torch._functorch.config.donated_buffer = False
+    _keep_saved_buffers(torch)
 
     def factory(d):
         inputs = tuple(d[key].detach().requires_grad_() for key in leaves)
@@ -490,8 +495,8 @@ def qk_norm_rope_providers(torch, backward):
     providers = {}
     compiled = torch.compile(lambda q, k, qw, kw, cos, sin, pos: _torch_qk_norm_rope(torch, q, k, qw, kw, cos, sin, pos))
     if backward:
-        # Graphs whose backward is run again (retain_graph) cannot donate their saved buffers.
-        torch._functorch.config.donated_buffer = False
+        _keep_saved_buffers(torch)
+
         def ours(d):
             q, k = _qk_views(torch, d)
             return lambda: cupyrope.qk_norm_rope_backward(d["dq"], d["dk"], q, k, d["qw"], d["kw"], d["pos"])

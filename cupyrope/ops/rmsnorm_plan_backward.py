@@ -49,10 +49,10 @@ STAGED_LOOKAHEAD_BYTES = 128 * 1024
 STAGED_SLOTS = {4: (1, 4, 8), 2: (1, 2)}
 STAGED_MAX_THREADS = {1: 1024, 2: 1024, 4: 512, 8: 512}  # by slots; mirrors StagedMaxThreads<NPT, false>
 STAGED_STAGES = (1, 2, 3)
-# The GRAD variants of rms_norm_bwd_staged and rms_norm_bwd_cluster stage residual_grad beside dy and x (three
-# tensors a stage, the same lookahead in bytes), rather than loading it at dx's store, where each row waited a memory
-# round trip for it.
-STAGED_GRAD_TENSORS = 3
+# The tensors a stage holds, by whether residual_grad is given (mirrors rms_norm_bwd.cu's STAGE_TENSORS<GRAD>): dy and
+# x; the GRAD variants of rms_norm_bwd_staged and rms_norm_bwd_cluster stage residual_grad beside them (the same
+# lookahead in bytes), rather than loading it at dx's store, where each row waited a memory round trip for it.
+STAGE_TENSORS = {False: 2, True: 3}
 # Rows of several chunks a thread on 1024 threads (a power of two) whose chunks fill less than this share (%)
 # of the slots take rms_norm_bwd_reread instead (by element size): bf16 [8192, 8200], 1025 chunks on 1024 x 2,
 # 211 -> 169 us; [8192, 10240] (62% full) the same; [8192, 12288] (75%) 233 -> 246. On 512 threads as empty
@@ -157,7 +157,7 @@ def _staged_variant(dtype, weight_dtype, slots: int, shifted: bool) -> str:
 def _plan_staged(dtype, weight_dtype, rows, hidden, shared_limit, shifted=False, lean=False, grad=False):
     """The plan of rms_norm_bwd_staged (threads, slots and stages by _staged_row), of rms_norm_bwd_reread where the
     row goes there, or None where neither applies. lean: the LEAN variant (see lean_staged). grad: the GRAD variant,
-    whose stages hold residual_grad too (STAGED_GRAD_TENSORS)."""
+    whose stages hold residual_grad too (STAGE_TENSORS)."""
     row = _staged_row(ITEMSIZE[dtype], hidden, shifted)
     if row is None:
         return None
@@ -243,10 +243,10 @@ def _plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit, shifte
 
 def _staged_plan(name, rows, width, slots, shared_limit, shifted, max_stages=None, grad=False):
     """A plan of a staged kernel (one row per block, the next rows' dy and x in shared memory, and with grad their
-    residual_grad: STAGED_GRAD_TENSORS), `name` with `{stages}` where its stage count goes: about
+    residual_grad: STAGE_TENSORS), `name` with `{stages}` where its stage count goes: about
     STAGED_LOOKAHEAD_BYTES of rows ahead, at most max_stages (default STAGED_STAGES[-1]) and what shared memory
     holds; None where not even one stage fits."""
-    stage_bytes = (STAGED_GRAD_TENSORS if grad else 2) * slots * width * 16
+    stage_bytes = STAGE_TENSORS[grad] * slots * width * 16
     lookahead = max(1, STAGED_LOOKAHEAD_BYTES // stage_bytes)
     stages = min(max_stages or STAGED_STAGES[-1], lookahead, shared_limit // stage_bytes)
     if stages < 1:

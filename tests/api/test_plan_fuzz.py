@@ -93,6 +93,15 @@ def assert_clear_error(error):
     event(f"refused: {str(error).split(':')[0]}")
 
 
+def assert_launchable(plan, what, max_threads):
+    """A plan of a compiled variant, noted as `what`, whose grid, block (at most max_threads) and shared memory the
+    GPU takes."""
+    event(f"planned: {plan.name.split('<')[0].removeprefix('cupyrope::')}, {what}")
+    assert plan.name in VARIANTS, plan.name
+    assert 1 <= plan.grid < 2**31 and 1 <= math.prod(plan.block) <= max_threads
+    assert plan.shared_mem <= SHARED_OPTIN - STATIC_SHARED_BYTES
+
+
 def assert_runnable_rope(plan, arrays_, cache=None, style="neox"):
     event(f"planned: {plan.name.split('<')[0].removeprefix('cupyrope::')}, vectorized {plan.vectorized}")
     assert plan.name in VARIANTS, plan.name
@@ -340,9 +349,7 @@ def test_rms_norm_fp8_plans_are_runnable_or_refused_clearly(call, mode, add, out
             return
     if not plan.grid:
         return
-    event(f"planned: rms_norm_fp8, vectorized {plan.vectorized}, slots {plan.slots}")
-    assert plan.name in VARIANTS, plan.name
-    assert 1 <= plan.grid < 2**31 and 1 <= plan.block[0] * plan.block[1] <= 512
+    assert_launchable(plan, f"vectorized {plan.vectorized}, slots {plan.slots}", 512)
     hidden, elems = x.shape[-1], 16 // ITEMSIZE[x.dtype]
     width = plan.block[0]
     assert width * plan.slots * elems >= hidden if plan.slots else width == 512
@@ -400,12 +407,8 @@ def test_layer_norm_plans_are_runnable_or_refused_clearly(call, op, params, data
             return
     if not plan.grid:
         return
-    event(f"planned: {plan.name.split('<')[0].removeprefix('cupyrope::')}, vectorized {plan.vectorized}, "
-          f"slots {plan.slots}")
-    assert plan.name in VARIANTS, plan.name
-    threads = plan.block[0] * plan.block[1]
-    assert 1 <= plan.grid < 2**31 and 1 <= threads <= (1024 if "_fwd<" in plan.name and plan.slots >= 4 else 512)
-    assert plan.shared_mem <= SHARED_OPTIN - STATIC_SHARED_BYTES
+    assert_launchable(plan, f"vectorized {plan.vectorized}, slots {plan.slots}",
+                      1024 if "_fwd<" in plan.name and plan.slots >= 4 else 512)
     if plan.slots:
         assert plan.block[0] * plan.slots * (16 // ITEMSIZE[x.dtype] if plan.vectorized else 1) >= x.shape[-1]
     if "_bwd<" in plan.name:
@@ -452,10 +455,7 @@ def test_qk_norm_rope_plans_are_runnable_or_refused_clearly(call, op, data, prof
             return
     if not plan.grid:
         return
-    event(f"planned: {plan.name.split('<')[0].removeprefix('cupyrope::')}, {source}, vectorized {plan.vectorized}")
-    assert plan.name in VARIANTS, plan.name
-    assert 1 <= plan.grid < 2**31 and 1 <= plan.block[0] * (plan.block[1] if len(plan.block) > 1 else 1) <= 1024
-    assert plan.shared_mem <= SHARED_OPTIN - STATIC_SHARED_BYTES
+    assert_launchable(plan, f"{source}, vectorized {plan.vectorized}", 1024)
     if plan.vectorized:
         assert all(aligned_16(a) for a in [q, k, *written])
     if op == "backward":

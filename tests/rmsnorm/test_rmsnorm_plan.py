@@ -228,6 +228,15 @@ def test_rms_norm_backward_lean_rule():
                 with_flag(plan.name, grad) in names for grad in (False, True))
 
 
+def backward_plan_for_device(rows, hidden, choices, grad, dtype="bfloat16"):
+    """plan_backward_for_device's plan of a weighted call on the stand-in device (132 SMs, 227 KiB of shared memory),
+    with residual_grad where grad."""
+    x, w = arr((rows, hidden), dtype), arr((hidden,))
+    plan, _ = backward.plan_backward_for_device(x, x, x, w, (hidden,) * (4 if grad else 3), rows, hidden, 132, "auto",
+                                                227 * 1024, 0, choices, x if grad else None)
+    return plan
+
+
 def test_rms_norm_backward_grad_lean_rule(monkeypatch):
     # With residual_grad (add_rms_norm's backward), staged rows of one chunk a thread take LEAN up to the profile's
     # grad_lean_max_rows rows a resident block, past it rounds of clusters; without residual_grad, and for rows of 2
@@ -240,10 +249,7 @@ def test_rms_norm_backward_grad_lean_rule(monkeypatch):
 
     def plan(rows, hidden, grad_lean_max_rows, grad=True):
         choices = dataclasses.replace(PLANNING_PROFILE.rms_norm_backward, grad_lean_max_rows=grad_lean_max_rows)
-        x, w = arr((rows, hidden)), arr((hidden,))
-        plan, _ = backward.plan_backward_for_device(x, x, x, w, (hidden,) * 4 if grad else (hidden,) * 3, rows, hidden,
-                                                    132, "auto", 227 * 1024, 0, choices, x if grad else None)
-        return plan
+        return backward_plan_for_device(rows, hidden, choices, grad)
 
     lean = plan(32768, 4096, 1 << 20)  # 124-125 rows a block
     assert lean.name == "cupyrope::rms_norm_bwd_staged<__nv_bfloat16, __nv_bfloat16, 1, 3, false, true, true>", lean
@@ -267,15 +273,8 @@ def test_rms_norm_backward_forced_rounds_walk_as_the_plain_call(monkeypatch):
     monkeypatch.setattr(backward, "STAGED_LEAN_MAX_ROWS", {**backward.STAGED_LEAN_MAX_ROWS, 1: 2, 2: 2})
     monkeypatch.setattr(backward, "CLUSTER_ROUNDS_ROWS", {1: 3, 2: 3})
     choices = dataclasses.replace(PLANNING_PROFILE.rms_norm_backward, one_cluster_max_rows=0, grad_lean_max_rows=2)
-
-    def plan(rows, hidden, dtype, grad):
-        x, w = arr((rows, hidden), dtype), arr((hidden,))
-        plan, _ = backward.plan_backward_for_device(x, x, x, w, (hidden,) * (4 if grad else 3), rows, hidden, 132,
-                                                    "auto", 227 * 1024, 0, choices, x if grad else None)
-        return plan
-
     for rows, hidden, dtype in ((2003, 4096, "bfloat16"), (1500, 8192, "float16")):
-        with_grad, plain = plan(rows, hidden, dtype, True), plan(rows, hidden, dtype, False)
+        with_grad, plain = (backward_plan_for_device(rows, hidden, choices, grad, dtype) for grad in (True, False))
         assert with_grad.name.startswith("cupyrope::rms_norm_bwd_cluster<") and with_grad.name.endswith(", true>")
         assert with_grad.cluster_rounds and plain.cluster_rounds, (with_grad, plain)
         assert (with_grad.grid, with_grad.block) == (plain.grid, plain.block), (with_grad, plain)
