@@ -43,14 +43,17 @@ __device__ __forceinline__ float2 shuffle_sum(float2 v, int offset) {
 
 __device__ __forceinline__ float2 row_sum_pair(float2 v, int width, float2* scratch) {
     const int lane = threadIdx.x % 32;
-    for (int offset = 1; offset < min(width, 32); offset *= 2) v = shuffle_sum(v, offset);
+#pragma unroll
+    for (int offset = 1; offset < 32; offset *= 2)
+        if (offset < width) v = shuffle_sum(v, offset);
     if (width <= 32) return v;
     const int warps = width / 32;
     float2* const partials = scratch + threadIdx.y * warps;
     if (lane == 0) partials[threadIdx.x / 32] = v;
     __syncthreads();
     const int group = 1 << (32 - __clz(warps - 1));  // warps rounded up to a power of two; the rest add 0
-    v = lane % group < warps ? partials[lane % group] : make_float2(0.f, 0.f);
+    const int slot = lane & (group - 1);               // lane % group without a division
+    v = slot < warps ? partials[slot] : make_float2(0.f, 0.f);
     for (int offset = 1; offset < group; offset *= 2) v = shuffle_sum(v, offset);
     return v;
 }
@@ -222,39 +225,70 @@ struct LayerNormBwdParams {  // mirrored by layernorm.py's BWD_TAIL (after the p
 
 // Two blocks an SM (64 registers) where a thread holds at most 8 elements in 16-byte chunks or one element (each
 // holds dy, x and two sums); 16 in 16-byte chunks take 110-128 registers, 8 one by one spilled 8-16 bytes at 64.
-template <bool VEC, int NPT, int E>
+// STAGED: 0 unstaged, else the 256-thread blocks an SM the staged rows' registers allow (walk_staged_ln_rows): 2
+// (up to 128 registers) or 3 (80: fp16/bf16 rows, which fit them).
+template <bool VEC, int NPT, int E, int STAGED>
 struct LayerNormBwdBounds {
-    static constexpr int threads = 512;
+    static constexpr int threads = STAGED == 3 ? 768 : 512;
     static constexpr int min_blocks = (VEC ? NPT * E <= 8 : NPT <= 1) ? 2 : 1;
 };
 
-// The row's dot sums of one chunk: g and g * xhat.
+// The row's dot sums of one chunk: g and g * xhat. Chunks are held as their loads' words (Held: as packs the
+// compiler kept each 16-bit element in a register of its own).
 template <typename T, typename W, int E>
-__device__ __forceinline__ void add_row_sums(const Pack<T, E>& d, const Pack<T, E>& xx, const Pack<W, E>& w,
+__device__ __forceinline__ void add_row_sums(const Held<T, E>& d, const Held<T, E>& xx, const Held<W, E>& w,
                                              float mean, float rstd, float& g_sum, float& gx_sum) {
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-        const float g = to_float(d.v[e]) * to_float(w.v[e]);  // w: ones without a weight (load_weight)
+        const float g = d.at(e) * w.at(e);  // w: ones without a weight (load_weight)
         g_sum += g;
-        gx_sum = fmaf(g, (to_float(xx.v[e]) - mean) * rstd, gx_sum);
+        gx_sum = fmaf(g, (xx.at(e) - mean) * rstd, gx_sum);
     }
 }
 
 // dx for one chunk (returned): rstd * g + xhat_coef * xhat + shift, i.e. rstd * (g - mean(g) - xhat * mean(g * xhat))
 // with the row's coefficients folded (two fmas); adds dy * xhat and dy to the dweight and dbias sums.
 template <typename T, typename W, int E>
-__device__ __forceinline__ Pack<T, E> ln_bwd_chunk(const Pack<T, E>& d, const Pack<T, E>& xx, const Pack<W, E>& w,
+__device__ __forceinline__ Pack<T, E> ln_bwd_chunk(const Held<T, E>& d, const Held<T, E>& xx, const Held<W, E>& w,
                                                    float mean, float rstd, float xhat_coef, float shift,
                                                    Pack<float, E>& dw, Pack<float, E>& db) {
     Pack<T, E> out;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-        const float dyv = to_float(d.v[e]), xhat = (to_float(xx.v[e]) - mean) * rstd;
-        out.v[e] = from_float<T>(fmaf(rstd, dyv * to_float(w.v[e]), fmaf(xhat, xhat_coef, shift)));
+        const float dyv = d.at(e), xhat = (xx.at(e) - mean) * rstd;
+        out.v[e] = from_float<T>(fmaf(rstd, dyv * w.at(e), fmaf(xhat, xhat_coef, shift)));
         dw.v[e] = fmaf(dyv, xhat, dw.v[e]);
         db.v[e] += dyv;
     }
     return out;
+}
+
+// A chunk's weight (ones without one), held as its load's words.
+template <typename W, bool VEC, int E>
+__device__ __forceinline__ Held<W, E> held_weight(const void* weight, int col) {
+    Held<W, E> w;
+    w.hold(load_weight<W, VEC, E>(weight, col));
+    return w;
+}
+
+// A chunk held from its load.
+template <bool VEC, typename T, int E>
+__device__ __forceinline__ Held<T, E> held_chunk(const T* p) {
+    Held<T, E> v;
+    v.hold(load_pack<VEC, E>(p));
+    return v;
+}
+
+// A staged 16-byte chunk read again from shared memory. The asm keeps it a new load: otherwise the compiler held
+// the first read's values through the row's reduction.
+template <typename T, int E>
+__device__ __forceinline__ Held<T, E> reread_chunk(const uint4* slot) {
+    static_assert(E * sizeof(T) == 16, "16-byte chunks");
+    Held<T, E> v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+                 : "r"(static_cast<unsigned>(__cvta_generic_to_shared(slot))));
+    return v;
 }
 
 // A row's mean and rstd; nothing past the last row.
@@ -267,7 +301,7 @@ __device__ __forceinline__ void load_ln_stats(const LayerNormBwdParams& p, i64 r
 // A row's dy and x chunks of this thread into registers; nothing past the last row.
 template <typename T, bool VEC, int NPT, int E>
 __device__ __forceinline__ void load_ln_bwd_row(const LayerNormBwdParams& p, i64 row, int lane, int step,
-                                                Pack<T, E> (&dyv)[NPT], Pack<T, E> (&xv)[NPT]) {
+                                                Held<T, E> (&dyv)[NPT], Held<T, E> (&xv)[NPT]) {
     if (row >= p.rows) return;
     const T* const dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
     const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
@@ -276,8 +310,8 @@ __device__ __forceinline__ void load_ln_bwd_row(const LayerNormBwdParams& p, i64
     for (int i = 0; i < NPT; ++i) {
         const int col = lane * E + i * step;
         if (col < hidden) {
-            dyv[i] = load_pack<VEC, E>(dy_row + col);
-            xv[i] = load_pack<VEC, E>(x_row + col);
+            dyv[i] = held_chunk<VEC, T, E>(dy_row + col);
+            xv[i] = held_chunk<VEC, T, E>(x_row + col);
         }
     }
 }
@@ -289,8 +323,8 @@ template <typename T, int NPT, int E>
 __device__ __forceinline__ void stage_ln_bwd_row(const LayerNormBwdParams& p, i64 row, int lane, int step, uint4* mine,
                                                  int threads) {
     if (row < p.rows) {
-        const T* const dy_row = static_cast<const T*>(p.dy) + row * p.dy_stride;
-        const T* const x_row = static_cast<const T*>(p.x) + row * p.x_stride;
+        const T* const dy_row = row_base<true>(static_cast<const T*>(p.dy) + row * p.dy_stride);
+        const T* const x_row = row_base<true>(static_cast<const T*>(p.x) + row * p.x_stride);
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
             const int col = lane * E + i * step;
@@ -303,13 +337,72 @@ __device__ __forceinline__ void stage_ln_bwd_row(const LayerNormBwdParams& p, i6
     copy_async_commit();
 }
 
-template <typename T, typename W, bool VEC, int NPT, bool STAGED>
-__global__ void __launch_bounds__(LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T)>::threads,
-                                 LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T)>::min_blocks)
+// The rows of a slot of 16-byte rows in registers (STAGED): blockIdx.x * blockDim.y + threadIdx.y, + p.slots, ...
+// Each row's dy and x come from a stage in shared memory, where the next row's are copied (cp.async) while this one
+// is reduced and written; the chunks are read from the stage again for dx rather than held through the reduction,
+// and the weights are held for all rows (fp16/bf16 rows of 2 chunks: 80 registers, no spills in the loop, three
+// 256-thread blocks an SM). The row's pointers are computed once (row_base). dw, db: the slot's sums.
+template <typename T, typename W, int NPT, int E>
+__device__ __forceinline__ void walk_staged_ln_rows(const LayerNormBwdParams& p, float2 (&scratch)[2][32],
+                                                    uint4* stage, Pack<float, E> (&dw)[NPT], Pack<float, E> (&db)[NPT]) {
+    const int lane = threadIdx.x, step = blockDim.x * E, hidden = (int)p.hidden;
+    const int threads = blockDim.x * blockDim.y, stage_size = 2 * NPT * threads;
+    uint4* const mine = stage + threadIdx.y * blockDim.x + lane;
+    Held<W, E> wv[NPT];
+#pragma unroll
+    for (int i = 0; i < NPT; ++i)
+        if (lane * E + i * step < hidden) wv[i] = held_weight<W, true, E>(p.weight, lane * E + i * step);
+    const i64 first = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+    float mean = 0.f, rstd = 0.f;
+    load_ln_stats(p, first, mean, rstd);
+    stage_ln_bwd_row<T, NPT, E>(p, first, lane, step, mine, threads);
+    int current = 0;  // the stage holding this row, and the scratch array of its sums
+    // The loop bound is uniform across the block (the reduction has a barrier).
+#pragma unroll 1
+    for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += p.slots) {
+        const i64 row = base + threadIdx.y;
+        const bool active = row < p.rows;
+        float next_mean = 0.f, next_rstd = 0.f;
+        load_ln_stats(p, row + p.slots, next_mean, next_rstd);
+        stage_ln_bwd_row<T, NPT, E>(p, row + p.slots, lane, step, mine + (current ^ 1) * stage_size, threads);
+        copy_async_wait<1>();  // this row's group is in; the next row's stays in flight
+        const uint4* const here = mine + current * stage_size;
+        float g_sum = 0.f, gx_sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < NPT; ++i)
+            if (active && lane * E + i * step < hidden)
+                add_row_sums<T, W, E>(reread_chunk<T, E>(here + 2 * i * threads),
+                                      reread_chunk<T, E>(here + (2 * i + 1) * threads), wv[i], mean, rstd, g_sum,
+                                      gx_sum);
+        const float2 sums = row_sum_pair(make_float2(g_sum, gx_sum), blockDim.x, scratch[current]);
+        const float xhat_coef = -rstd * (sums.y * p.inv_hidden), shift = -rstd * (sums.x * p.inv_hidden);
+        if (active) {
+            T* const dx_row = row_base<true>(static_cast<T*>(p.dx) + row * p.dx_stride);
+#pragma unroll
+            for (int i = 0; i < NPT; ++i) {
+                const int col = lane * E + i * step;
+                if (col < hidden)
+                    store_pack<true, E>(dx_row + col,
+                                        ln_bwd_chunk<T, W, E>(reread_chunk<T, E>(here + 2 * i * threads),
+                                                              reread_chunk<T, E>(here + (2 * i + 1) * threads), wv[i],
+                                                              mean, rstd, xhat_coef, shift, dw[i], db[i]));
+            }
+        }
+        mean = next_mean;
+        rstd = next_rstd;
+        current ^= 1;
+    }
+    copy_async_wait<0>();  // no copy outlives the block
+}
+
+template <typename T, typename W, bool VEC, int NPT, int STAGED>
+__global__ void __launch_bounds__(LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T), STAGED>::threads,
+                                 LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T), STAGED>::min_blocks)
     layer_norm_bwd(const LayerNormBwdParams p) {
-    static_assert(!STAGED || (VEC && NPT > 0), "STAGED: 16-byte rows in registers");
-    wait_for_previous_grid();
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
+    static_assert(!STAGED || (VEC && NPT > 0 && (STAGED == 2 || (STAGED == 3 && E == 8))),
+                  "STAGED: 16-byte rows in registers, 2 or 3 blocks (fp16/bf16) an SM");
+    wait_for_previous_grid();
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
     // row_sum_pair's warp partials, a pair of arrays used by turns (rows alternate): one barrier a row.
     __shared__ float2 scratch[2][32];
@@ -333,97 +426,85 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T)>::
         }
     }
     const int hidden = (int)p.hidden;  // register rows: int columns (see first_column)
-    // NPT > 0: registers hold the row's dy and x. STAGED: the next row's are copied into shared memory (two stages
-    // of 2 * NPT chunks a thread, which the planner gives) while this one is reduced and written; unstaged rows of
-    // one slot (PREFETCH), but for fp16/bf16 16-byte ones, load the next row into registers (those spilled 24-40
-    // bytes, up to 19% slower). Either way the next row's mean and rstd are loaded a row ahead.
-    constexpr bool PREFETCH = !STAGED && NPT == 1 && !(VEC && sizeof(T) == 2);
-    const int threads = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
-    const int stage_size = 2 * SLOTS * threads;
-    int current = 0;  // the stage holding this row, and the scratch array of its sums
-    Pack<T, E> dyv[SLOTS], xv[SLOTS];
-    float mean = 0.f, rstd = 0.f;
-    if constexpr (STAGED || PREFETCH) load_ln_stats(p, slot, mean, rstd);
-    if constexpr (PREFETCH) load_ln_bwd_row<T, VEC, SLOTS, E>(p, slot, lane, step, dyv, xv);
-    if constexpr (STAGED) stage_ln_bwd_row<T, SLOTS, E>(p, slot, lane, step, stage + tid, threads);
-    // The loop bound is uniform across the block (the reductions contain barriers).
-    for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += p.slots) {
-        const i64 row = base + threadIdx.y;
-        const bool active = row < p.rows;
-        const T* const dy_row = static_cast<const T*>(p.dy) + (active ? row : 0) * p.dy_stride;
-        const T* const x_row = static_cast<const T*>(p.x) + (active ? row : 0) * p.x_stride;
-        T* const dx_row = static_cast<T*>(p.dx) + (active ? row : 0) * p.dx_stride;
-        float g_sum = 0.f, gx_sum = 0.f;
-        float next_mean = 0.f, next_rstd = 0.f;
-        if constexpr (STAGED || PREFETCH) load_ln_stats(p, row + p.slots, next_mean, next_rstd);
-        if constexpr (NPT > 0) {
-            if constexpr (STAGED) {
-                stage_ln_bwd_row<T, SLOTS, E>(p, row + p.slots, lane, step, stage + (current ^ 1) * stage_size + tid,
-                                              threads);
-                copy_async_wait<1>();  // this row's group is in; the next row's stays in flight
-                const uint4* const mine = stage + current * stage_size + tid;
+    if constexpr (STAGED) {
+        walk_staged_ln_rows<T, W, NPT, E>(p, scratch, stage, dw, db);
+    } else {
+        // NPT > 0: registers hold the row's dy and x. Rows of one slot (PREFETCH), but for fp16/bf16 16-byte ones,
+        // load the next row and its mean and rstd into registers while this one is reduced (those spilled 24-40
+        // bytes, up to 19% slower).
+        constexpr bool PREFETCH = NPT == 1 && !(VEC && sizeof(T) == 2);
+        int current = 0;  // the scratch array of this row's sums
+        Held<T, E> dyv[SLOTS], xv[SLOTS];
+        float mean = 0.f, rstd = 0.f;
+        if constexpr (PREFETCH) {
+            load_ln_stats(p, slot, mean, rstd);
+            load_ln_bwd_row<T, VEC, SLOTS, E>(p, slot, lane, step, dyv, xv);
+        }
+        // The loop bound is uniform across the block (the reductions contain barriers).
+        for (i64 base = (i64)blockIdx.x * blockDim.y; base < p.rows; base += p.slots) {
+            const i64 row = base + threadIdx.y;
+            const bool active = row < p.rows;
+            const T* const dy_row = static_cast<const T*>(p.dy) + (active ? row : 0) * p.dy_stride;
+            const T* const x_row = static_cast<const T*>(p.x) + (active ? row : 0) * p.x_stride;
+            T* const dx_row = static_cast<T*>(p.dx) + (active ? row : 0) * p.dx_stride;
+            float g_sum = 0.f, gx_sum = 0.f;
+            float next_mean = 0.f, next_rstd = 0.f;
+            if constexpr (PREFETCH) load_ln_stats(p, row + p.slots, next_mean, next_rstd);
+            if constexpr (NPT > 0) {
+                if constexpr (!PREFETCH) {
+                    load_ln_bwd_row<T, VEC, SLOTS, E>(p, row, lane, step, dyv, xv);
+                    load_ln_stats(p, row, mean, rstd);
+                }
 #pragma unroll
                 for (int i = 0; i < NPT; ++i) {
-                    if (active && lane * E + i * step < hidden) {
-                        dyv[i] = load_pack<true, E>(reinterpret_cast<const T*>(mine + 2 * i * threads));
-                        xv[i] = load_pack<true, E>(reinterpret_cast<const T*>(mine + (2 * i + 1) * threads));
+                    const int col = lane * E + i * step;
+                    if (active && col < hidden)
+                        add_row_sums<T, W, E>(dyv[i], xv[i], held_weight<W, VEC, E>(p.weight, col), mean, rstd,
+                                              g_sum, gx_sum);
+                }
+            } else {
+                load_ln_stats(p, row, mean, rstd);
+                for (i64 col = (i64)lane * E; active && col < p.hidden; col += step)
+                    add_row_sums<T, W, E>(held_chunk<VEC, T, E>(dy_row + col), held_chunk<VEC, T, E>(x_row + col),
+                                          held_weight<W, VEC, E>(p.weight, col), mean, rstd, g_sum, gx_sum);
+            }
+            Held<T, E> next_dy[SLOTS], next_x[SLOTS];
+            if constexpr (PREFETCH) load_ln_bwd_row<T, VEC, SLOTS, E>(p, row + p.slots, lane, step, next_dy, next_x);
+            const float2 sums = row_sum_pair(make_float2(g_sum, gx_sum), width, scratch[current]);
+            const float xhat_coef = -rstd * (sums.y * p.inv_hidden), shift = -rstd * (sums.x * p.inv_hidden);
+            if (active && NPT > 0) {
+#pragma unroll
+                for (int i = 0; i < SLOTS; ++i) {
+                    const int col = lane * E + i * step;
+                    if (col < hidden)
+                        store_pack<VEC, E>(dx_row + col,
+                                           ln_bwd_chunk<T, W, E>(dyv[i], xv[i], held_weight<W, VEC, E>(p.weight, col),
+                                                                 mean, rstd, xhat_coef, shift, dw[i], db[i]));
+                }
+            } else if (active) {
+                for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
+                    Pack<float, E> w_sums = dw_row ? load_pack<VEC, E>(dw_row + col) : zeros<E>();
+                    Pack<float, E> b_sums = dw_row ? load_pack<VEC, E>(db_row + col) : zeros<E>();
+                    store_pack<VEC, E>(dx_row + col,
+                                       ln_bwd_chunk<T, W, E>(held_chunk<VEC, T, E>(dy_row + col),
+                                                             held_chunk<VEC, T, E>(x_row + col),
+                                                             held_weight<W, VEC, E>(p.weight, col), mean, rstd,
+                                                             xhat_coef, shift, w_sums, b_sums));
+                    if (dw_row) {
+                        store_pack<VEC, E>(dw_row + col, w_sums);
+                        store_pack<VEC, E>(db_row + col, b_sums);
                     }
                 }
-            } else if constexpr (!PREFETCH) {
-                load_ln_bwd_row<T, VEC, SLOTS, E>(p, row, lane, step, dyv, xv);
-                load_ln_stats(p, row, mean, rstd);
             }
-#pragma unroll
-            for (int i = 0; i < NPT; ++i) {
-                const int col = lane * E + i * step;
-                if (active && col < hidden)
-                    add_row_sums<T, W, E>(dyv[i], xv[i], load_weight<W, VEC, E>(p.weight, col), mean, rstd, g_sum,
-                                          gx_sum);
+            if constexpr (PREFETCH) {
+                dyv[0] = next_dy[0];
+                xv[0] = next_x[0];
+                mean = next_mean;
+                rstd = next_rstd;
             }
-        } else {
-            load_ln_stats(p, row, mean, rstd);
-            for (i64 col = (i64)lane * E; active && col < p.hidden; col += step)
-                add_row_sums<T, W, E>(load_pack<VEC, E>(dy_row + col), load_pack<VEC, E>(x_row + col),
-                                      load_weight<W, VEC, E>(p.weight, col), mean, rstd, g_sum, gx_sum);
+            current ^= 1;
         }
-        Pack<T, E> next_dy[SLOTS], next_x[SLOTS];
-        if constexpr (PREFETCH) load_ln_bwd_row<T, VEC, SLOTS, E>(p, row + p.slots, lane, step, next_dy, next_x);
-        const float2 sums = row_sum_pair(make_float2(g_sum, gx_sum), width, scratch[current]);
-        const float xhat_coef = -rstd * (sums.y * p.inv_hidden), shift = -rstd * (sums.x * p.inv_hidden);
-        if (active && NPT > 0) {
-#pragma unroll
-            for (int i = 0; i < SLOTS; ++i) {
-                const int col = lane * E + i * step;
-                if (col < hidden)
-                    store_pack<VEC, E>(dx_row + col, ln_bwd_chunk<T, W, E>(dyv[i], xv[i],
-                                                                           load_weight<W, VEC, E>(p.weight, col), mean,
-                                                                           rstd, xhat_coef, shift, dw[i], db[i]));
-            }
-        } else if (active) {
-            for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
-                Pack<float, E> w_sums = dw_row ? load_pack<VEC, E>(dw_row + col) : zeros<E>();
-                Pack<float, E> b_sums = dw_row ? load_pack<VEC, E>(db_row + col) : zeros<E>();
-                store_pack<VEC, E>(dx_row + col, ln_bwd_chunk<T, W, E>(load_pack<VEC, E>(dy_row + col),
-                                                                       load_pack<VEC, E>(x_row + col),
-                                                                       load_weight<W, VEC, E>(p.weight, col), mean,
-                                                                       rstd, xhat_coef, shift, w_sums, b_sums));
-                if (dw_row) {
-                    store_pack<VEC, E>(dw_row + col, w_sums);
-                    store_pack<VEC, E>(db_row + col, b_sums);
-                }
-            }
-        }
-        if constexpr (PREFETCH) {
-            dyv[0] = next_dy[0];
-            xv[0] = next_x[0];
-        }
-        if constexpr (STAGED || PREFETCH) {
-            mean = next_mean;
-            rstd = next_rstd;
-        }
-        current ^= 1;
     }
-    if constexpr (STAGED) copy_async_wait<0>();  // no copy outlives the block
     if constexpr (NPT == 0) {
         if (!shared_sums) return;
         for (i64 col = (i64)lane * E; col < p.hidden; col += step) {  // this thread's own columns: no barrier

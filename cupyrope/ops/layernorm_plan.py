@@ -7,14 +7,13 @@ shifted odd rows), so a row's reductions follow from its size, dtype, alignment 
 - layer_norm_bwd runs a grid of resident blocks whose rows slots walk the rows, each slot keeping its sums of
   dweight and dbias (registers, or for rows too long for them its own partial rows, in shared memory where they
   fit), 16-byte rows of 2 fp16/bf16 slots or 4 fp32 ones copying the next row ahead into shared memory
-  (BWD_STAGED); rms_norm_dw (rmsnorm_bwd.cu) then adds the slots' partial rows in a fixed order: dweight and dbias
+  (BWD_STAGED; as many blocks an SM as bwd_staged_blocks says); rms_norm_dw (rmsnorm_bwd.cu) then adds the slots' partial rows in a fixed order: dweight and dbias
   are bitwise the same in every run.
 """
 
 from .._runtime.arrays import CTYPE, ITEMSIZE
 from .rmsnorm_plan_forward import FWD_BLOCK_THREADS
-from .rmsnorm_rows import (MAX_WIDTH, SHARED_OPTIN_LIMIT, STATIC_SHARED_BYTES, flag, plan_rows, row_variant_params,
-                           with_flag)
+from .rmsnorm_rows import MAX_WIDTH, SHARED_OPTIN_LIMIT, STATIC_SHARED_BYTES, flag, plan_rows, row_variant_params
 
 SOURCE = "layernorm.cu"
 DW_SOURCE = "rmsnorm_bwd.cu"  # rms_norm_dw adds the partial rows of dweight and of dbias
@@ -47,6 +46,15 @@ BWD_BLOCK_THREADS = 256
 # 73%, [32768, 4096] 52% -> 74%; fp32 rows of 2 slots unstaged hold two blocks an SM, staged 81% against 93%
 # ([16384, 4096]). Deeper rings of 3-4 stages measured no faster (within 2%), rows of one slot staged 0-15% slower.
 BWD_STAGED = {(2, 1): False, (2, 2): True, (4, 1): False, (4, 2): False, (4, 4): True}
+
+
+def bwd_staged_blocks(itemsize: int, rows_per_block: int) -> int:
+    """The staged backward's variant (its STAGED): the 256-thread blocks an SM its launch bound leaves registers for.
+    fp16/bf16 rows several to a block take 3 (80 registers); rows a block each, and fp32 rows, 2. On an H200, 3
+    against 2: bf16 [65536, 1152] 148.2 -> 129.9 us, fp16 [65536, 768] 87.7 -> 84.2, but bf16 [32768, 4096] (a row
+    a block) 205.4 -> 216.7 and [2048, 4096] 20.9 -> 22.2; [16384, 8192] (512-thread rows, one block an SM either way)
+    211.2 both."""
+    return 3 if itemsize == 2 and rows_per_block > 1 else 2
 
 
 def weight_dtype(weight, bias) -> str:
@@ -83,7 +91,8 @@ def fwd_max_slots(add: bool, shifted: bool) -> dict:
 
 def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto",
                   shared_limit=SHARED_OPTIN_LIMIT - STATIC_SHARED_BYTES):
-    """layer_norm_bwd<T, W, VEC, NPT, STAGED> for rows of `hidden` elements, with its dynamic shared memory
+    """layer_norm_bwd<T, W, VEC, NPT, STAGED> (STAGED: 0, or the staged kernel's blocks an SM) for rows of `hidden`
+    elements, with its dynamic shared memory
     (plan.shared_mem: the staged rows, or the partial rows of rows read in passes), at most shared_limit bytes (the
     device's: rmsnorm_rows.shared_limit; rows it cannot stage go unstaged, partial rows it cannot hold stay in global
     memory); its grid is as many blocks as rows need, which RMSNorm's cap_grid then caps at the blocks the GPU holds
@@ -91,9 +100,11 @@ def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto
     arrays = [dy, x, dx, weight]
     plan = plan_rows(SOURCE, "layer_norm_bwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows, hidden,
                      BWD_MAX_SLOTS, BWD_ELEMS_PER_THREAD[ITEMSIZE[x.dtype]], BWD_BLOCK_THREADS, [], impl)
-    plan.staged = plan.vectorized and plan.slots > 0 and BWD_STAGED[ITEMSIZE[x.dtype], plan.slots] and \
+    staged = plan.vectorized and plan.slots > 0 and BWD_STAGED[ITEMSIZE[x.dtype], plan.slots] and \
         stage_bytes(plan) <= shared_limit
-    plan.name = with_flag(plan.name, plan.staged)
+    plan.staged = bwd_staged_blocks(ITEMSIZE[x.dtype], plan.block[1]) if staged else 0
+    plan.name = f"{plan.name[:-1]}, {plan.staged}>"
+
     sums = 2 * hidden * 4 * plan.block[1]  # rows read in passes: dweight's and dbias's partial rows
     plan.shared_acc = not plan.slots and (weight is not None or bias is not None) and sums <= shared_limit
     plan.shared_mem = stage_bytes(plan) if plan.staged else sums if plan.shared_acc else 0
@@ -115,7 +126,8 @@ def variants():
                     yield SOURCE, (f"cupyrope::layer_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
                                    f"{flag(add)}, {flag(shift)}>")
         if slots <= BWD_MAX_SLOTS[vec, itemsize]:
-            # rows staged where the device's shared memory holds their stages, else not
-            for staged in (False, True) if vec and slots and BWD_STAGED[itemsize, slots] else (False,):
+            # rows staged where the device's shared memory holds their stages (2 or 3 blocks an SM), else not
+            stageable = vec and slots and BWD_STAGED[itemsize, slots]
+            for staged in sorted({0, *(bwd_staged_blocks(itemsize, n) for n in (1, 2) if stageable)}):
                 yield SOURCE, (f"cupyrope::layer_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
-                               f"{flag(staged)}>")
+                               f"{staged}>")

@@ -71,7 +71,7 @@ def test_backward_plan_caps_grid_and_counts_partial_rows():
     x = arr((100000, 1024), "bfloat16")
     plan = plan_backward(x, x, x, arr((1024,), "bfloat16"), None, (1024, 1024, 1024), 100000, 1024)
     assert plan.vectorized and plan.slots == 2 and plan.block == (64, 4), plan
-    assert plan.name == "cupyrope::layer_norm_bwd<__nv_bfloat16, __nv_bfloat16, true, 2, true>"
+    assert plan.name == "cupyrope::layer_norm_bwd<__nv_bfloat16, __nv_bfloat16, true, 2, 3>"  # rows 4 a block: 3 blocks an SM
     plan.grid = cap_grid(plan, 132 * 4, 100000, "bfloat16")
     assert plan.grid * plan.block[1] == 132 * 4 * 4 and plan.grid == 528
     # two stages of dy and x, 2 chunks a thread
@@ -79,7 +79,7 @@ def test_backward_plan_caps_grid_and_counts_partial_rows():
     fp32 = arr((100, 4096), "float32")
     unstaged = plan_backward(fp32, fp32, fp32, arr((4096,), "float32"), None, (4096,) * 3, 100, 4096)
     assert unstaged.slots == 2 and not unstaged.staged and unstaged.shared_mem == 0, unstaged  # two blocks an SM
-    assert unstaged.name.endswith(", 2, false>")
+    assert unstaged.name.endswith(", 2, 0>")
     small = plan_backward(x, x, x, None, arr((1024,), "float32"), (1024, 1024, 1024), 3, 1024)
     assert "float>" not in small.name and ", float, " in small.name  # W follows the bias without a weight
     small.grid = cap_grid(small, 528, 3, "bfloat16")
@@ -102,9 +102,9 @@ def test_backward_rows_in_passes_sum_in_shared_memory_where_they_fit(hidden, wit
 def test_backward_stages_rows_where_shared_memory_holds_them():
     x = arr((100, 8192), "bfloat16")  # 2 chunks a thread on 512 threads: 64 KiB of stages
     staged = plan_backward(x, x, x, None, None, (8192,) * 3, 100, 8192, shared_limit=226 * 1024)
-    assert staged.staged and staged.shared_mem == 64 * 1024 and staged.name.endswith(", 2, true>"), staged
+    assert staged.staged and staged.shared_mem == 64 * 1024 and staged.name.endswith(", 2, 2>"), staged
     small = plan_backward(x, x, x, None, None, (8192,) * 3, 100, 8192, shared_limit=63 * 1024)  # Turing: 64 KiB
-    assert not small.staged and small.shared_mem == 0 and small.name.endswith(", 2, false>"), small
+    assert not small.staged and small.shared_mem == 0 and small.name.endswith(", 2, 0>"), small
 
 
 def test_every_planned_kernel_is_a_variant_within_its_launch_bound():

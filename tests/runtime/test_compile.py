@@ -75,8 +75,9 @@ def test_variant_list_covers_every_op_and_is_unique():
     layer_norm = [name for source, name in variants if source == "layernorm.cu"]
     assert all(n.split("<")[0] in ("cupyrope::layer_norm_fwd", "cupyrope::layer_norm_bwd") for n in layer_norm)
     # backward: fp32 1 weight dtype x (element by element 0, 1, 2, 4, 8 slots; 16-byte 0, 1, 2, 4), fp16/bf16 2 x (5 + 3);
-    # the staged rows (fp32 4 slots, fp16/bf16 2) unstaged too, for devices whose shared memory cannot hold the stages
-    assert sum("layer_norm_bwd<" in name for name in layer_norm) == 1 * (5 + 4 + 1) + 2 * 2 * (5 + 3 + 1)
+    # the staged rows (fp32 4 slots at 2 blocks an SM, fp16/bf16 2 slots at 2 or 3) unstaged too, for devices whose
+    # shared memory cannot hold the stages
+    assert sum("layer_norm_bwd<" in name for name in layer_norm) == 1 * (5 + 4 + 1) + 2 * 2 * (5 + 3 + 2)
     assert any(n.endswith(", true, true>") for n in layer_norm)  # the fused add of shifted rows
     assert len(rope) + len(forward) + len(backward) + len(norm_rope) + len(fp8) + len(layer_norm) == len(variants)
 
