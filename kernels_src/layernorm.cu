@@ -464,6 +464,7 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T), S
                 }
             } else {
                 load_ln_stats(p, row, mean, rstd);
+#pragma unroll (sizeof(T) == 4 ? 4 : 1)
                 for (i64 col = (i64)lane * E; active && col < p.hidden; col += step)
                     add_row_sums<T, W, E>(held_chunk<VEC, T, E>(dy_row + col), held_chunk<VEC, T, E>(x_row + col),
                                           held_weight<W, VEC, E>(p.weight, col), mean, rstd, g_sum, gx_sum);
@@ -482,6 +483,7 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T), S
                                                                  mean, rstd, xhat_coef, shift, dw[i], db[i]));
                 }
             } else if (active) {
+#pragma unroll (sizeof(T) == 4 ? 4 : 1)
                 for (i64 col = (i64)lane * E; col < p.hidden; col += step) {
                     Pack<float, E> w_sums = dw_row ? load_pack<VEC, E>(dw_row + col) : zeros<E>();
                     Pack<float, E> b_sums = dw_row ? load_pack<VEC, E>(db_row + col) : zeros<E>();
