@@ -107,6 +107,19 @@ def test_backward_stages_rows_where_shared_memory_holds_them():
     assert not small.staged and small.shared_mem == 0 and small.name.endswith(", 2, 0>"), small
 
 
+@pytest.mark.parametrize("dtype,hidden,rows_a_block,staged", [
+    ("bfloat16", 1024, 4, 3), ("float16", 1152, 2, 3), ("bfloat16", 4096, 1, 2), ("bfloat16", 8192, 1, 2),
+    ("float32", 8192, 1, 2), ("float32", 4096, 1, 0),
+])
+def test_backward_staged_blocks_follow_the_rows_a_block(dtype, hidden, rows_a_block, staged):
+    """fp16/bf16 staged rows several to a block take the variant of three blocks an SM (80 registers), rows a block
+    each and fp32 rows the one of two (bwd_staged_blocks); fp32 rows of 2 slots are not staged."""
+    x = arr((5000, hidden), dtype)
+    plan = plan_backward(x, x, x, arr((hidden,), dtype), None, (hidden,) * 3, 5000, hidden)
+    assert plan.block[1] == rows_a_block and plan.staged == staged, plan
+    assert plan.name.endswith(f", {staged}>") and plan.block[0] * plan.block[1] <= (768 if staged == 3 else 512)
+
+
 def test_every_planned_kernel_is_a_variant_within_its_launch_bound():
     """Every plan names a compiled variant, on blocks its launch bound allows: 1024 threads for forward rows of 4+
     slots, else 512 (LayerNormBounds, LayerNormBwdBounds)."""
