@@ -167,6 +167,23 @@ def rms_workload(cupy, rng, rows, hidden, dtype="bfloat16", op="forward", eager=
     return Workload(f"rms_norm {op} {dtype} [{rows}, {hidden}]", make, eager)
 
 
+def layer_norm_backward_workload(cupy, rng, rows, hidden, dtype="bfloat16"):
+    import cupyrope
+
+    def make():
+        nbytes = rows * hidden * (2 if dtype != "float32" else 4) * 3
+        calls = []
+        weight, bias = _random(cupy, (hidden,), dtype, rng), _random(cupy, (hidden,), dtype, rng)
+        for _ in range(copies_for(nbytes)):
+            x, dy = _random(cupy, (rows, hidden), dtype, rng), _random(cupy, (rows, hidden), dtype, rng)
+            _, mean, rstd = cupyrope.layer_norm(x, weight, bias, return_stats=True)
+            calls.append(lambda x=x, dy=dy, mean=mean, rstd=rstd:
+                         cupyrope.layer_norm_backward(dy, x, weight, bias, mean, rstd))
+        return calls
+
+    return Workload(f"layer_norm backward {dtype} [{rows}, {hidden}]", make)
+
+
 def choices_to_tune(cupy, rng):
     """(section, choice, candidates, workloads) in the order they are tuned."""
     rope_large = [rope_qk_workload(cupy, rng, 32768), rope_qk_workload(cupy, rng, 32768, cache=True),
@@ -189,6 +206,9 @@ def choices_to_tune(cupy, rng):
                     [(32768, 4096), (65536, 2048), (16384, 4096)]]
     qk_forward = [qk_norm_rope_workload(cupy, rng, tokens) for tokens in (1024, 8192, 32768)]
     qk_backward = [qk_norm_rope_workload(cupy, rng, tokens, backward=True) for tokens in (1024, 8192, 32768)]
+    ln_backward = [layer_norm_backward_workload(cupy, rng, rows, hidden, dtype) for rows, hidden, dtype in
+                   [(65536, 1152, "bfloat16"), (65536, 768, "float16"), (32768, 4096, "bfloat16"),
+                    (2048, 4096, "bfloat16")]]
     return [
         ("rope", "items_per_block", (256, 384, 512, 640, 896, 1280), rope_large + rope_mid),
         ("rope", "blocks_per_sm", (1, 2, 3, 4), rope_large + rope_mid),
@@ -203,6 +223,7 @@ def choices_to_tune(cupy, rng):
         ("rms_norm_backward", "long_row_bytes", (4096, 8192, 16384), bwd_register),
         ("rms_norm_backward", "one_cluster_max_rows", (0, 8, 16, 32), bwd_few),
         ("rms_norm_backward", "grad_lean_max_rows", (48, 96, 1 << 20), bwd_add_long),
+        ("layer_norm", "backward_three_blocks_min_rows", (1, 2, 1024), ln_backward),
     ]
 
 

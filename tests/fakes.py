@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from cupyrope._runtime.device import GpuModel
+from cupyrope.ops.layernorm_plan import LayerNormChoices
 from cupyrope.ops.profiles import Profile
 from cupyrope.ops.qk_norm_rope_plan import QkNormRopeChoices
 from cupyrope.ops.rmsnorm_plan_backward import BackwardChoices
@@ -77,7 +78,8 @@ PLANNING_PROFILE = Profile(
                       direct_threads=64),
     QkNormRopeChoices(forward_threads_per_block=1024, backward_threads_per_block=1024),
     ForwardChoices(small_row_bytes=4096, row_cache_max_bytes=65536, split_min_row_bytes=131072),
-    BackwardChoices(long_row_bytes=8192, one_cluster_max_rows=32, grad_lean_max_rows=48), source="tests/fakes.py")
+    BackwardChoices(long_row_bytes=8192, one_cluster_max_rows=32, grad_lean_max_rows=48),
+    LayerNormChoices(backward_three_blocks_min_rows=2), source="tests/fakes.py")
 
 
 def stand_in_for_the_device(patch=setattr, shared_optin=227 * 1024, blocks_per_wave=132 * 4, resident_clusters=None):

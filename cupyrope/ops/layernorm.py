@@ -12,7 +12,7 @@ from .._runtime.checks import IN_PLACE, OUT, output_mode
 from .._runtime.compile import get_kernel
 from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
-from . import layernorm_checks
+from . import layernorm_checks, profiles
 from .layernorm_plan import DW_SOURCE, plan_backward, plan_forward, weight_dtype
 from .rmsnorm_checks import row_layout, rows
 from .rmsnorm_plan_backward import DW_SPLIT, cap_grid, dweight_kernel_name
@@ -140,7 +140,7 @@ def _plan_backward_call(da, xa, wa, ba, ma, ra, _no_weight, _no_bias, _no_mean, 
         dxa = contiguous_like(xa, xa.shape, xa.dtype)
         layout = row_layout([da, xa, dxa], ["dy", "x", "dx"], runs=False)
         plan = plan_backward(da, xa, dxa, wa, ba, layout.plan_strides(), n_rows, hidden, impl,
-                             shared_limit(xa.device))
+                             shared_limit(xa.device), choices=profiles.profile_for(xa.device).layer_norm)
         kernel = kernel_for(plan, xa.device)
         plan.grid = cap_grid(plan, blocks_per_wave(kernel, plan, xa.device), n_rows, xa.dtype)  # rows unshifted
         slots = plan.grid * plan.block[1]

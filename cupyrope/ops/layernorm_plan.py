@@ -11,7 +11,10 @@ shifted odd rows), so a row's reductions follow from its size, dtype, alignment 
   are bitwise the same in every run.
 """
 
+import dataclasses
+
 from .._runtime.arrays import CTYPE, ITEMSIZE
+from .._runtime.choices import choice
 from .rmsnorm_plan_forward import FWD_BLOCK_THREADS
 from .rmsnorm_rows import MAX_WIDTH, SHARED_OPTIN_LIMIT, STATIC_SHARED_BYTES, flag, plan_rows, row_variant_params
 
@@ -48,13 +51,25 @@ BWD_BLOCK_THREADS = 256
 BWD_STAGED = {(2, 1): False, (2, 2): True, (4, 1): False, (4, 2): False, (4, 4): True}
 
 
-def bwd_staged_blocks(itemsize: int, rows_per_block: int) -> int:
-    """The staged backward's variant (its STAGED): the 256-thread blocks an SM its launch bound leaves registers for.
-    fp16/bf16 rows several to a block take 3 (80 registers); rows a block each, and fp32 rows, 2. On an H200, 3
-    against 2: bf16 [65536, 1152] 148.2 -> 129.9 us, fp16 [65536, 768] 87.7 -> 84.2, but bf16 [32768, 4096] (a row
-    a block) 205.4 -> 216.7 and [2048, 4096] 20.9 -> 22.2; [16384, 8192] (512-thread rows, one block an SM either way)
-    211.2 both."""
-    return 3 if itemsize == 2 and rows_per_block > 1 else 2
+@dataclasses.dataclass(frozen=True)
+class LayerNormChoices:
+    """LayerNorm's measured launch choices: a launch profile's "layer_norm" section.
+
+    backward_three_blocks_min_rows: fp16/bf16 staged backward rows take the variant of three 256-thread blocks an SM
+      (80 registers) where a block holds at least this many rows, else the one of two (up to 128 registers;
+      bwd_staged_blocks). On an H200, three against two: bf16 [65536, 1152] (2 rows a block) 148.2 -> 129.9 us, fp16
+      [65536, 768] (4) 87.7 -> 84.2, but bf16 [32768, 4096] (a row a block) 205.4 -> 216.7 and [2048, 4096] 20.9 ->
+      22.2; [16384, 8192] (512-thread rows, one block an SM either way) 211.2 both. The H100's profile takes the
+      H200's value (not measured there).
+    """
+
+    backward_three_blocks_min_rows: int = choice(1, 1 << 10)
+
+
+def bwd_staged_blocks(itemsize: int, rows_per_block: int, choices: LayerNormChoices) -> int:
+    """The staged backward's variant (its STAGED): the 256-thread blocks an SM its launch bound leaves registers for,
+    3 or 2 (fp32 rows: 2)."""
+    return 3 if itemsize == 2 and rows_per_block >= choices.backward_three_blocks_min_rows else 2
 
 
 def weight_dtype(weight, bias) -> str:
@@ -90,7 +105,7 @@ def fwd_max_slots(add: bool, shifted: bool) -> dict:
 
 
 def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto",
-                  shared_limit=SHARED_OPTIN_LIMIT - STATIC_SHARED_BYTES):
+                  shared_limit=SHARED_OPTIN_LIMIT - STATIC_SHARED_BYTES, *, choices: LayerNormChoices):
     """layer_norm_bwd<T, W, VEC, NPT, STAGED> (STAGED: 0, or the staged kernel's blocks an SM) for rows of `hidden`
     elements, with its dynamic shared memory
     (plan.shared_mem: the staged rows, or the partial rows of rows read in passes), at most shared_limit bytes (the
@@ -102,7 +117,7 @@ def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto
                      BWD_MAX_SLOTS, BWD_ELEMS_PER_THREAD[ITEMSIZE[x.dtype]], BWD_BLOCK_THREADS, [], impl)
     staged = plan.vectorized and plan.slots > 0 and BWD_STAGED[ITEMSIZE[x.dtype], plan.slots] and \
         stage_bytes(plan) <= shared_limit
-    plan.staged = bwd_staged_blocks(ITEMSIZE[x.dtype], plan.block[1]) if staged else 0
+    plan.staged = bwd_staged_blocks(ITEMSIZE[x.dtype], plan.block[1], choices) if staged else 0
     plan.name = f"{plan.name[:-1]}, {plan.staged}>"
 
     sums = 2 * hidden * 4 * plan.block[1]  # rows read in passes: dweight's and dbias's partial rows
@@ -126,8 +141,12 @@ def variants():
                     yield SOURCE, (f"cupyrope::layer_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
                                    f"{flag(add)}, {flag(shift)}>")
         if slots <= BWD_MAX_SLOTS[vec, itemsize]:
-            # rows staged where the device's shared memory holds their stages (2 or 3 blocks an SM), else not
-            stageable = vec and slots and BWD_STAGED[itemsize, slots]
-            for staged in sorted({0, *(bwd_staged_blocks(itemsize, n) for n in (1, 2) if stageable)}):
+            # rows staged where the device's shared memory holds their stages (fp16/bf16 at 2 or 3 blocks an SM, fp32
+            # at 2), else not
+            if not (vec and slots and BWD_STAGED[itemsize, slots]):
+                options = (0,)
+            else:
+                options = (0, 2, 3) if itemsize == 2 else (0, 2)
+            for staged in options:
                 yield SOURCE, (f"cupyrope::layer_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
                                f"{staged}>")

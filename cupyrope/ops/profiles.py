@@ -1,8 +1,8 @@
 """Launch profiles: the planners' measured choices for one GPU model, one JSON file each.
 
 A profile holds the GPU it was measured on (device.GpuModel) and one section of choices per planner:
-"rope" (rope_plan.RopeChoices), "qk_norm_rope" (QkNormRopeChoices), "rms_norm_forward" (ForwardChoices) and
-"rms_norm_backward" (BackwardChoices).
+"rope" (rope_plan.RopeChoices), "qk_norm_rope" (QkNormRopeChoices), "rms_norm_forward" (ForwardChoices),
+"rms_norm_backward" (BackwardChoices) and "layer_norm" (LayerNormChoices).
 Choices change speed, never results: each is declared with the range the planners are tested over
 (_runtime/choices.py).
 
@@ -29,6 +29,7 @@ from .._runtime.choices import choices_dict, read_choices
 from .._runtime.compile import cache_dir
 from .._runtime.device import GpuModel, gpu_model
 from .._runtime.plan_cache import forget_plans
+from .layernorm_plan import LayerNormChoices
 from .qk_norm_rope_plan import QkNormRopeChoices
 from .rmsnorm_plan_backward import BackwardChoices
 from .rmsnorm_plan_forward import ForwardChoices
@@ -37,7 +38,7 @@ from .rope_plan import RopeChoices
 FORMAT = 1  # the "cupyrope_profile" number of files this version reads
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "profiles"
 SECTIONS = {"rope": RopeChoices, "qk_norm_rope": QkNormRopeChoices, "rms_norm_forward": ForwardChoices,
-            "rms_norm_backward": BackwardChoices}
+            "rms_norm_backward": BackwardChoices, "layer_norm": LayerNormChoices}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Profile:
     qk_norm_rope: QkNormRopeChoices
     rms_norm_forward: ForwardChoices
     rms_norm_backward: BackwardChoices
+    layer_norm: LayerNormChoices
     source: str  # the file it was read from
 
 

@@ -2,14 +2,18 @@
 backward's grid and partial rows), the argument checks, and the torch layer's CPU path (the module against
 nn.LayerNorm, the same exceptions as the GPU path)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
+from fakes import PLANNING_PROFILE
 from helpers import planned_array as arr
 
 from cupyrope import reference
 from cupyrope.ops.layernorm_plan import BWD_MAX_SLOTS, FWD_MAX_SLOTS, plan_backward, plan_forward, stage_bytes, variants
 from cupyrope.ops.rmsnorm_plan_backward import cap_grid
 
+LN_CHOICES = PLANNING_PROFILE.layer_norm
 torch = pytest.importorskip("torch")
 
 
@@ -69,7 +73,8 @@ def test_forward_plans(dtype, hidden, vectorized, shifted, slots, width):
 
 def test_backward_plan_caps_grid_and_counts_partial_rows():
     x = arr((100000, 1024), "bfloat16")
-    plan = plan_backward(x, x, x, arr((1024,), "bfloat16"), None, (1024, 1024, 1024), 100000, 1024)
+    plan = plan_backward(x, x, x, arr((1024,), "bfloat16"), None, (1024, 1024, 1024), 100000, 1024,
+                         choices=LN_CHOICES)
     assert plan.vectorized and plan.slots == 2 and plan.block == (64, 4), plan
     assert plan.name == "cupyrope::layer_norm_bwd<__nv_bfloat16, __nv_bfloat16, true, 2, 3>"  # rows 4 a block: 3 blocks an SM
     plan.grid = cap_grid(plan, 132 * 4, 100000, "bfloat16")
@@ -77,10 +82,11 @@ def test_backward_plan_caps_grid_and_counts_partial_rows():
     # two stages of dy and x, 2 chunks a thread
     assert plan.staged and plan.shared_mem == stage_bytes(plan) == 2 * 2 * 2 * 16 * 256
     fp32 = arr((100, 4096), "float32")
-    unstaged = plan_backward(fp32, fp32, fp32, arr((4096,), "float32"), None, (4096,) * 3, 100, 4096)
+    unstaged = plan_backward(fp32, fp32, fp32, arr((4096,), "float32"), None, (4096,) * 3, 100, 4096,
+                             choices=LN_CHOICES)
     assert unstaged.slots == 2 and not unstaged.staged and unstaged.shared_mem == 0, unstaged  # two blocks an SM
     assert unstaged.name.endswith(", 2, 0>")
-    small = plan_backward(x, x, x, None, arr((1024,), "float32"), (1024, 1024, 1024), 3, 1024)
+    small = plan_backward(x, x, x, None, arr((1024,), "float32"), (1024, 1024, 1024), 3, 1024, choices=LN_CHOICES)
     assert "float>" not in small.name and ", float, " in small.name  # W follows the bias without a weight
     small.grid = cap_grid(small, 528, 3, "bfloat16")
     assert small.grid * small.block[1] == 4 and small.grid == 1  # a slot past the rows leaves a zero row
@@ -93,7 +99,7 @@ def test_backward_plan_caps_grid_and_counts_partial_rows():
 def test_backward_rows_in_passes_sum_in_shared_memory_where_they_fit(hidden, with_params, limit, shared):
     x = arr((100, hidden), "float32")
     weight = arr((hidden,), "float32") if with_params else None
-    plan = plan_backward(x, x, x, weight, None, (hidden,) * 3, 100, hidden, shared_limit=limit)
+    plan = plan_backward(x, x, x, weight, None, (hidden,) * 3, 100, hidden, shared_limit=limit, choices=LN_CHOICES)
     assert plan.slots == 0 and plan.block == (512, 1), plan
     assert plan.shared_acc == shared  # dweight's and dbias's partial rows: 2 x hidden fp32 (no sums without params)
     assert plan.shared_mem == (2 * hidden * 4 if shared else 0)
@@ -101,9 +107,11 @@ def test_backward_rows_in_passes_sum_in_shared_memory_where_they_fit(hidden, wit
 
 def test_backward_stages_rows_where_shared_memory_holds_them():
     x = arr((100, 8192), "bfloat16")  # 2 chunks a thread on 512 threads: 64 KiB of stages
-    staged = plan_backward(x, x, x, None, None, (8192,) * 3, 100, 8192, shared_limit=226 * 1024)
+    staged = plan_backward(x, x, x, None, None, (8192,) * 3, 100, 8192, shared_limit=226 * 1024,
+                           choices=LN_CHOICES)
     assert staged.staged and staged.shared_mem == 64 * 1024 and staged.name.endswith(", 2, 2>"), staged
-    small = plan_backward(x, x, x, None, None, (8192,) * 3, 100, 8192, shared_limit=63 * 1024)  # Turing: 64 KiB
+    small = plan_backward(x, x, x, None, None, (8192,) * 3, 100, 8192, shared_limit=63 * 1024,  # Turing: 64 KiB
+                          choices=LN_CHOICES)
     assert not small.staged and small.shared_mem == 0 and small.name.endswith(", 2, 0>"), small
 
 
@@ -112,12 +120,21 @@ def test_backward_stages_rows_where_shared_memory_holds_them():
     ("float32", 8192, 1, 2), ("float32", 4096, 1, 0),
 ])
 def test_backward_staged_blocks_follow_the_rows_a_block(dtype, hidden, rows_a_block, staged):
-    """fp16/bf16 staged rows several to a block take the variant of three blocks an SM (80 registers), rows a block
-    each and fp32 rows the one of two (bwd_staged_blocks); fp32 rows of 2 slots are not staged."""
+    """fp16/bf16 staged rows of at least the profile's backward_three_blocks_min_rows rows a block (2) take the variant
+    of three blocks an SM (80 registers), rows a block each and fp32 rows the one of two; fp32 rows of 2 slots are
+    not staged. The profile moves the line: 1 stages every fp16/bf16 row on three, 1024 none."""
     x = arr((5000, hidden), dtype)
-    plan = plan_backward(x, x, x, arr((hidden,), dtype), None, (hidden,) * 3, 5000, hidden)
+
+    def plan_with(min_rows):
+        choices = dataclasses.replace(LN_CHOICES, backward_three_blocks_min_rows=min_rows)
+        return plan_backward(x, x, x, arr((hidden,), dtype), None, (hidden,) * 3, 5000, hidden, choices=choices)
+
+    plan = plan_with(LN_CHOICES.backward_three_blocks_min_rows)
+    assert LN_CHOICES.backward_three_blocks_min_rows == 2
     assert plan.block[1] == rows_a_block and plan.staged == staged, plan
     assert plan.name.endswith(f", {staged}>") and plan.block[0] * plan.block[1] <= (768 if staged == 3 else 512)
+    if staged:
+        assert plan_with(1).staged == (3 if dtype != "float32" else 2) and plan_with(1024).staged == 2
 
 
 def test_every_planned_kernel_is_a_variant_within_its_launch_bound():
@@ -135,7 +152,7 @@ def test_every_planned_kernel_is_a_variant_within_its_launch_bound():
                     assert fwd.block[0] * fwd.block[1] <= (1024 if fwd.slots >= 4 else 512), fwd
                 for limit in (227 * 1024, 48 * 1024):  # an H100's shared memory a block, and the least there is
                     bwd = plan_backward(x, x, arr((9, hidden), dtype), w, w, (hidden,) * 3, 9, hidden,
-                                        shared_limit=limit - 1024)
+                                        shared_limit=limit - 1024, choices=LN_CHOICES)
                     assert bwd.name in names, bwd
                     assert bwd.block[0] * bwd.block[1] <= 512 and bwd.shared_mem <= limit - 1024, bwd
     assert max(FWD_MAX_SLOTS.values()) == 8 and BWD_MAX_SLOTS[True, 2] == 2
