@@ -93,6 +93,17 @@ def assert_clear_error(error):
     event(f"refused: {str(error).split(':')[0]}")
 
 
+def plan_or_refusal(profile, make_plan):
+    """make_plan()'s plan under the launch profile `profile`, or None where the call was refused with a TypeError or
+    ValueError that names the argument."""
+    with profiles.planning_with(profile):
+        try:
+            return make_plan()
+        except (TypeError, ValueError) as error:
+            assert_clear_error(error)
+            return None
+
+
 def assert_launchable(plan, what, max_threads):
     """A plan of a compiled variant, noted as `what`, whose grid, block (at most max_threads) and shared memory the
     GPU takes."""
@@ -177,14 +188,13 @@ def test_rope_plans_are_runnable_or_refused_clearly(call, data, profile):
     source, positions, cu_seqlens, offsets, section, interleaved = position_sources(data, positions, x.shape[-1],
                                                                                     options["rotary_dim"])
     event(f"positions: {source}")
-    with profiles.planning_with(profile):
-        try:
-            mode = output_mode(out, x)
-            plan = rope._plan_rope_call(x, positions, cache, out if mode == OUT else None, cu_seqlens, offsets, mode,
-                                        cache is None, **options, section=section, interleaved=interleaved)
-        except (TypeError, ValueError) as error:
-            assert_clear_error(error)
-            return
+    def make_plan():
+        mode = output_mode(out, x)
+        return rope._plan_rope_call(x, positions, cache, out if mode == OUT else None, cu_seqlens, offsets, mode,
+                                    cache is None, **options, section=section, interleaved=interleaved)
+
+    plan = plan_or_refusal(profile, make_plan)
+    if plan is not None:
         assert_runnable_rope(plan, [x, out or x], cache, options["style"])
 
 
@@ -196,17 +206,14 @@ def test_rope_qk_plans_are_runnable_or_refused_clearly(call, new, data, profile)
     source, positions, cu_seqlens, offsets, section, interleaved = position_sources(data, positions, q.shape[-1],
                                                                                     options["rotary_dim"])
     event(f"positions: {source}")
-    with profiles.planning_with(profile):
-        try:
-            plan = rope._plan_rope_qk_call(q, k, positions, cache, None, None, cu_seqlens, offsets,
-                                           NEW if new else IN_PLACE, cache is None, **options, section=section,
-                                           interleaved=interleaved)
-        except (TypeError, ValueError) as error:
-            assert_clear_error(error)
-            return
-        assert_runnable_rope(plan, [q, k], cache, options["style"])
-        assert len(plan.new_output) == 2 if new else not hasattr(plan, "new_output")
-        assert plan.disjoint == ([] if new else [(0, 2)])  # in place: q against k, per call
+    plan = plan_or_refusal(profile, lambda: rope._plan_rope_qk_call(
+        q, k, positions, cache, None, None, cu_seqlens, offsets, NEW if new else IN_PLACE, cache is None, **options,
+        section=section, interleaved=interleaved))
+    if plan is None:
+        return
+    assert_runnable_rope(plan, [q, k], cache, options["style"])
+    assert len(plan.new_output) == 2 if new else not hasattr(plan, "new_output")
+    assert plan.disjoint == ([] if new else [(0, 2)])  # in place: q against k, per call
 
 
 @SETTINGS
@@ -224,14 +231,12 @@ def test_rope_qk_cos_sin_plans_are_runnable_or_refused_clearly(call, data, profi
         sin = data.draw(arrays(cos.shape, table_dtype, BASE + 2**34))
     options = dict(rotary_dim=options["rotary_dim"], freq_step=freq_step, style=options["style"],
                    inverse=options["inverse"], impl=options["impl"])
-    with profiles.planning_with(profile):
-        try:
-            plan = rope._plan_rope_cos_sin_call(q, k, cos, sin, None, None, IN_PLACE, **options)
-        except (TypeError, ValueError) as error:
-            assert_clear_error(error)
-            return
-        assert "TokenRows" in plan.name
-        assert_runnable_rope(plan, [q, k])
+    plan = plan_or_refusal(profile, lambda: rope._plan_rope_cos_sin_call(q, k, cos, sin, None, None, IN_PLACE,
+                                                                         **options))
+    if plan is None:
+        return
+    assert "TokenRows" in plan.name
+    assert_runnable_rope(plan, [q, k])
 
 
 def test_rope_qk_cos_sin_never_writes_over_cos_or_sin():
@@ -295,20 +300,18 @@ def test_rms_norm_plans_are_runnable_or_refused_clearly(call, op, profile):
     x, weight, other, eps, offset, impl = call
     grad = None if op != "residual backward" else Array(None, "cupy", BASE + 2**32 + (x.ptr - BASE), x.dtype, x.shape,
                                                        x.strides, 0)  # x's layout elsewhere
-    with profiles.planning_with(profile):
-        try:
-            if op == "forward":
-                plan = rmsnorm._plan_forward_call(x, weight, other, OUT, weight is None, eps, offset, True, impl)
-            elif op == "fused add":
-                plan = rmsnorm._plan_fused_add_call(x, other, weight, weight is None, eps, offset, impl)
-            elif op == "add":
-                plan = rmsnorm._plan_add_call(x, other, weight, weight is None, eps, offset, True, impl)
-            else:
-                plan = rmsnorm._plan_backward_call(other, x, weight, None, grad, weight is None, True, grad is None, eps,
-                                                   offset, impl)
-        except (TypeError, ValueError) as error:
-            assert_clear_error(error)
-            return
+    def make_plan():
+        if op == "forward":
+            return rmsnorm._plan_forward_call(x, weight, other, OUT, weight is None, eps, offset, True, impl)
+        if op == "fused add":
+            return rmsnorm._plan_fused_add_call(x, other, weight, weight is None, eps, offset, impl)
+        if op == "add":
+            return rmsnorm._plan_add_call(x, other, weight, weight is None, eps, offset, True, impl)
+        return rmsnorm._plan_backward_call(other, x, weight, None, grad, weight is None, True, grad is None, eps,
+                                           offset, impl)
+
+    plan = plan_or_refusal(profile, make_plan)
+    if plan is not None:
         assert_runnable_norm(plan, [x, other, grad, weight])
 
 
@@ -339,15 +342,10 @@ def test_rms_norm_fp8_plans_are_runnable_or_refused_clearly(call, mode, add, out
     scale = Array(None, "cupy", BASE + 2**34, "float32", (1,), (1,), 0)
     y = Array(None, "cupy", BASE + 2**35 + (x.ptr - BASE) // ITEMSIZE[x.dtype], "uint8", x.shape, x.strides, 0)
     group_size = mode if isinstance(mode, int) else None
-    with profiles.planning_with(profile):
-        try:
-            plan = rmsnorm_fp8._plan_call(x, weight, other if add else None, scale if mode == "static" else None, None,
-                                          y if out else None, weight is None, not add, mode != "static", True, not out,
-                                          group_size, eps, offset, impl)
-        except (TypeError, ValueError) as error:
-            assert_clear_error(error)
-            return
-    if not plan.grid:
+    plan = plan_or_refusal(profile, lambda: rmsnorm_fp8._plan_call(
+        x, weight, other if add else None, scale if mode == "static" else None, None, y if out else None,
+        weight is None, not add, mode != "static", True, not out, group_size, eps, offset, impl))
+    if plan is None or not plan.grid:
         return
     assert_launchable(plan, f"vectorized {plan.vectorized}, slots {plan.slots}", 512)
     hidden, elems = x.shape[-1], 16 // ITEMSIZE[x.dtype]
@@ -390,22 +388,19 @@ def test_layer_norm_plans_are_runnable_or_refused_clearly(call, op, params, data
     rows = math.prod(x.shape[:-1])
     stats = [Array(None, "cupy", BASE + 2**37 + i * 2**30, "float32", x.shape[:-1],
                    tuple(math.prod(x.shape[1 + j:-1]) for j in range(len(x.shape) - 1)), 0) for i in range(2)]
-    with profiles.planning_with(profile):
-        try:
-            if op.startswith("forward"):
-                out, mode = (other, OUT) if op == "forward out" else (None, NEW)
-                plan = layernorm._plan_forward_call(x, weight, bias, out, mode, weight is None, bias is None, eps,
-                                                    True, impl)
-            elif op == "fused add":
-                plan = layernorm._plan_fused_add_call(x, other, weight, bias, weight is None, bias is None, eps, impl)
-            else:
-                mean, rstd = stats if op == "backward, stats" else (None, None)
-                plan = layernorm._plan_backward_call(other, x, weight, bias, mean, rstd, weight is None, bias is None,
-                                                     mean is None, rstd is None, eps, impl)
-        except (TypeError, ValueError) as error:
-            assert_clear_error(error)
-            return
-    if not plan.grid:
+    def make_plan():
+        if op.startswith("forward"):
+            out, mode = (other, OUT) if op == "forward out" else (None, NEW)
+            return layernorm._plan_forward_call(x, weight, bias, out, mode, weight is None, bias is None, eps, True,
+                                                impl)
+        if op == "fused add":
+            return layernorm._plan_fused_add_call(x, other, weight, bias, weight is None, bias is None, eps, impl)
+        mean, rstd = stats if op == "backward, stats" else (None, None)
+        return layernorm._plan_backward_call(other, x, weight, bias, mean, rstd, weight is None, bias is None,
+                                             mean is None, rstd is None, eps, impl)
+
+    plan = plan_or_refusal(profile, make_plan)
+    if plan is None or not plan.grid:
         return
     assert_launchable(plan, f"vectorized {plan.vectorized}, slots {plan.slots}",
                       1024 if "_fwd<" in plan.name and plan.slots >= 4 else 512)
@@ -417,7 +412,6 @@ def test_layer_norm_plans_are_runnable_or_refused_clearly(call, op, params, data
             "backward": (x, other, weight), "backward, stats": (x, other, weight)}[op]  # bias: its dtype alone
     if plan.vectorized and not plan.shifted:
         assert all(aligned_16(a) for a in used if a is not None)
-
 
 
 @SETTINGS
@@ -438,22 +432,20 @@ def test_qk_norm_rope_plans_are_runnable_or_refused_clearly(call, op, data, prof
     eps = data.draw(st.sampled_from([1e-6, 1e-6, 1e-6, 1e-5, 0.0]))
     rope_options = (eps, 0.0, options["theta"], options["style"], options["rotary_dim"], options["impl"], section,
                     interleaved, rope._absent(positions, cu_seqlens, seqlen_offsets))
-    with profiles.planning_with(profile):
-        try:
-            if op == "backward":
-                dq, dk = (data.draw(arrays(a.shape, a.dtype, BASE + 2**38 + i * 2**32)) for i, a in enumerate((q, k)))
-                plan = qk_norm_rope._plan_backward_call(dq, dk, q, k, q_weight, k_weight, positions, cache,
-                                                        cu_seqlens, seqlen_offsets, cache is None, *rope_options)
-                written = [dq, dk]
-            else:
-                mode = NEW if op == "new" else IN_PLACE
-                plan = qk_norm_rope._plan_forward_call(q, k, q_weight, k_weight, positions, cache, None, None,
-                                                       cu_seqlens, seqlen_offsets, mode, cache is None, *rope_options)
-                written = []
-        except (TypeError, ValueError) as error:
-            assert_clear_error(error)
-            return
-    if not plan.grid:
+    written = []
+    if op == "backward":
+        written = [data.draw(arrays(a.shape, a.dtype, BASE + 2**38 + i * 2**32)) for i, a in enumerate((q, k))]
+
+    def make_plan():
+        if op == "backward":
+            return qk_norm_rope._plan_backward_call(*written, q, k, q_weight, k_weight, positions, cache, cu_seqlens,
+                                                    seqlen_offsets, cache is None, *rope_options)
+        return qk_norm_rope._plan_forward_call(q, k, q_weight, k_weight, positions, cache, None, None, cu_seqlens,
+                                               seqlen_offsets, NEW if op == "new" else IN_PLACE, cache is None,
+                                               *rope_options)
+
+    plan = plan_or_refusal(profile, make_plan)
+    if plan is None or not plan.grid:
         return
     assert_launchable(plan, f"{source}, vectorized {plan.vectorized}", 1024)
     if plan.vectorized:
