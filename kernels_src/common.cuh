@@ -340,15 +340,23 @@ __device__ __forceinline__ float lanes_sum_by(float v, int width) {
     else return lanes_sum(v, width);
 }
 
-// The sum of the warps' partials (2 <= warps <= 32), to every lane: a shuffle tree as deep as the warps need (a row
-// of 4 warps takes 2 steps, not 4). Lanes past the partials add 0, so any depth gives the same bits.
+// Which of the warps' partials (2 <= warps <= 32) a lane reads for a shuffle tree that combines them: `group` (set
+// here) is the tree's width, warps rounded up to a power of two (a row of 4 warps takes 2 steps, not 4), and lane
+// reads partial lane % group where that is < warps; the lanes past the partials take a neutral value (0 for a sum:
+// any depth gives the same bits).
+__device__ __forceinline__ int tree_slot(int warps, int lane, int& group) {
+    group = 1 << (32 - __clz(warps - 1));
+    return lane & (group - 1);
+}
+
+// The sum of the warps' partials (2 <= warps <= 32), to every lane, by a shuffle tree (tree_slot).
 // CHAIN: rows of 2 or 4 warps take their tree by a compare first (row_sum's LANES_JUMP).
 template <bool CHAIN = false>
 __device__ __forceinline__ float partials_sum(const float* partials, int warps, int lane) {
     if (CHAIN && warps <= 2) return group_sum<2>(partials[lane % 2]);
     if (CHAIN && warps <= 4) return group_sum<4>(lane % 4 < warps ? partials[lane % 4] : 0.f);
-    const int group = 1 << (32 - __clz(warps - 1));
-    const int slot = lane & (group - 1);
+    int group;
+    const int slot = tree_slot(warps, lane, group);
     return lanes_sum(slot < warps ? partials[slot] : 0.f, group);
 }
 

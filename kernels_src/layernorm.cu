@@ -51,8 +51,8 @@ __device__ __forceinline__ float2 row_sum_pair(float2 v, int width, float2* scra
     float2* const partials = scratch + threadIdx.y * warps;
     if (lane == 0) partials[threadIdx.x / 32] = v;
     __syncthreads();
-    const int group = 1 << (32 - __clz(warps - 1));  // warps rounded up to a power of two; the rest add 0
-    const int slot = lane & (group - 1);               // lane % group without a division
+    int group;
+    const int slot = tree_slot(warps, lane, group);
     v = slot < warps ? partials[slot] : make_float2(0.f, 0.f);
     for (int offset = 1; offset < group; offset *= 2) v = shuffle_sum(v, offset);
     return v;

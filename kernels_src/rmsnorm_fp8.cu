@@ -90,7 +90,7 @@ __device__ __forceinline__ float2 lanes_sum_max(float sum, float m, int width) {
 
 // A row's sum (row_sum's tree: the same bits) and maximum over its `width` threads, to all of them, with one barrier
 // for both (as row_sum: every thread of the block calls it; scratch holds 64 floats; first_use as row_sum's). The
-// warps' partials are combined as partials_sum combines them, each lane reading one (a loop over the maxima in every
+// warps' partials are combined by a shuffle tree, each lane reading one (tree_slot; a loop over the maxima in every
 // lane took ~50 instructions a row).
 __device__ __forceinline__ float2 row_sum_max(float sum, float m, int width, float* scratch, bool first_use) {
     if (width <= 32) return lanes_sum_max(sum, m, width);
@@ -105,8 +105,8 @@ __device__ __forceinline__ float2 row_sum_max(float sum, float m, int width, flo
         maxima[threadIdx.x / 32] = m;
     }
     __syncthreads();
-    const int group = 1 << (32 - __clz(warps - 1));
-    const int slot = lane & (group - 1);
+    int group;
+    const int slot = tree_slot(warps, lane, group);
     return lanes_sum_max(slot < warps ? sums[slot] : 0.f, slot < warps ? maxima[slot] : 0.f, group);
 }
 
