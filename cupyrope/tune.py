@@ -184,6 +184,24 @@ def layer_norm_backward_workload(cupy, rng, rows, hidden, dtype="bfloat16"):
     return Workload(f"layer_norm backward {dtype} [{rows}, {hidden}]", make)
 
 
+def rms_norm_fp8_workload(cupy, rng, rows, hidden, scales):
+    """rms_norm_fp8 of bf16 rows; scales: "static", "token" or a group size."""
+    import cupyrope
+
+    def make():
+        nbytes = rows * hidden * 3
+        weight, scale = _random(cupy, (hidden,), "bfloat16", rng), cupy.asarray([0.05], dtype=cupy.float32)
+        options = {"scale": scale} if scales == "static" else {} if scales == "token" else {"group_size": scales}
+        calls = []
+        for _ in range(copies_for(nbytes)):
+            x = _random(cupy, (rows, hidden), "bfloat16", rng)
+            calls.append(lambda x=x: cupyrope.rms_norm_fp8(x, weight, **options))
+        return calls
+
+    return Workload(f"rms_norm_fp8 {scales if isinstance(scales, str) else f'group {scales}'} bf16 [{rows}, {hidden}]",
+                    make)
+
+
 def choices_to_tune(cupy, rng):
     """(section, choice, candidates, workloads) in the order they are tuned."""
     rope_large = [rope_qk_workload(cupy, rng, 32768), rope_qk_workload(cupy, rng, 32768, cache=True),
@@ -209,6 +227,10 @@ def choices_to_tune(cupy, rng):
     ln_backward = [layer_norm_backward_workload(cupy, rng, rows, hidden, dtype) for rows, hidden, dtype in
                    [(65536, 1152, "bfloat16"), (65536, 768, "float16"), (32768, 4096, "bfloat16"),
                     (2048, 4096, "bfloat16")]]
+    fp8_shapes = [(32768, 4096), (8192, 7168)]
+    fp8_static_group = [rms_norm_fp8_workload(cupy, rng, rows, hidden, scales) for scales in ("static", 128, 64)
+                        for rows, hidden in fp8_shapes]
+    fp8_token = [rms_norm_fp8_workload(cupy, rng, rows, hidden, "token") for rows, hidden in fp8_shapes]
     return [
         ("rope", "items_per_block", (256, 384, 512, 640, 896, 1280), rope_large + rope_mid),
         ("rope", "blocks_per_sm", (1, 2, 3, 4), rope_large + rope_mid),
@@ -220,6 +242,8 @@ def choices_to_tune(cupy, rng):
         ("rms_norm_forward", "small_row_bytes", (0, 2048, 4096, 8192), fwd_short),
         ("rms_norm_forward", "row_cache_max_bytes", (0, 32768, 65536, 98304, 131072), fwd_read_twice),
         ("rms_norm_forward", "split_min_row_bytes", (65536, 98304, 131072, 262144), fwd_long),
+        ("rms_norm_forward", "fp8_elems_per_thread", (16, 32), fp8_static_group),
+        ("rms_norm_forward", "fp8_token_elems_per_thread", (16, 32), fp8_token),
         ("rms_norm_backward", "long_row_bytes", (4096, 8192, 16384), bwd_register),
         ("rms_norm_backward", "one_cluster_max_rows", (0, 8, 16, 32), bwd_few),
         ("rms_norm_backward", "grad_lean_max_rows", (48, 96, 1 << 20), bwd_add_long),

@@ -77,7 +77,8 @@ PLANNING_PROFILE = Profile(
     H100, RopeChoices(items_per_block=640, blocks_per_sm=2, direct_max_tokens=64, direct_with_cache=True,
                       direct_threads=64),
     QkNormRopeChoices(forward_threads_per_block=1024, backward_threads_per_block=1024),
-    ForwardChoices(small_row_bytes=4096, row_cache_max_bytes=65536, split_min_row_bytes=131072),
+    ForwardChoices(small_row_bytes=4096, row_cache_max_bytes=65536, split_min_row_bytes=131072,
+                   fp8_elems_per_thread=32, fp8_token_elems_per_thread=16),
     BackwardChoices(long_row_bytes=8192, one_cluster_max_rows=32, grad_lean_max_rows=48),
     LayerNormChoices(backward_three_blocks_min_rows=2), source="tests/fakes.py")
 

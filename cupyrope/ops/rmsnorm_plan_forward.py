@@ -78,11 +78,19 @@ class ForwardChoices:
       a row read twice mostly hits the L2 (on an H100 its ~528 rows in flight about fit: fp32 fused add
       [4096, 20480] 96% against 93%, bf16 [4096, 40960] 84% against 59-75%; at 128 KiB bf16 [2048, 65536] 66%
       against 75%, the fp32 fused add [2048, 32768] 85% against 95%).
+    fp8_elems_per_thread, fp8_token_elems_per_thread: elements a thread of rms_norm_fp8's fp16/bf16 rows longer
+      than small_row_bytes, with a static scale or scales by group, and with a scale a row (rmsnorm_plan_fp8.py;
+      fp32 rows take FWD_ELEMS_PER_THREAD). On an H200, 32 against 16: a static scale bf16 [8192, 7168] 47.1 ->
+      43.5 us, [32768, 4096] 98.2 -> 94.5, groups of 128 56.5 -> 51.1 and 122.2 -> 107.6; but a scale a row 51.5
+      -> 63.6 and 109.6 -> 124.2 (its 4-slot rows take 63 registers). The H100's profile takes the H200's values
+      (not measured there).
     """
 
     small_row_bytes: int = choice(0, 16384)
     row_cache_max_bytes: int = choice(0, SHARED_OPTIN_LIMIT)
     split_min_row_bytes: int = choice(16384, 1 << 30)
+    fp8_elems_per_thread: int = choice(8, 64)
+    fp8_token_elems_per_thread: int = choice(8, 64)
 
 
 def fwd_max_slots(add: bool, shifted: bool) -> dict:

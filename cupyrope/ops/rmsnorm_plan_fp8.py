@@ -1,9 +1,9 @@
 """RMSNorm with an FP8 output (rms_norm_fp8) planning: which kernel variant a call runs, on what grid
 (kernels_src/rmsnorm_fp8.cu).
 
-Rows map onto threads as the forward's (rmsnorm_rows.row_shape, with the forward's elements a thread and its
-profile's small_row_bytes): a row is held in registers whenever its threads can, else read again for each pass. The
-kernel always moves E = 16-byte chunks (element by element where rows are not 16-byte aligned), so that a
+Rows map onto threads as the forward's (rmsnorm_rows.row_shape, with the profile's small_row_bytes; longer fp16/bf16
+rows take the profile's FP8 elements a thread, by scale mode: ForwardChoices): a row is held in registers whenever
+its threads can, else read again for each pass. The kernel always moves E = 16-byte chunks (element by element where rows are not 16-byte aligned), so that a
 quantization group of 64 or 128 columns is GROUP / E consecutive lanes; rows get at least that many threads.
 
 Batch invariance: the row's threads, slots and variant follow from its size, dtype, alignment, quantization mode and
@@ -46,8 +46,12 @@ def plan_fp8(x, y, residual, weight, row_strides, rows, hidden, group, impl="aut
     if impl == "vector" and not vectorized:
         raise ValueError("impl: 'vector' needs hidden a multiple of 16 bytes of x, 16-byte aligned rows of x "
                          "(residual, weight) and y rows aligned to 16 / x's element size bytes")
-    small = hidden * itemsize <= choices.small_row_bytes
-    per_thread = FWD_SMALL_ELEMS_PER_THREAD if small else FWD_ELEMS_PER_THREAD
+    if hidden * itemsize <= choices.small_row_bytes:
+        per_thread = FWD_SMALL_ELEMS_PER_THREAD
+    elif itemsize == 2:
+        per_thread = choices.fp8_token_elems_per_thread if group == TOKEN_SCALE else choices.fp8_elems_per_thread
+    else:
+        per_thread = FWD_ELEMS_PER_THREAD
     width, slots = row_shape(hidden, elems, max(1, per_thread // elems), FP8_MAX_SLOTS[itemsize])
     lanes = group // elems if group > TOKEN_SCALE else 1  # a group's lanes: all in one row
     if width < lanes:

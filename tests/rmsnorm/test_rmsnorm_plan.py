@@ -568,8 +568,10 @@ plan_fp8 = functools.partial(fp8.plan_fp8, choices=H100.rms_norm_forward)
 
 @pytest.mark.parametrize(
     "dtype,hidden,group,vectorized,block,slots",
-    [("bfloat16", 4096, fp8.TOKEN_SCALE, True, (256, 1), 2),  # the forward's two 16-byte chunks a thread
-     ("bfloat16", 7168, 128, True, (448, 1), 2),
+    [("bfloat16", 4096, fp8.TOKEN_SCALE, True, (256, 1), 2),  # fp8_token_elems_per_thread: two 16-byte chunks
+     ("bfloat16", 4096, fp8.STATIC_SCALE, True, (128, 1), 4),  # fp8_elems_per_thread: four
+     ("bfloat16", 7168, 128, True, (224, 1), 4),
+     ("bfloat16", 2048, fp8.STATIC_SCALE, True, (256, 1), 1),  # a short row (small_row_bytes): one chunk a thread
      ("bfloat16", 128, 128, True, (16, 8), 1),  # a group's 16 lanes, though 8 threads would hold the row
      ("float32", 128, 128, True, (32, 4), 1),  # fp32: 4 elements a chunk, a group is a whole warp
      ("bfloat16", 64, 64, True, (8, 16), 1),
@@ -590,8 +592,9 @@ def test_rms_norm_fp8_plans(dtype, hidden, group, vectorized, block, slots):
 
 @pytest.mark.parametrize(
     "dtype,hidden,group,residual,walks",
-    [("bfloat16", 4096, fp8.STATIC_SCALE, False, True),  # 2 slots: the next row in flight
-     ("bfloat16", 7168, 128, False, True),
+    [("bfloat16", 2048, fp8.STATIC_SCALE, False, True),  # 1 slot: the next row in flight
+     ("bfloat16", 4096, fp8.STATIC_SCALE, False, False),  # 4 slots
+     ("bfloat16", 7168, 128, False, False),
      ("bfloat16", 1027, fp8.STATIC_SCALE, False, True),  # element by element
      ("bfloat16", 4096, fp8.TOKEN_SCALE, False, True),  # one scale a row: its products held, the next row in flight
      ("bfloat16", 4096, fp8.STATIC_SCALE, True, False),  # the fused add stores the residual
