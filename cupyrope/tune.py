@@ -167,21 +167,24 @@ def rms_workload(cupy, rng, rows, hidden, dtype="bfloat16", op="forward", eager=
     return Workload(f"rms_norm {op} {dtype} [{rows}, {hidden}]", make, eager)
 
 
-def layer_norm_backward_workload(cupy, rng, rows, hidden, dtype="bfloat16"):
+def layer_norm_workload(cupy, rng, rows, hidden, dtype="bfloat16", backward=False):
     import cupyrope
 
     def make():
-        nbytes = rows * hidden * (2 if dtype != "float32" else 4) * 3
+        nbytes = rows * hidden * (2 if dtype != "float32" else 4) * (3 if backward else 2)
         calls = []
         weight, bias = _random(cupy, (hidden,), dtype, rng), _random(cupy, (hidden,), dtype, rng)
         for _ in range(copies_for(nbytes)):
-            x, dy = _random(cupy, (rows, hidden), dtype, rng), _random(cupy, (rows, hidden), dtype, rng)
-            _, mean, rstd = cupyrope.layer_norm(x, weight, bias, return_stats=True)
-            calls.append(lambda x=x, dy=dy, mean=mean, rstd=rstd:
-                         cupyrope.layer_norm_backward(dy, x, weight, bias, mean, rstd))
+            x, other = _random(cupy, (rows, hidden), dtype, rng), _random(cupy, (rows, hidden), dtype, rng)
+            if backward:
+                _, mean, rstd = cupyrope.layer_norm(x, weight, bias, return_stats=True)
+                calls.append(lambda x=x, dy=other, mean=mean, rstd=rstd:
+                             cupyrope.layer_norm_backward(dy, x, weight, bias, mean, rstd))
+            else:
+                calls.append(lambda x=x, y=other: cupyrope.layer_norm(x, weight, bias, out=y))
         return calls
 
-    return Workload(f"layer_norm backward {dtype} [{rows}, {hidden}]", make)
+    return Workload(f"layer_norm{' backward' if backward else ''} {dtype} [{rows}, {hidden}]", make)
 
 
 def rms_norm_fp8_workload(cupy, rng, rows, hidden, scales):
@@ -224,7 +227,10 @@ def choices_to_tune(cupy, rng):
                     [(32768, 4096), (65536, 2048), (16384, 4096)]]
     qk_forward = [qk_norm_rope_workload(cupy, rng, tokens) for tokens in (1024, 8192, 32768)]
     qk_backward = [qk_norm_rope_workload(cupy, rng, tokens, backward=True) for tokens in (1024, 8192, 32768)]
-    ln_backward = [layer_norm_backward_workload(cupy, rng, rows, hidden, dtype) for rows, hidden, dtype in
+    ln_forward = [layer_norm_workload(cupy, rng, rows, hidden, dtype) for rows, hidden, dtype in
+                  [(65536, 1152, "bfloat16"), (32768, 4096, "bfloat16"), (16384, 8192, "bfloat16"),
+                   (8192, 16384, "bfloat16"), (16384, 4096, "float32"), (8192, 16384, "float32")]]
+    ln_backward = [layer_norm_workload(cupy, rng, rows, hidden, dtype, backward=True) for rows, hidden, dtype in
                    [(65536, 1152, "bfloat16"), (65536, 768, "float16"), (32768, 4096, "bfloat16"),
                     (2048, 4096, "bfloat16")]]
     fp8_shapes = [(32768, 4096), (8192, 7168)]
@@ -248,6 +254,7 @@ def choices_to_tune(cupy, rng):
         ("rms_norm_backward", "one_cluster_max_rows", (0, 8, 16, 32), bwd_few),
         ("rms_norm_backward", "grad_lean_max_rows", (48, 96, 1 << 20), bwd_add_long),
         ("layer_norm", "backward_three_blocks_min_rows", (1, 2, 1024), ln_backward),
+        ("layer_norm", "forward_eight_slots_min_hidden", (1024, 4096, 8192, 16384, 1 << 30), ln_forward),
     ]
 
 

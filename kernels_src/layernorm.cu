@@ -76,19 +76,21 @@ __device__ __forceinline__ Pack<T, E> ln_output(const Held<T, E>& v, float mean,
 }
 
 // Launch bounds by register slots. Rows of 4+ slots (with the planner's 32 elements a thread, all but the shortest
-// rows) have up to 1024 threads at 64 registers. Rows of 1-2 slots have blocks of up to 512 threads, as many resident
-// as RMSNorm's forward asks for (FwdBounds), the fused add and shifted rows one block fewer (they spilled 16-64 bytes
-// at those budgets). Rows read in passes (NPT == 0) take 512 threads.
-template <int NPT, bool ADD, bool SHIFT>
+// rows) have up to 1024 threads at 64 registers; long 16-byte rows of 8 slots up to 512 threads (78-82 registers).
+// Rows of 1-2 slots have blocks of up to 512 threads, as many resident as RMSNorm's forward asks for (FwdBounds), the
+// fused add and shifted rows one block fewer (they spilled 16-64 bytes at those budgets). Rows read in passes
+// (NPT == 0) take 512 threads.
+template <bool VEC, int NPT, bool ADD, bool SHIFT>
 struct LayerNormBounds {
-    static constexpr int threads = NPT >= 4 ? 1024 : 512;
+    static constexpr int threads = VEC && NPT >= 8 ? 512 : NPT >= 4 ? 1024 : 512;
     static constexpr int min_blocks = NPT == 1 ? 4 - (ADD || SHIFT) : NPT == 2 ? 3 - (ADD || SHIFT) : 1;
 };
 
 // One row a thread row (threadIdx.y) of the block. NPT > 0: the row's chunks stay in registers (one read of x, and of
 // residual, one write of y). NPT == 0: three passes over the row (below).
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT>
-__global__ void __launch_bounds__(LayerNormBounds<NPT, ADD, SHIFT>::threads, LayerNormBounds<NPT, ADD, SHIFT>::min_blocks)
+__global__ void __launch_bounds__(LayerNormBounds<VEC, NPT, ADD, SHIFT>::threads,
+                                  LayerNormBounds<VEC, NPT, ADD, SHIFT>::min_blocks)
     layer_norm_fwd(const LayerNormParams p) {
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     wait_for_previous_grid();

@@ -80,7 +80,7 @@ PLANNING_PROFILE = Profile(
     ForwardChoices(small_row_bytes=4096, row_cache_max_bytes=65536, split_min_row_bytes=131072,
                    fp8_elems_per_thread=32, fp8_token_elems_per_thread=16),
     BackwardChoices(long_row_bytes=8192, one_cluster_max_rows=32, grad_lean_max_rows=48),
-    LayerNormChoices(backward_three_blocks_min_rows=2), source="tests/fakes.py")
+    LayerNormChoices(backward_three_blocks_min_rows=2, forward_eight_slots_min_hidden=8192), source="tests/fakes.py")
 
 
 def stand_in_for_the_device(patch=setattr, shared_optin=227 * 1024, blocks_per_wave=132 * 4, resident_clusters=None):

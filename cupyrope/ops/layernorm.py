@@ -109,7 +109,8 @@ def _plan_forward_call(xa, wa, ba, oa, mode, _no_weight, _no_bias, eps, return_s
         ya = xa if mode == IN_PLACE else oa if mode == OUT else contiguous_like(xa, xa.shape, xa.dtype)
         n_rows, hidden = rows(xa.shape), xa.shape[-1]
         layout = row_layout([xa, ya], ["x", "out"], runs=False)
-        plan = plan_forward(xa, ya, None, wa, ba, layout.plan_strides(), n_rows, hidden, impl)
+        plan = plan_forward(xa, ya, None, wa, ba, layout.plan_strides(), n_rows, hidden, impl,
+                            choices=profiles.profile_for(xa.device).layer_norm)
         if mode == OUT:
             plan.out_layouts = checks.out_layouts(xa, oa)
         plan.launch = _fwd_launch(plan, xa, n_rows, hidden, layout.strides_of(0, 1, None), eps)
@@ -127,7 +128,8 @@ def _plan_fused_add_call(xa, ra, wa, ba, _no_weight, _no_bias, eps, impl):
     n_rows, hidden = rows(xa.shape), xa.shape[-1]
     layout = row_layout([xa, ra], ["x", "residual"], runs=False)
     strides = layout.plan_strides()
-    plan = plan_forward(xa, xa, ra, wa, ba, (strides[0], strides[0], strides[1]), n_rows, hidden, impl)
+    plan = plan_forward(xa, xa, ra, wa, ba, (strides[0], strides[0], strides[1]), n_rows, hidden, impl,
+                        choices=profiles.profile_for(xa.device).layer_norm)
     plan.launch = _fwd_launch(plan, xa, n_rows, hidden, layout.strides_of(0, 0, 1), eps)
     plan.extents = (checks.layout_key(xa), checks.layout_key(ra))
     return plan

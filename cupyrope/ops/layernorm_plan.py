@@ -29,6 +29,9 @@ FWD_MAX_SLOTS = {(True, 4): 4, (True, 2): 4, (False, 4): 8, (False, 2): 8}
 FWD_ADD_MAX_SLOTS = {**FWD_MAX_SLOTS, (False, 2): 4}
 FWD_ADD_SHIFTED_MAX_SLOTS = {**FWD_ADD_MAX_SLOTS, (True, 2): 2}
 FWD_MAX_WIDTH = 1024  # layer_norm_fwd's launch bound for rows of 4+ slots (LayerNormBounds)
+# Long 16-byte rows (LayerNormChoices.forward_eight_slots_min_hidden), without the fused add and not shifted: up to 8
+# chunks a thread on half the threads, within a 512-thread launch bound (128 registers; 78-82 used).
+FWD_LONG_MAX_SLOTS = {**FWD_MAX_SLOTS, (True, 4): 8, (True, 2): 8}
 # Elements a thread: as many as the slots hold (4 chunks of fp16/bf16). Two reductions a row make the forward's
 # blocks spend longer on each row than RMSNorm's, so fewer threads a row, with more of them resident, keep more bytes
 # in flight. Against 16 (RMSNorm's), on an H200: bf16 [32768, 4096] 80% -> 97% of copy bandwidth, [16384, 8192] 73%
@@ -61,9 +64,17 @@ class LayerNormChoices:
       [65536, 768] (4) 87.7 -> 84.2, but bf16 [32768, 4096] (a row a block) 205.4 -> 216.7 and [2048, 4096] 20.9 ->
       22.2; [16384, 8192] (512-thread rows, one block an SM either way) 211.2 both. The H100's profile takes the
       H200's value (not measured there).
+    forward_eight_slots_min_hidden: 16-byte rows of at least this many elements, without the fused add and not
+      shifted, hold up to 8 chunks a thread (FWD_LONG_MAX_SLOTS) on half the threads of 4: a row's two reductions
+      then span fewer warps. On an H200, 8 against 4 slots: bf16 [16384, 8192] 140.3 -> 133.3 us, [8192, 16384]
+      148.5 -> 136.4, fp32 [8192, 16384] 311.1 -> 297.4, bf16 [4096, 32768] 186.6 -> 187.7; shorter rows gain
+      less or lose: bf16 [65536, 1152] 93.5 -> 89.3, but [32768, 4096] 132.2 -> 133.0, [32768, 2048] 67.4 ->
+      68.4, [65536, 768] 52.7 -> 54.3, fp32 [16384, 4096] 131.9 -> 133.1. The H100's profile takes the H200's
+      value (not measured there).
     """
 
     backward_three_blocks_min_rows: int = choice(1, 1 << 10)
+    forward_eight_slots_min_hidden: int = choice(1, 1 << 30)
 
 
 def bwd_staged_blocks(itemsize: int, rows_per_block: int, choices: LayerNormChoices) -> int:
@@ -78,17 +89,22 @@ def weight_dtype(weight, bias) -> str:
     return param.dtype if param is not None else "float32"
 
 
-def plan_forward(x, y, residual, weight, bias, row_strides, rows, hidden, impl="auto"):
+def plan_forward(x, y, residual, weight, bias, row_strides, rows, hidden, impl="auto", *, choices: LayerNormChoices):
     """layer_norm_fwd<T, W, VEC, NPT, ADD, SHIFT> for rows of `hidden` elements; residual: the fused add's (in
-    place). row_strides: x's, y's (and residual's)."""
+    place). row_strides: x's, y's (and residual's). choices: the device's launch profile's LayerNormChoices."""
     arrays = [x, y, residual, weight, bias]
 
-    def plan_with(max_slots):  # 1024 threads only for rows of 4+ slots (LayerNormBounds)
-        max_width = FWD_MAX_WIDTH if max_slots[True, ITEMSIZE[x.dtype]] >= 4 else MAX_WIDTH
+    def plan_with(max_slots, elems=FWD_ELEMS_PER_THREAD):
+        # 1024 threads for rows of 4 slots, 512 for the others (LayerNormBounds)
+        max_width = FWD_MAX_WIDTH if max_slots[True, ITEMSIZE[x.dtype]] == 4 else MAX_WIDTH
         return plan_rows(SOURCE, "layer_norm_fwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows,
-                         hidden, max_slots, FWD_ELEMS_PER_THREAD, FWD_BLOCK_THREADS, [flag(residual is not None)], impl,
+                         hidden, max_slots, elems, FWD_BLOCK_THREADS, [flag(residual is not None)], impl,
                          can_shift=True, max_width=max_width, params=2)
 
+    if residual is None and hidden >= choices.forward_eight_slots_min_hidden:
+        plan = plan_with(FWD_LONG_MAX_SLOTS, 2 * FWD_ELEMS_PER_THREAD)
+        if plan.vectorized and not plan.shifted and plan.slots:
+            return plan
     plan = plan_with(FWD_MAX_SLOTS)
     if residual is not None:
         add_slots = fwd_max_slots(True, plan.shifted)
@@ -133,8 +149,11 @@ def stage_bytes(plan) -> int:
 
 def variants():
     """Every LayerNorm kernel the planners can ask for (rms_norm_dw, which adds its sums, is RMSNorm's)."""
-    for dtype, weight, vec, slots in row_variant_params(FWD_MAX_SLOTS):
+    for dtype, weight, vec, slots in row_variant_params(FWD_LONG_MAX_SLOTS):
         itemsize = ITEMSIZE[dtype]
+        if slots > FWD_MAX_SLOTS[vec, itemsize]:  # long rows: aligned, without the fused add
+            yield SOURCE, f"cupyrope::layer_norm_fwd<{CTYPE[dtype]}, {CTYPE[weight]}, true, {slots}, false, false>"
+            continue
         for add in (False, True):
             for shift in (False, True) if vec else (False,):
                 if slots <= fwd_max_slots(add, shift)[vec, itemsize]:

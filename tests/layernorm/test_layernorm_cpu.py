@@ -50,11 +50,14 @@ def test_fused_add_reference_rounds_the_sum_once(rng):
 
 @pytest.mark.parametrize("dtype,hidden,vectorized,shifted,slots,width", [
     ("bfloat16", 4096, True, False, 4, 128),    # 512 chunks: 32 elements a thread
-    ("bfloat16", 16384, True, False, 4, 512),
-    ("bfloat16", 32768, True, False, 4, 1024),  # 1024 threads before rows read in passes
-    ("bfloat16", 65536, True, False, 0, 512),
-    ("float32", 16384, True, False, 4, 1024),   # fp32: 4 chunks a thread at most (8 spilled)
+    ("bfloat16", 8192, True, False, 8, 128),    # forward_eight_slots_min_hidden: 8 chunks a thread
+    ("bfloat16", 16384, True, False, 8, 256),
+    ("bfloat16", 32768, True, False, 8, 512),
+    ("bfloat16", 65536, True, False, 0, 512),   # read in passes
+    ("float32", 4096, True, False, 4, 256),     # fp32 below the long rows: 4 chunks a thread at most (8 spilled)
+    ("float32", 16384, True, False, 8, 512),
     ("float32", 20000, True, False, 0, 512),
+    ("float16", 12289, True, True, 4, 416),     # shifted long rows keep 4 slots
     ("float16", 61, False, False, 8, 8),        # odd and short: element by element
     ("float16", 1027, True, True, 4, 64),       # odd rows of 512+ bytes: shifted 16-byte chunks
     ("float16", 2999, True, True, 4, 96),
@@ -63,7 +66,8 @@ def test_forward_plans(dtype, hidden, vectorized, shifted, slots, width):
     x = arr((100, hidden), dtype, ptr=0x7F0000000000 + (2 if shifted else 0))
     y = arr((100, hidden), dtype, ptr=0x7E0000000000 + (2 if shifted else 0))
     w = arr((hidden,), "float32", ptr=0x7D0000000000 + 4)  # the weight's own alignment does not matter when shifted
-    plan = plan_forward(x, y, None, w if shifted else arr((hidden,), "float32"), None, (hidden, hidden), 100, hidden)
+    plan = plan_forward(x, y, None, w if shifted else arr((hidden,), "float32"), None, (hidden, hidden), 100, hidden,
+                        choices=LN_CHOICES)
     assert (plan.vectorized, plan.shifted, plan.slots) == (vectorized, shifted, slots), plan
     if slots:
         assert plan.block[0] == width or not vectorized, plan
@@ -139,7 +143,7 @@ def test_backward_staged_blocks_follow_the_rows_a_block(dtype, hidden, rows_a_bl
 
 def test_every_planned_kernel_is_a_variant_within_its_launch_bound():
     """Every plan names a compiled variant, on blocks its launch bound allows: 1024 threads for forward rows of 4+
-    slots, else 512 (LayerNormBounds, LayerNormBwdBounds)."""
+    slots but 16-byte rows of 8, else 512 (LayerNormBounds, LayerNormBwdBounds)."""
     names = {name for _, name in variants()}
     for dtype in ("float32", "float16", "bfloat16"):
         for hidden in (1, 7, 64, 100, 1000, 1027, 2048, 4096, 5000, 8191, 8192, 12288, 16384, 20000, 32768, 65536):
@@ -147,9 +151,10 @@ def test_every_planned_kernel_is_a_variant_within_its_launch_bound():
                 x = arr((9, hidden), dtype, ptr=0x7F0000000000 + shift)
                 w = arr((hidden,), dtype)
                 for residual in (None, x):
-                    fwd = plan_forward(x, x, residual, w, w, (hidden,) * 3, 9, hidden)
+                    fwd = plan_forward(x, x, residual, w, w, (hidden,) * 3, 9, hidden, choices=LN_CHOICES)
                     assert fwd.name in names, fwd
-                    assert fwd.block[0] * fwd.block[1] <= (1024 if fwd.slots >= 4 else 512), fwd
+                    long_row = fwd.vectorized and fwd.slots == 8
+                    assert fwd.block[0] * fwd.block[1] <= (1024 if fwd.slots >= 4 and not long_row else 512), fwd
                 for limit in (227 * 1024, 48 * 1024):  # an H100's shared memory a block, and the least there is
                     bwd = plan_backward(x, x, arr((9, hidden), dtype), w, w, (hidden,) * 3, 9, hidden,
                                         shared_limit=limit - 1024, choices=LN_CHOICES)
