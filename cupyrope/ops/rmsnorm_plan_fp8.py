@@ -48,7 +48,7 @@ def plan_fp8(x, y, residual, weight, row_strides, rows, hidden, group, impl="aut
                          "(residual, weight) and y rows aligned to 16 / x's element size bytes")
     if hidden * itemsize <= choices.small_row_bytes:
         per_thread = FWD_SMALL_ELEMS_PER_THREAD
-    elif itemsize == 2:
+    elif itemsize == 2 and vectorized:
         per_thread = choices.fp8_token_elems_per_thread if group == TOKEN_SCALE else choices.fp8_elems_per_thread
     else:
         per_thread = FWD_ELEMS_PER_THREAD

@@ -576,6 +576,7 @@ plan_fp8 = functools.partial(fp8.plan_fp8, choices=H100.rms_norm_forward)
      ("float32", 128, 128, True, (32, 4), 1),  # fp32: 4 elements a chunk, a group is a whole warp
      ("bfloat16", 64, 64, True, (8, 16), 1),
      ("bfloat16", 1027, fp8.TOKEN_SCALE, False, (160, 1), 1),  # odd rows: 8-element chunks, element by element
+     ("bfloat16", 4100, fp8.STATIC_SCALE, False, (288, 1), 2),  # odd rows keep 16 elements a thread in every mode
      ("bfloat16", 32768, fp8.STATIC_SCALE, True, (512, 1), 0),  # read again
      ("float32", 16384, 64, True, (512, 1), 8)],
 )
