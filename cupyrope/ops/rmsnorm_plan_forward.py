@@ -78,12 +78,13 @@ class ForwardChoices:
       a row read twice mostly hits the L2 (on an H100 its ~528 rows in flight about fit: fp32 fused add
       [4096, 20480] 96% against 93%, bf16 [4096, 40960] 84% against 59-75%; at 128 KiB bf16 [2048, 65536] 66%
       against 75%, the fp32 fused add [2048, 32768] 85% against 95%).
-    fp8_elems_per_thread, fp8_token_elems_per_thread: elements a thread of rms_norm_fp8's fp16/bf16 rows longer
-      than small_row_bytes, with a static scale or scales by group, and with a scale a row (rmsnorm_plan_fp8.py;
-      fp32 rows take FWD_ELEMS_PER_THREAD). On an H200, 32 against 16: a static scale bf16 [8192, 7168] 47.1 ->
-      43.5 us, [32768, 4096] 98.2 -> 94.5, groups of 128 56.5 -> 51.1 and 122.2 -> 107.6; but a scale a row 51.5
-      -> 63.6 and 109.6 -> 124.2 (its 4-slot rows take 63 registers). The H100's profile takes the H200's values
-      (not measured there).
+    fp8_elems_per_thread, fp8_token_elems_per_thread: elements a thread of rms_norm_fp8's 16-byte fp16/bf16 rows
+      longer than small_row_bytes, with a static scale or scales by group, and with a scale a row (rmsnorm_plan_fp8.py;
+      other rows take FWD_ELEMS_PER_THREAD). On an H200, 32 against 16 (bf16, GPU us): a static scale [8192, 7168]
+      47.3 -> 43.5, [32768, 4096] 98.1 -> 94.2, groups of 128 56.5 -> 51.3 and 122.3 -> 107.8 (of 64 alike), [4096,
+      4096] 17.5 -> 16.7; but calls of 1-64 rows of 4096 0.3 us slower with a static scale (1.61 -> 1.86 at one row)
+      and 0.75 us with groups (1.78 -> 2.53), and a scale a row 51.9 -> 64.3 and 110.1 -> 125.7 (its 4-slot rows
+      take 63 registers). The H100's profile takes the H200's values (not measured there).
     """
 
     small_row_bytes: int = choice(0, 16384)
