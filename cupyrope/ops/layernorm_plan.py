@@ -1,14 +1,16 @@
 """LayerNorm planning: which kernel of kernels_src/layernorm.cu a call runs, on what grid.
 
 Rows map onto threads as RMSNorm's do (rmsnorm_rows.plan_rows: threads per row, register slots, 16-byte chunks,
-shifted odd rows), so a row's reductions follow from its size, dtype, alignment and the GPU alone (batch invariance).
-- layer_norm_fwd holds a row in registers where its block's threads can (one read of x, one write of y), else makes
-  three passes over it (sum, squared deviations, output), the later two mostly from the L2.
+shifted odd rows), so a row's reductions follow from its size, dtype, alignment and the launch profile alone (batch
+invariance).
+- layer_norm_fwd holds a row in registers where its block's threads can (one read of x, one write of y; long
+  16-byte rows up to 8 chunks a thread, from the profile's forward_eight_slots_min_hidden), else makes three passes
+  over it (sum, squared deviations, output), the later two mostly from the L2.
 - layer_norm_bwd runs a grid of resident blocks whose rows slots walk the rows, each slot keeping its sums of
   dweight and dbias (registers, or for rows too long for them its own partial rows, in shared memory where they
   fit), 16-byte rows of 2 fp16/bf16 slots or 4 fp32 ones copying the next row ahead into shared memory
-  (BWD_STAGED; as many blocks an SM as bwd_staged_blocks says); rms_norm_dw (rmsnorm_bwd.cu) then adds the slots' partial rows in a fixed order: dweight and dbias
-  are bitwise the same in every run.
+  (BWD_STAGED; as many blocks an SM as bwd_staged_blocks says); rms_norm_dw (rmsnorm_bwd.cu) then adds the slots'
+  partial rows in a fixed order: dweight and dbias are bitwise the same in every run.
 """
 
 import dataclasses

@@ -1,10 +1,11 @@
 """RMSNorm with an FP8 output (rms_norm_fp8) planning: which kernel variant a call runs, on what grid
 (kernels_src/rmsnorm_fp8.cu).
 
-Rows map onto threads as the forward's (rmsnorm_rows.row_shape, with the profile's small_row_bytes; longer fp16/bf16
-rows take the profile's FP8 elements a thread, by scale mode: ForwardChoices): a row is held in registers whenever
-its threads can, else read again for each pass. The kernel always moves E = 16-byte chunks (element by element where rows are not 16-byte aligned), so that a
-quantization group of 64 or 128 columns is GROUP / E consecutive lanes; rows get at least that many threads.
+Rows map onto threads as the forward's (rmsnorm_rows.row_shape, with the profile's small_row_bytes; longer 16-byte
+fp16/bf16 rows take the profile's FP8 elements a thread by scale mode, ForwardChoices): a row is held in registers
+whenever its threads can, else read again for each pass. The kernel always moves E = 16-byte chunks (element by
+element where rows are not 16-byte aligned), so that a quantization group of 64 or 128 columns is GROUP / E
+consecutive lanes; rows get at least that many threads.
 
 Batch invariance: the row's threads, slots and variant follow from its size, dtype, alignment, quantization mode and
 the launch profile, never from the number of rows.
