@@ -4,16 +4,13 @@ residual add, over the kernel's row paths (element by element, 16-byte chunks he
 with outputs poisoned (FP8 NaN bytes) and inputs checked unchanged; saturation, NaN and Inf; the conversion itself
 (hardware and software) bit for bit; torch's dtype, op and torch.compile."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 import cupyrope
 from cupyrope import reference
-from cupyrope.ops import profiles
-from helpers import (DTYPES, KINDS, data_ptr, fresh_plans, poisoned_allocations, random_host, requires_gpu,
-                     requires_torch_cuda, to_device, to_host, unaligned_view)
+from helpers import (DTYPES, KINDS, data_ptr, poisoned_allocations, random_host, requires_gpu, requires_torch_cuda,
+                     to_device, to_host, unaligned_view, use_choices)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -121,17 +118,14 @@ def test_blocks_walking_rows(rng, monkeypatch, dtype, hidden, mode):
     w = to_device(w_host, dtype, "torch")
     call_options = device_options(options, "torch")
     # 16-byte rows of 2 slots (16 elements a thread) in every mode, whatever the profile gives it.
-    profile = profiles.profile_for(0)
-    forward = dataclasses.replace(profile.rms_norm_forward, fp8_elems_per_thread=16, fp8_token_elems_per_thread=16)
-    with profiles.planning_with(dataclasses.replace(profile, rms_norm_forward=forward)):
-        plans = fresh_plans(monkeypatch)
-        cupyrope.rms_norm_fp8(x, w, 1e-6, offset=0.25, **call_options)  # planned and compiled first
-        (plan,) = plans["rms_norm_fp8"].plans.values()
-        assert plan.grid * plan.block[1] < rows, plan  # the blocks walk
-        groups = hidden // options.get("group_size", hidden)
-        sizes = [rows * hidden] + ([rows * groups * 4] if mode != "static" else [])
-        with poisoned_allocations("torch", [(n,) for n in sizes], "uint8", 0x7F) as blocks:
-            result = cupyrope.rms_norm_fp8(x, w, 1e-6, offset=0.25, **call_options)
+    plans = use_choices(monkeypatch, rms_norm_forward={"fp8_elems_per_thread": 16, "fp8_token_elems_per_thread": 16})
+    cupyrope.rms_norm_fp8(x, w, 1e-6, offset=0.25, **call_options)  # planned and compiled first
+    (plan,) = plans["rms_norm_fp8"].plans.values()
+    assert plan.grid * plan.block[1] < rows, plan  # the blocks walk
+    groups = hidden // options.get("group_size", hidden)
+    sizes = [rows * hidden] + ([rows * groups * 4] if mode != "static" else [])
+    with poisoned_allocations("torch", [(n,) for n in sizes], "uint8", 0x7F) as blocks:
+        result = cupyrope.rms_norm_fp8(x, w, 1e-6, offset=0.25, **call_options)
     y, scales = (result, None) if mode == "static" else result
     assert {data_ptr(y)} | ({data_ptr(scales)} if scales is not None else set()) == blocks
     q, ref_scales = reference.rms_norm_fp8(tile_host, w_host, 1e-6, offset=0.25, dtype=dtype, **ref_options)
