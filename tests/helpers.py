@@ -217,6 +217,13 @@ def use_choices(monkeypatch, **sections) -> dict:
     return fresh_plans(monkeypatch)
 
 
+def layer_norm_fwd_max_threads(plan) -> int:
+    """The threads layer_norm_fwd's launch bound allows a plan's block (layernorm.cu's LayerNormBounds): 1024 for rows
+    of 4+ register slots, but 512 for 16-byte rows of 8 and for the others."""
+    long_row = plan.vectorized and plan.slots == 8
+    return 1024 if plan.slots >= 4 and not long_row else 512
+
+
 def planned_kernels(plans) -> list:
     """The kernel names of the plans an OpPlans made (calls with nothing to compute have none)."""
     return [plan.name for plan in plans.plans.values() if hasattr(plan, "name")]

@@ -20,6 +20,7 @@ from cupyrope.ops import rmsnorm_plan_backward as backward  # noqa: E402
 from cupyrope.ops.rmsnorm_rows import STATIC_SHARED_BYTES  # noqa: E402
 from cupyrope.ops.rope_plan import _TAIL, NORM_POINTERS  # noqa: E402
 from fakes import PLANNING_PROFILE, stand_in_for_the_device  # noqa: E402
+from helpers import layer_norm_fwd_max_threads  # noqa: E402
 
 BASE = 0x7F0000000000
 VARIANTS = {name for _, name in all_variants()}
@@ -402,9 +403,8 @@ def test_layer_norm_plans_are_runnable_or_refused_clearly(call, op, params, data
     plan = plan_or_refusal(profile, make_plan)
     if plan is None or not plan.grid:
         return
-    long_row = plan.vectorized and plan.slots == 8  # LayerNormBounds: 512 threads
     assert_launchable(plan, f"vectorized {plan.vectorized}, slots {plan.slots}",
-                      1024 if "_fwd<" in plan.name and plan.slots >= 4 and not long_row else 512)
+                      layer_norm_fwd_max_threads(plan) if "_fwd<" in plan.name else 512)
     if plan.slots:
         assert plan.block[0] * plan.slots * (16 // ITEMSIZE[x.dtype] if plan.vectorized else 1) >= x.shape[-1]
     if "_bwd<" in plan.name:

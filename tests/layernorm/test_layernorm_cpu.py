@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 from fakes import PLANNING_PROFILE
-from helpers import planned_array as arr
+from helpers import layer_norm_fwd_max_threads, planned_array as arr
 
 from cupyrope import reference
 from cupyrope.ops.layernorm_plan import BWD_MAX_SLOTS, FWD_MAX_SLOTS, plan_backward, plan_forward, stage_bytes, variants
@@ -153,8 +153,7 @@ def test_every_planned_kernel_is_a_variant_within_its_launch_bound():
                 for residual in (None, x):
                     fwd = plan_forward(x, x, residual, w, w, (hidden,) * 3, 9, hidden, choices=LN_CHOICES)
                     assert fwd.name in names, fwd
-                    long_row = fwd.vectorized and fwd.slots == 8
-                    assert fwd.block[0] * fwd.block[1] <= (1024 if fwd.slots >= 4 and not long_row else 512), fwd
+                    assert fwd.block[0] * fwd.block[1] <= layer_norm_fwd_max_threads(fwd), fwd
                 for limit in (227 * 1024, 48 * 1024):  # an H100's shared memory a block, and the least there is
                     bwd = plan_backward(x, x, arr((9, hidden), dtype), w, w, (hidden,) * 3, 9, hidden,
                                         shared_limit=limit - 1024, choices=LN_CHOICES)
