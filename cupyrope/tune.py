@@ -187,22 +187,23 @@ def layer_norm_workload(cupy, rng, rows, hidden, dtype="bfloat16", backward=Fals
     return Workload(f"layer_norm{' backward' if backward else ''} {dtype} [{rows}, {hidden}]", make)
 
 
-def rms_norm_fp8_workload(cupy, rng, rows, hidden, scales):
-    """rms_norm_fp8 of bf16 rows; scales: "static", "token" or a group size."""
+def rms_norm_fp8_workload(cupy, rng, rows, hidden, static=False, group_size=None):
+    """rms_norm_fp8 of bf16 rows: a static scale, scales by groups of group_size columns, or (neither) a scale a row."""
     import cupyrope
 
     def make():
         nbytes = rows * hidden * 3
-        weight, scale = _random(cupy, (hidden,), "bfloat16", rng), cupy.asarray([0.05], dtype=cupy.float32)
-        options = {"scale": scale} if scales == "static" else {} if scales == "token" else {"group_size": scales}
+        weight = _random(cupy, (hidden,), "bfloat16", rng)
+        options = ({"scale": cupy.asarray([0.05], dtype=cupy.float32)} if static else
+                   {"group_size": group_size} if group_size else {})
         calls = []
         for _ in range(copies_for(nbytes)):
             x = _random(cupy, (rows, hidden), "bfloat16", rng)
             calls.append(lambda x=x: cupyrope.rms_norm_fp8(x, weight, **options))
         return calls
 
-    return Workload(f"rms_norm_fp8 {scales if isinstance(scales, str) else f'group {scales}'} bf16 [{rows}, {hidden}]",
-                    make)
+    scales = "static" if static else f"group {group_size}" if group_size else "token"
+    return Workload(f"rms_norm_fp8 {scales} bf16 [{rows}, {hidden}]", make)
 
 
 def choices_to_tune(cupy, rng):
@@ -234,9 +235,9 @@ def choices_to_tune(cupy, rng):
                    [(65536, 1152, "bfloat16"), (65536, 768, "float16"), (32768, 4096, "bfloat16"),
                     (2048, 4096, "bfloat16")]]
     fp8_shapes = [(32768, 4096), (8192, 7168)]
-    fp8_static_group = [rms_norm_fp8_workload(cupy, rng, rows, hidden, scales) for scales in ("static", 128, 64)
-                        for rows, hidden in fp8_shapes]
-    fp8_token = [rms_norm_fp8_workload(cupy, rng, rows, hidden, "token") for rows, hidden in fp8_shapes]
+    fp8_static_group = [rms_norm_fp8_workload(cupy, rng, rows, hidden, **scales) for scales in
+                        ({"static": True}, {"group_size": 128}, {"group_size": 64}) for rows, hidden in fp8_shapes]
+    fp8_token = [rms_norm_fp8_workload(cupy, rng, rows, hidden) for rows, hidden in fp8_shapes]
     return [
         ("rope", "items_per_block", (256, 384, 512, 640, 896, 1280), rope_large + rope_mid),
         ("rope", "blocks_per_sm", (1, 2, 3, 4), rope_large + rope_mid),
