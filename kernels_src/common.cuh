@@ -211,6 +211,13 @@ __device__ __forceinline__ void store_shared_of_rank(float* mine, unsigned rank,
 #endif
 }
 
+__device__ __forceinline__ void store_shared_of_rank(float2* mine, unsigned rank, float2 v) {
+#if CUPYROPE_CLUSTERS
+    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(shared_of_rank(mine, rank)), "f"(v.x), "f"(v.y)
+                 : "memory");
+#endif
+}
+
 // The cluster block `rank`'s copy of the shared float at `mine` (this block's address of it).
 __device__ __forceinline__ float load_shared_of_rank(const float* mine, unsigned rank) {
     float v = 0.f;
@@ -221,6 +228,7 @@ __device__ __forceinline__ float load_shared_of_rank(const float* mine, unsigned
 }
 
 __device__ __forceinline__ float add(float a, float b) { return a + b; }
+__device__ __forceinline__ float2 add(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
 
 // The sum over the SPLIT blocks of a cluster (each with a part of a row) of their `sums` (the same in all of a
 // block's threads; blocks of one row of threads): every block writes its sums into slot [its rank] of every

@@ -11,6 +11,8 @@ invariance).
   fit), 16-byte rows of 2 fp16/bf16 slots or 4 fp32 ones copying the next row ahead into shared memory
   (BWD_STAGED; as many blocks an SM as bwd_staged_blocks says); rms_norm_dw (rmsnorm_bwd.cu) then adds the slots'
   partial rows in a fixed order: dweight and dbias are bitwise the same in every run.
+- layer_norm_bwd_split takes 16-byte rows longer than one block's registers hold (on GPUs that run clusters): the
+  staged walk on a cluster of 2-8 blocks, each with a part of every row, a cluster a rows slot.
 """
 
 import dataclasses
@@ -18,7 +20,8 @@ import dataclasses
 from .._runtime.arrays import CTYPE, ITEMSIZE
 from .._runtime.choices import choice
 from .rmsnorm_plan_forward import FWD_BLOCK_THREADS
-from .rmsnorm_rows import MAX_WIDTH, SHARED_OPTIN_LIMIT, STATIC_SHARED_BYTES, flag, plan_rows, row_variant_params
+from .rmsnorm_rows import (MAX_WIDTH, SHARED_OPTIN_LIMIT, SPLIT_SIZES, STATIC_SHARED_BYTES, NormPlan, flag, plan_rows,
+                           row_threads, row_variant_params, split_parts)
 
 SOURCE = "layernorm.cu"
 DW_SOURCE = "rmsnorm_bwd.cu"  # rms_norm_dw adds the partial rows of dweight and of dbias
@@ -54,6 +57,8 @@ BWD_BLOCK_THREADS = 256
 # 73%, [32768, 4096] 52% -> 74%; fp32 rows of 2 slots unstaged hold two blocks an SM, staged 81% against 93%
 # ([16384, 4096]). Deeper rings of 3-4 stages measured no faster (within 2%), rows of one slot staged 0-15% slower.
 BWD_STAGED = {(2, 1): False, (2, 2): True, (4, 1): False, (4, 2): False, (4, 4): True}
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,16 +128,23 @@ def fwd_max_slots(add: bool, shifted: bool) -> dict:
 
 
 def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto",
-                  shared_limit=SHARED_OPTIN_LIMIT - STATIC_SHARED_BYTES, *, choices: LayerNormChoices):
+                  shared_limit=SHARED_OPTIN_LIMIT - STATIC_SHARED_BYTES, clusters=False, *,
+                  choices: LayerNormChoices):
     """layer_norm_bwd<T, W, VEC, NPT, STAGED> (STAGED: 0, or the staged kernel's blocks an SM) for rows of `hidden`
     elements, with its dynamic shared memory
     (plan.shared_mem: the staged rows, or the partial rows of rows read in passes), at most shared_limit bytes (the
     device's: rmsnorm_rows.shared_limit; rows it cannot stage go unstaged, partial rows it cannot hold stay in global
     memory); its grid is as many blocks as rows need, which RMSNorm's cap_grid then caps at the blocks the GPU holds
-    at once: its rows slots (grid x rows a block) walk several rows each and are the partial rows."""
+    at once: its rows slots (grid x rows a block) walk several rows each and are the partial rows.
+    clusters: the GPU runs thread block clusters (sm_90+), so 16-byte rows that one block's registers cannot hold take
+    layer_norm_bwd_split where a cluster size does (its grid: one cluster a row, which fit_clusters caps)."""
     arrays = [dy, x, dx, weight]
     plan = plan_rows(SOURCE, "layer_norm_bwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows, hidden,
                      BWD_MAX_SLOTS, BWD_ELEMS_PER_THREAD[ITEMSIZE[x.dtype]], BWD_BLOCK_THREADS, [], impl)
+    if clusters and plan.vectorized and not plan.slots:
+        split = plan_backward_split(x.dtype, weight_dtype(weight, bias), rows, hidden, shared_limit)
+        if split:
+            return split
     staged = plan.vectorized and plan.slots > 0 and BWD_STAGED[ITEMSIZE[x.dtype], plan.slots] and \
         stage_bytes(plan) <= shared_limit
     plan.staged = bwd_staged_blocks(ITEMSIZE[x.dtype], plan.block[1], choices) if staged else 0
@@ -142,6 +154,24 @@ def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto
     plan.shared_acc = not plan.slots and (weight is not None or bias is not None) and sums <= shared_limit
     plan.shared_mem = stage_bytes(plan) if plan.staged else sums if plan.shared_acc else 0
     return plan
+
+
+def plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit):
+    """layer_norm_bwd_split<T, W, NPT, SPLIT>: a 16-byte row split over the fewest blocks (split_parts) whose parts
+    the staged walk's BWD_MAX_SLOTS chunks a thread hold on at most MAX_WIDTH threads, with its two stages in
+    shared_limit; None where no cluster size does."""
+    slots = BWD_MAX_SLOTS[True, ITEMSIZE[dtype]]
+    for split, chunks in split_parts(hidden, ITEMSIZE[dtype]):
+        width = row_threads(-(-chunks // slots))
+        if width > MAX_WIDTH:
+            continue
+        name = f"cupyrope::layer_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {split}>"
+        plan = NormPlan(SOURCE, name, rows * split, (width, 1), True, slots)
+        plan.split, plan.staged = split, 2
+        plan.shared_mem = stage_bytes(plan)  # two stages: three measured no faster
+        if plan.shared_mem <= shared_limit:
+            return plan
+    return None
 
 
 def stage_bytes(plan) -> int:
@@ -171,3 +201,7 @@ def variants():
             for staged in options:
                 yield SOURCE, (f"cupyrope::layer_norm_bwd<{CTYPE[dtype]}, {CTYPE[weight]}, {flag(vec)}, {slots}, "
                                f"{staged}>")
+            if vec and slots == BWD_MAX_SLOTS[vec, itemsize]:  # the staged walk's parts of rows split over a cluster
+                for split in SPLIT_SIZES:
+                    yield SOURCE, (f"cupyrope::layer_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[weight]}, {slots}, "
+                                   f"{split}>")

@@ -3,6 +3,7 @@ backward's grid and partial rows), the argument checks, and the torch layer's CP
 nn.LayerNorm, the same exceptions as the GPU path)."""
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from fakes import PLANNING_PROFILE
 from helpers import layer_norm_fwd_max_threads, planned_array as arr
 
 from cupyrope import reference
+from cupyrope._runtime.arrays import CTYPE, ITEMSIZE
 from cupyrope.ops.layernorm_plan import BWD_MAX_SLOTS, FWD_MAX_SLOTS, plan_backward, plan_forward, stage_bytes, variants
 from cupyrope.ops.rmsnorm_plan_backward import cap_grid
 
@@ -119,6 +121,38 @@ def test_backward_stages_rows_where_shared_memory_holds_them():
     assert not small.staged and small.shared_mem == 0 and small.name.endswith(", 2, 0>"), small
 
 
+@pytest.mark.parametrize("dtype,hidden,split,width", [
+    ("float32", 16384, 2, 512), ("bfloat16", 16384, 2, 512), ("float32", 20000, 4, 320), ("bfloat16", 40000, 8, 320),
+    ("float32", 65536, 8, 512), ("bfloat16", 65536, 8, 512),
+])
+def test_backward_splits_long_rows_over_a_cluster(dtype, hidden, split, width):
+    """16-byte rows that one block's registers cannot hold take the fewest cluster blocks whose parts the staged
+    walk holds (4 fp32 / 2 fp16-bf16 chunks a thread on up to 512 threads), with two stages of dy and x each; without
+    clusters, rows past 8 parts, or odd rows, they are read in passes."""
+    x = arr((300, hidden), dtype)
+    plan = plan_backward(x, x, x, arr((hidden,), dtype), None, (hidden,) * 3, 300, hidden,
+                         shared_limit=226 * 1024, clusters=True, choices=LN_CHOICES)
+    slots = BWD_MAX_SLOTS[True, ITEMSIZE[dtype]]
+    assert plan.split == split and plan.block == (width, 1) and plan.slots == slots, plan
+    assert plan.name == f"cupyrope::layer_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[dtype]}, {slots}, {split}>"
+    assert plan.shared_mem == 2 * 2 * slots * 16 * width and plan.grid == 300 * split
+    assert (width - 32) * slots < -(-hidden * ITEMSIZE[dtype] // 16) / split <= width * slots  # the fewest threads
+    small = plan_backward(x, x, x, None, None, (hidden,) * 3, 300, hidden, shared_limit=63 * 1024, clusters=True,
+                          choices=LN_CHOICES)
+    # as many blocks or more, with smaller stages, or (past 8 blocks) rows in passes
+    assert small.shared_mem <= 63 * 1024 and (small.split >= split or small.slots == 0), small
+    assert plan_backward(x, x, x, None, None, (hidden,) * 3, 300, hidden, choices=LN_CHOICES).slots == 0
+    odd = arr((300, hidden + 1), dtype)
+    assert plan_backward(odd, odd, odd, None, None, (hidden + 1,) * 3, 300, hidden + 1, clusters=True,
+                         choices=LN_CHOICES).split == 1
+    longest = arr((300, 131072), "bfloat16")  # 16384 chunks: 2048 a block of 8
+    assert plan_backward(longest, longest, longest, None, None, (131072,) * 3, 300, 131072, clusters=True,
+                         choices=LN_CHOICES).slots == 0
+    held = arr((300, 8192), dtype)  # in one block's registers
+    assert plan_backward(held, held, held, None, None, (8192,) * 3, 300, 8192, clusters=True,
+                         choices=LN_CHOICES).split == 1
+
+
 @pytest.mark.parametrize("dtype,hidden,rows_a_block,staged", [
     ("bfloat16", 1024, 4, 3), ("float16", 1152, 2, 3), ("bfloat16", 4096, 1, 2), ("bfloat16", 8192, 1, 2),
     ("float32", 8192, 1, 2), ("float32", 4096, 1, 0),
@@ -154,9 +188,10 @@ def test_every_planned_kernel_is_a_variant_within_its_launch_bound():
                     fwd = plan_forward(x, x, residual, w, w, (hidden,) * 3, 9, hidden, choices=LN_CHOICES)
                     assert fwd.name in names, fwd
                     assert fwd.block[0] * fwd.block[1] <= layer_norm_fwd_max_threads(fwd), fwd
-                for limit in (227 * 1024, 48 * 1024):  # an H100's shared memory a block, and the least there is
+                for limit, clusters in itertools.product((227 * 1024, 48 * 1024), (False, True)):
+                    # an H100's shared memory a block, and the least there is; with clusters, long rows split
                     bwd = plan_backward(x, x, arr((9, hidden), dtype), w, w, (hidden,) * 3, 9, hidden,
-                                        shared_limit=limit - 1024, choices=LN_CHOICES)
+                                        shared_limit=limit - 1024, clusters=clusters, choices=LN_CHOICES)
                     assert bwd.name in names, bwd
                     assert bwd.block[0] * bwd.block[1] <= 512 and bwd.shared_mem <= limit - 1024, bwd
     assert max(FWD_MAX_SLOTS.values()) == 8 and BWD_MAX_SLOTS[True, 2] == 2

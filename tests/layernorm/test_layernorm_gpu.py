@@ -7,6 +7,8 @@ import pytest
 
 import cupyrope
 from cupyrope import reference
+from cupyrope._runtime.device import runs_clusters
+from cupyrope.ops import layernorm
 from helpers import (DTYPES, KINDS, assert_matches, fresh_plans, outside_rows, poison, random_host, requires_gpu,
                      requires_torch_cuda, to_device, to_host, ulp, unaligned_view)
 from norm_helpers import fill_next_allocation_with_nan, sample_rows, strided_rows
@@ -138,9 +140,9 @@ def assert_param_grad(got, ref, terms, dtype, what):
     assert np.all(err <= tol), f"{what}: worst {err.max():.3g}"
 
 
-# Rows read in passes: 20000 (and 8191, element by element) keep their partial sums in shared memory, 40000 in global
-# memory.
-@pytest.mark.parametrize("hidden", [1, 61, 64, 1027, 4096, 8191, 8192, 20000, 40000])
+# Rows past one block's registers: 16384, 20000 and 40000 split over clusters of 2, 4 and 8 blocks where the GPU runs
+# them (else, as 8191 element by element, read in passes: test_backward_without_clusters).
+@pytest.mark.parametrize("hidden", [1, 61, 64, 1027, 4096, 8191, 8192, 16384, 20000, 40000])
 @pytest.mark.parametrize("rows", [1, 7, 3000])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward(rng, dtype, rows, hidden):
@@ -154,10 +156,36 @@ def test_backward_within_a_small_shared_memory(rng, monkeypatch, dtype, hidden):
     from cupyrope.ops import rmsnorm_rows
 
     monkeypatch.setattr(rmsnorm_rows, "shared_optin", lambda device: 64 * 1024)
+    monkeypatch.setattr(layernorm, "runs_clusters", lambda device: False)  # GPUs of 64 KiB run none
     fresh = fresh_plans(monkeypatch)
     check_backward(rng, dtype, 300, hidden)
     plan = planned(fresh, "layer_norm_backward")
     assert not plan.staged and not plan.shared_acc and plan.shared_mem == 0, plan
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [16384, 40000])
+def test_backward_splits_long_rows_over_a_cluster(rng, monkeypatch, dtype, hidden):
+    """Rows past one block's registers on a cluster of blocks (sm_90+), each with a part of every row: more rows than
+    clusters, so that each walks several and its blocks add their dot sums row after row."""
+    if not runs_clusters(0):
+        pytest.skip("thread block clusters need sm_90+")
+    fresh = fresh_plans(monkeypatch)
+    check_backward(rng, dtype, 2**23 // hidden, hidden)
+    plan = planned(fresh, "layer_norm_backward")
+    assert plan.split == (2 if hidden == 16384 else 8) and plan.grid // plan.split < 2**23 // hidden, plan
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [20000, 40000])
+def test_backward_without_clusters(rng, monkeypatch, dtype, hidden):
+    """Where the GPU runs no clusters, rows past one block's registers are read in passes, their partial sums in
+    shared memory (20000) or global memory (40000)."""
+    monkeypatch.setattr(layernorm, "runs_clusters", lambda device: False)
+    fresh = fresh_plans(monkeypatch)
+    check_backward(rng, dtype, 300, hidden)
+    plan = planned(fresh, "layer_norm_backward")
+    assert plan.split == 1 and plan.slots == 0, plan
 
 
 def check_backward(rng, dtype, rows, hidden):

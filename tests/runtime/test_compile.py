@@ -73,7 +73,10 @@ def test_variant_list_covers_every_op_and_is_unique():
     # add or not x 4 scale modes (static, per token, groups of 64 and 128); and the two conversion kernels
     assert len(fp8) == (1 * 5 + 2 * 2 * 4) * 2 * 2 * 4 + 2
     layer_norm = [name for source, name in variants if source == "layernorm.cu"]
-    assert all(n.split("<")[0] in ("cupyrope::layer_norm_fwd", "cupyrope::layer_norm_bwd") for n in layer_norm)
+    assert all(n.split("<")[0] in ("cupyrope::layer_norm_fwd", "cupyrope::layer_norm_bwd",
+                                   "cupyrope::layer_norm_bwd_split") for n in layer_norm)
+    # rows split over clusters of 2, 4 and 8 blocks: fp32 1 weight dtype, fp16/bf16 2
+    assert sum("layer_norm_bwd_split<" in name for name in layer_norm) == (1 + 2 * 2) * 3
     # backward: fp32 1 weight dtype x (element by element 0, 1, 2, 4, 8 slots; 16-byte 0, 1, 2, 4), fp16/bf16 2 x (5 + 3);
     # the staged rows (fp32 4 slots at 2 blocks an SM, fp16/bf16 2 slots at 2 or 3) unstaged too, for devices whose
     # shared memory cannot hold the stages
