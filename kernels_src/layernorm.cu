@@ -404,6 +404,20 @@ __device__ __forceinline__ void walk_staged_ln_rows(const LayerNormBwdParams& p,
     copy_async_wait<0>();  // no copy outlives the block
 }
 
+// A rows slot's dweight and dbias sums of its register slots into its partial rows (columns below hidden).
+template <bool VEC, int NPT, int E, typename I>
+__device__ __forceinline__ void store_held_sums(float* dw_row, float* db_row, const Pack<float, E> (&dw)[NPT],
+                                                const Pack<float, E> (&db)[NPT], int lane, int step, I hidden) {
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        const int col = lane * E + i * step;
+        if (col < hidden) {
+            store_pack<VEC, E>(dw_row + col, dw[i]);
+            store_pack<VEC, E>(db_row + col, db[i]);
+        }
+    }
+}
+
 template <typename T, typename W, bool VEC, int NPT, int STAGED>
 __global__ void __launch_bounds__(LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T), STAGED>::threads,
                                  LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T), STAGED>::min_blocks)
@@ -527,16 +541,8 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T), S
             store_pack<VEC, E>(dw_out + col, load_pack<VEC, E>(dw_row + col));
             store_pack<VEC, E>(db_out + col, load_pack<VEC, E>(db_row + col));
         }
-    } else {
-        if (!dw_row) return;
-#pragma unroll
-        for (int i = 0; i < NPT; ++i) {
-            const int col = lane * E + i * step;
-            if (col < hidden) {
-                store_pack<VEC, E>(dw_row + col, dw[i]);
-                store_pack<VEC, E>(db_row + col, db[i]);
-            }
-        }
+    } else if (dw_row) {
+        store_held_sums<VEC>(dw_row, db_row, dw, db, lane, step, hidden);
     }
 }
 
@@ -572,16 +578,7 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(512, 1) layer_norm_bwd_spl
     walk_staged_ln_rows<T, W, NPT, E, SPLIT>(mine, cluster, scratch, cluster_slots, stage, dw, db);
     if (!p.partial) return;
     float* const dw_row = p.partial + 2 * cluster * p.hidden + offset;  // the cluster's partial rows
-    float* const db_row = dw_row + p.hidden;
-    const int lane = threadIdx.x, step = blockDim.x * E;
-#pragma unroll
-    for (int i = 0; i < NPT; ++i) {
-        const int col = lane * E + i * step;
-        if (col < length) {
-            store_pack<true, E>(dw_row + col, dw[i]);
-            store_pack<true, E>(db_row + col, db[i]);
-        }
-    }
+    store_held_sums<true>(dw_row, dw_row + p.hidden, dw, db, threadIdx.x, blockDim.x * E, length);
 #else
     __trap();  // no clusters before sm_90: the planner never launches it there
 #endif
