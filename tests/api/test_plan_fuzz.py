@@ -376,7 +376,8 @@ def test_rms_norm_fp8_plans_are_runnable_or_refused_clearly(call, mode, add, out
 def test_layer_norm_plans_are_runnable_or_refused_clearly(call, op, params, data, profile):
     """layer_norm's plans: a compiled variant within its launch bounds (forward rows of 4+ register slots up to 1024
     threads, but 16-byte rows of 8 up to 512, others and the backward up to 512), shared memory within the GPU's, a row's chunks covered by its
-    threads' slots, 16-byte accesses only where every array the call reads or writes is aligned (shifted rows aside);
+    threads' slots (a split row's over its cluster's blocks), 16-byte accesses only where every array the call reads
+    or writes is aligned (shifted rows aside);
     the backward's grid no more blocks than rows need."""
     x, weight, other, eps, _, impl = call
     if weight is not None and params in ("bias", "neither"):
@@ -405,8 +406,9 @@ def test_layer_norm_plans_are_runnable_or_refused_clearly(call, op, params, data
         return
     assert_launchable(plan, f"vectorized {plan.vectorized}, slots {plan.slots}",
                       layer_norm_fwd_max_threads(plan) if "_fwd<" in plan.name else 512)
-    if plan.slots:
-        assert plan.block[0] * plan.slots * (16 // ITEMSIZE[x.dtype] if plan.vectorized else 1) >= x.shape[-1]
+    if plan.slots:  # rows split over a cluster: each block a part
+        assert plan.split * plan.block[0] * plan.slots * (16 // ITEMSIZE[x.dtype] if plan.vectorized else 1) >= \
+            x.shape[-1]
     if "_bwd<" in plan.name:
         assert plan.grid <= max(1, -(-rows // plan.block[1]))  # no block without a row
     used = {"forward": (x, weight, bias), "forward out": (x, other, weight, bias), "fused add": (x, other, weight, bias),

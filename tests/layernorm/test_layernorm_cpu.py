@@ -153,6 +153,27 @@ def test_backward_splits_long_rows_over_a_cluster(dtype, hidden, split, width):
                          choices=LN_CHOICES).split == 1
 
 
+@pytest.mark.parametrize("resident", [66, 0])
+def test_backward_call_walks_split_rows_on_the_clusters_the_gpu_holds(monkeypatch, resident):
+    """layer_norm_backward's call on a stand-in H100: fp32 rows of 16384 on as many 2-block clusters as the GPU holds
+    at once, each a rows slot (the kernel's row step) with one pair of partial rows for rms_norm_dw to add; where the
+    driver places none, the rows are read in passes on the resident blocks."""
+    from fakes import stand_in_for_the_device
+
+    from cupyrope.ops import layernorm
+
+    stand_in_for_the_device(monkeypatch.setattr, blocks_per_wave=132, resident_clusters=lambda split: resident)
+    x, w = arr((5000, 16384), "float32"), arr((16384,), "float32")
+    plan = layernorm._plan_backward_call(x, x, w, None, None, None, False, True, True, True, 1e-5, "auto")
+    slots = layernorm.BWD_TAIL.unpack(plan.launch.tail)[5]
+    partial_rows = layernorm.DW_TAIL.unpack(plan.dw_launch.tail)[0]
+    if resident:
+        assert plan.split == 2 and plan.grid == 2 * resident and slots == partial_rows == resident, plan
+        assert plan.launch.shared_mem == 2 * 2 * 4 * 16 * 512
+    else:
+        assert plan.split == 1 and plan.slots == 0 and plan.grid == 132 and slots == partial_rows == 132, plan
+
+
 @pytest.mark.parametrize("dtype,hidden,rows_a_block,staged", [
     ("bfloat16", 1024, 4, 3), ("float16", 1152, 2, 3), ("bfloat16", 4096, 1, 2), ("bfloat16", 8192, 1, 2),
     ("float32", 8192, 1, 2), ("float32", 4096, 1, 0),
