@@ -16,9 +16,9 @@ MAX_WIDTH = 512  # threads per row: a 1024-thread row block leaves one block per
 # Unaligned rows (odd hidden sizes) of at least this many bytes take the shifted 16-byte path (forward and
 # backward); shorter ones stay element by element (few chunks a row: the edges dominate).
 SHIFT_MIN_ROW_BYTES = 512
-# Rows too long for one block (forward: its registers; backward: its shared memory) split over a cluster of this
-# many blocks (sm_90+): rms_norm_fwd_split, rms_norm_bwd_split. The first size whose parts one block holds; 8 is
-# the portable cluster limit.
+# Rows too long for one block (forward: its registers; backward: its shared memory; LayerNorm's backward: its
+# registers) split over a cluster of this many blocks (sm_90+): rms_norm_fwd_split, rms_norm_bwd_split,
+# layer_norm_bwd_split. The first size whose parts one block holds; 8 is the portable cluster limit.
 SPLIT_SIZES = (2, 4, 8)
 SHARED_OPTIN_LIMIT = 227 * 1024  # dynamic shared memory one block may have (H100: 227 KiB, A100: 163)
 STATIC_SHARED_BYTES = 1024  # the kernels' own shared arrays, counted against the same limit
