@@ -16,8 +16,8 @@ from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import layernorm_checks, profiles
 from .layernorm_plan import DW_SOURCE, plan_backward, plan_forward, weight_dtype
 from .rmsnorm_checks import row_layout, rows
-from .rmsnorm_plan_backward import DW_SPLIT, cap_grid, dweight_kernel_name
-from .rmsnorm_rows import blocks_per_wave, fit_clusters, kernel_for, shared_limit
+from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name, resident_grid
+from .rmsnorm_rows import kernel_for, shared_limit
 
 # Mirror LayerNormParams and LayerNormBwdParams in kernels_src/layernorm.cu: pointers, then these.
 FWD_TAIL = struct.Struct("<5q2f")  # rows, hidden, three row strides, eps, 1 / hidden
@@ -145,13 +145,11 @@ def _plan_backward_call(da, xa, wa, ba, ma, ra, _no_weight, _no_bias, _no_mean, 
         planning = (da, xa, dxa, wa, ba, layout.plan_strides(), n_rows, hidden, impl, shared_limit(xa.device))
         choices = profiles.profile_for(xa.device).layer_norm
         plan = plan_backward(*planning, runs_clusters(xa.device), choices=choices)
-        kernel = kernel_for(plan, xa.device)
-        if plan.split > 1 and not fit_clusters(plan, kernel, n_rows, xa.device):  # no cluster fits: rows in passes
+        kernel = resident_grid(plan, n_rows, xa.device, xa.dtype)  # rows unshifted
+        if kernel is None:  # no cluster fits: rows read in passes
             plan = plan_backward(*planning, choices=choices)
-            kernel = kernel_for(plan, xa.device)
-        if plan.split == 1:
-            plan.grid = cap_grid(plan, blocks_per_wave(kernel, plan, xa.device), n_rows, xa.dtype)  # rows unshifted
-        slots = plan.grid // plan.split if plan.split > 1 else plan.grid * plan.block[1]  # a split row's: its cluster
+            kernel = resident_grid(plan, n_rows, xa.device, xa.dtype)
+        slots = plan.grid // plan.split * plan.block[1]  # a split row's slot: its cluster (of one-row blocks)
         tail = BWD_TAIL.pack(n_rows, hidden, *layout.strides_of(0, 1, 2), slots, 1 / hidden, int(plan.shared_acc))
         plan.launch = Launch(kernel, plan.grid, plan.block, 7, tail, xa.device, xa.kind, plan.shared_mem)
         # a slot's partial rows of dweight and dbias, one row of 2 * hidden (none where neither is asked for)

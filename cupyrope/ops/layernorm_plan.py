@@ -59,8 +59,6 @@ BWD_BLOCK_THREADS = 256
 BWD_STAGED = {(2, 1): False, (2, 2): True, (4, 1): False, (4, 2): False, (4, 4): True}
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerNormChoices:
     """LayerNorm's measured launch choices: a launch profile's "layer_norm" section.
@@ -137,7 +135,7 @@ def plan_backward(dy, x, dx, weight, bias, row_strides, rows, hidden, impl="auto
     memory); its grid is as many blocks as rows need, which RMSNorm's cap_grid then caps at the blocks the GPU holds
     at once: its rows slots (grid x rows a block) walk several rows each and are the partial rows.
     clusters: the GPU runs thread block clusters (sm_90+), so 16-byte rows that one block's registers cannot hold take
-    layer_norm_bwd_split where a cluster size does (its grid: one cluster a row, which fit_clusters caps)."""
+    layer_norm_bwd_split where a cluster size does (its grid: one cluster a row, which resident_grid caps)."""
     arrays = [dy, x, dx, weight]
     plan = plan_rows(SOURCE, "layer_norm_bwd", x.dtype, weight_dtype(weight, bias), arrays, row_strides, rows, hidden,
                      BWD_MAX_SLOTS, BWD_ELEMS_PER_THREAD[ITEMSIZE[x.dtype]], BWD_BLOCK_THREADS, [], impl)
@@ -167,7 +165,7 @@ def plan_backward_split(dtype, weight_dtype, rows, hidden, shared_limit):
             continue
         name = f"cupyrope::layer_norm_bwd_split<{CTYPE[dtype]}, {CTYPE[weight_dtype]}, {slots}, {split}>"
         plan = NormPlan(SOURCE, name, rows * split, (width, 1), True, slots)
-        plan.split, plan.staged = split, 2
+        plan.split, plan.staged = split, True
         plan.shared_mem = stage_bytes(plan)  # two stages: three measured no faster
         if plan.shared_mem <= shared_limit:
             return plan
