@@ -346,10 +346,10 @@ __device__ __forceinline__ void stage_ln_bwd_row(const LayerNormBwdParams& p, i6
 // 256-thread blocks an SM). The row's pointers are computed once (row_base). dw, db: the slot's sums.
 // base: the block's first rows slot less threadIdx.y (blockIdx.x * blockDim.y, or a split row's cluster). SPLIT > 1:
 // p is the block's part of a row split over a cluster (layer_norm_bwd_split), whose two dot sums are added over the
-// cluster (cluster_sum) in the slot set of the row's parity.
+// cluster (cluster_sum, a turn a row).
 template <typename T, typename W, int NPT, int E, int SPLIT = 1>
 __device__ __forceinline__ void walk_staged_ln_rows(const LayerNormBwdParams& p, i64 base, float2 (&scratch)[2][32],
-                                                    float2 (&cluster_slots)[2][SPLIT], uint4* stage,
+                                                    ClusterSums<SPLIT, float2>& cluster, uint4* stage,
                                                     Pack<float, E> (&dw)[NPT], Pack<float, E> (&db)[NPT]) {
     const int lane = threadIdx.x, step = blockDim.x * E, hidden = (int)p.hidden;
     const int threads = blockDim.x * blockDim.y, stage_size = 2 * NPT * threads;
@@ -363,6 +363,7 @@ __device__ __forceinline__ void walk_staged_ln_rows(const LayerNormBwdParams& p,
     load_ln_stats(p, first, mean, rstd);
     stage_ln_bwd_row<T, NPT, E>(p, first, lane, step, mine, threads);
     int current = 0;  // the stage holding this row, and the scratch arrays of its sums
+    unsigned turn = 0;  // the row's place in the walk (cluster_sum)
     // The loop bound is uniform across the block (the reduction has a barrier) and, SPLIT, across the cluster.
 #pragma unroll 1
     for (; base < p.rows; base += p.slots) {
@@ -380,10 +381,9 @@ __device__ __forceinline__ void walk_staged_ln_rows(const LayerNormBwdParams& p,
                 add_row_sums<T, W, E>(reread_chunk<T, E>(here + 2 * i * threads),
                                       reread_chunk<T, E>(here + (2 * i + 1) * threads), wv[i], mean, rstd, g_sum,
                                       gx_sum);
-        // Two cluster slot sets by row parity: a block writes a set again (two rows on) only after the next row's
-        // cluster barrier, which its peers pass only after reading the set.
-        const float2 sums = cluster_sum<SPLIT>(row_sum_pair(make_float2(g_sum, gx_sum), blockDim.x, scratch[current]),
-                                               cluster_slots[current]);
+        // fp32 parts: the cluster barrier (cluster_sum's FENCED)
+        const float2 sums = cluster_sum<SPLIT, sizeof(T) == 4>(
+            row_sum_pair(make_float2(g_sum, gx_sum), blockDim.x, scratch[current]), cluster, turn++);
         const float xhat_coef = -rstd * (sums.y * p.inv_hidden), shift = -rstd * (sums.x * p.inv_hidden);
         if (active) {
             T* const dx_row = row_base<true>(static_cast<T*>(p.dx) + row * p.dx_stride);
@@ -450,7 +450,7 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T), S
     }
     const int hidden = (int)p.hidden;  // register rows: int columns (see first_column)
     if constexpr (STAGED) {
-        float2 unused[2][1];
+        ClusterSums<1, float2> unused;
         walk_staged_ln_rows<T, W, NPT, E>(p, (i64)blockIdx.x * blockDim.y, scratch, unused, stage, dw, db);
     } else {
         // NPT > 0: registers hold the row's dy and x. Rows of one slot, but for fp16/bf16 16-byte ones (those spilled
@@ -560,7 +560,7 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(512, 1) layer_norm_bwd_spl
 #if CUPYROPE_CLUSTERS
     constexpr int E = 16 / sizeof(T);
     __shared__ float2 scratch[2][32];  // row_sum_pair's warp partials, by row parity
-    __shared__ float2 cluster_slots[2][SPLIT];  // the blocks' dot sums (cluster_sum), by row parity
+    __shared__ ClusterSums<SPLIT, float2> cluster_sums;  // the blocks' dot sums (cluster_sum)
     extern __shared__ __align__(16) uint4 stage[];
     i64 offset;
     const i64 length = cluster_part<E, SPLIT>(p.hidden, offset);
@@ -574,8 +574,8 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(512, 1) layer_norm_bwd_spl
     Pack<float, E> dw[NPT], db[NPT];
 #pragma unroll
     for (int i = 0; i < NPT; ++i) dw[i] = db[i] = zeros<E>();
-    cluster_sync();  // the cluster's blocks have all started: their shared memory is there
-    walk_staged_ln_rows<T, W, NPT, E, SPLIT>(mine, cluster, scratch, cluster_slots, stage, dw, db);
+    cluster_start(cluster_sums);
+    walk_staged_ln_rows<T, W, NPT, E, SPLIT>(mine, cluster, scratch, cluster_sums, stage, dw, db);
     if (!p.partial) return;
     float* const dw_row = p.partial + 2 * cluster * p.hidden + offset;  // the cluster's partial rows
     store_held_sums<true>(dw_row, dw_row + p.hidden, dw, db, threadIdx.x, blockDim.x * E, length);

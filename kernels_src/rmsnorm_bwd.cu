@@ -582,12 +582,13 @@ __device__ __forceinline__ Pack<W, E> reread_weight(const NormBwdParams& p, cons
 
 // Rows first_row, + row_step, ... below p.rows: rms_norm_bwd_reread's (SPLIT 1), or rms_norm_bwd_split's (SPLIT > 1:
 // a cluster's; p describes the block's part of them, p.partial its part of the cluster's partial row; the row sums
-// are added over the cluster). `accumulate`: the dweight sums are added to the partial row (SHIFT only).
+// are added over the cluster, `turn` counting the cluster's rows: cluster_sum). `accumulate`: the dweight sums are added
+// to the partial row (SHIFT only).
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT, int SPLIT, bool GRAD>
-__device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_row, i64 row_step, bool accumulate = false) {
+__device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_row, i64 row_step,
+                                            ClusterSums<SPLIT, float>& cluster, unsigned& turn, bool accumulate = false) {
     constexpr int E = 16 / sizeof(T);
     __shared__ float scratch[32];  // row_sum's warp partials
-    __shared__ float cluster_slots[2][SPLIT];  // SPLIT > 1: the row sums of the cluster's blocks (cluster_sum)
     extern __shared__ __align__(16) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]; SHIFT: then the weight
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
@@ -595,7 +596,6 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
     const int first = SHIFT ? lane * E - shift : 0;  // aligned rows: their own expressions (see staged_column)
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) stage_row<T, NPT, SHIFT>(p, staged, first_row + s * row_step, s, first);
-    if constexpr (SPLIT > 1) cluster_sync();  // the cluster's blocks have all started: their shared memory is there
     // SHIFT: column c's weight at c + shift. A thread copies only its own chunks' weights, which only it reads
     // (no barrier), all loads at once (a block-strided loop over the row measured 4-8% slower).
     W* const shifted_weight = reinterpret_cast<W*>(staged + STAGES * 2 * NPT * width);
@@ -611,7 +611,7 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
 #pragma unroll
     for (int i = 0; i < NPT; ++i) dw[i] = zeros<E>();
     RstdAhead given(p, first_row);
-    int stage = 0, parity = 0;
+    int stage = 0;
     // The loop bound is uniform across the block (one row per block; the reduction has barriers) and, SPLIT,
     // across the cluster.
 #pragma unroll 1
@@ -627,10 +627,7 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
                                      unstage_chunk<SHIFT, T, E>(stage_slot<NPT>(staged, stage, 1, i), col, hidden),
                                      reread_weight<SHIFT, W, E>(p, shifted_weight, col, shift), dot);
         }
-        // Two slot sets by row parity: a block writes a set again (two rows on) only after the next row's
-        // cluster barrier, which its peers pass only after reading the set.
-        const float row_dot = cluster_sum<SPLIT>(row_sum<LANES_JUMP>(dot, width, scratch), cluster_slots[parity]);
-        parity ^= 1;
+        const float row_dot = cluster_sum<SPLIT>(row_sum<LANES_JUMP>(dot, width, scratch), cluster, turn++);
         const float coef = row_coef(p, rstd, row_dot);
         T* dx_row = static_cast<T*>(p.dx) + row * p.dx_stride;
         const T* grad_row = residual_grad_row<GRAD, T>(p, row);
@@ -667,7 +664,9 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
 template <typename T, typename W, int NPT, int STAGES, bool SHIFT, bool GRAD>
 __global__ void __launch_bounds__(1024, 1) rms_norm_bwd_reread(const NormBwdParams p) {
     wait_for_previous_grid();
-    reread_rows<T, W, NPT, STAGES, SHIFT, 1, GRAD>(p, blockIdx.x, gridDim.x);
+    ClusterSums<1, float> no_cluster;  // unused: a block holds whole rows
+    unsigned turn = 0;
+    reread_rows<T, W, NPT, STAGES, SHIFT, 1, GRAD>(p, blockIdx.x, gridDim.x, no_cluster, turn);
 }
 
 // ----------------------------------------------------------------- backward, rows split over a cluster
@@ -732,6 +731,9 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(walks_classes(SHIFT, SPLIT
     mine.hidden = length;
     const i64 cluster = blockIdx.x / SPLIT, clusters = gridDim.x / SPLIT;
     mine.partial = p.partial + cluster * p.hidden + offset;
+    __shared__ ClusterSums<SPLIT, float> sums;  // the row sums of the cluster's blocks (cluster_sum)
+    cluster_start(sums);
+    unsigned turn = 0;  // the cluster's rows so far, over all its runs
     if constexpr (WALK) {
         const int rows = (int)p.rows;  // < 2^31: rows of over 18K elements
         int place = (int)(cluster * rows / clusters);
@@ -740,12 +742,12 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(walks_classes(SHIFT, SPLIT
         do {  // once at least: a cluster with no rows (the planner makes none) writes zero sums
             const ClassRun run = class_run<E>(place, end, rows);
             mine.rows = run.first_row + (run.count - 1) * E + 1;  // past the run's last row
-            reread_rows<T, W, NPT, 1, SHIFT, SPLIT, GRAD>(mine, run.first_row, E, accumulate);
+            reread_rows<T, W, NPT, 1, SHIFT, SPLIT, GRAD>(mine, run.first_row, E, sums, turn, accumulate);
             accumulate = true;
             place += run.count;
         } while (place < end);
     } else {  // SHIFT: block 0's part keeps the rows' shift, the others none
-        reread_rows<T, W, NPT, 1, SHIFT, SPLIT, GRAD>(mine, cluster, clusters);
+        reread_rows<T, W, NPT, 1, SHIFT, SPLIT, GRAD>(mine, cluster, clusters, sums, turn);
     }
 #else
     __trap();  // no clusters before sm_90: the planner never launches it there

@@ -160,18 +160,20 @@ struct FwdBounds {
                                                  : FWD_MIN_BLOCKS_4 / (wide ? 2 : 1);  // NPT 0: 512 threads
 };
 
-// The sum of v over the row's threads and, SPLIT > 1 (rms_norm_fwd_split), over the cluster's blocks (the
-// scratch of one row and the next: the cluster barrier between them orders its reads before its writes).
-// LANES: row_sum's.
+// The sum of v over the row's threads and, SPLIT > 1 (rms_norm_fwd_split), over the cluster's blocks at the cluster's
+// turn `turn` (the scratch of one row and the next: cluster_sum's barrier between them orders its reads before its
+// writes). LANES: row_sum's.
 template <int SPLIT, int LANES>
-__device__ __forceinline__ float split_row_sum(float v, int width, float* scratch, float (&cluster_slots)[SPLIT]) {
-    return cluster_sum<SPLIT>(row_sum<LANES>(v, width, scratch, true), cluster_slots);
+__device__ __forceinline__ float split_row_sum(float v, int width, float* scratch, ClusterSums<SPLIT, float>& cluster,
+                                               unsigned turn) {
+    return cluster_sum<SPLIT>(row_sum<LANES>(v, width, scratch, true), cluster, turn);
 }
 
 // Row `row` of rms_norm_fwd (SPLIT 1; threadIdx.y's row of the block), or of rms_norm_fwd_split (SPLIT > 1: p
-// describes the block's part of the rows, in registers; cluster_slots: see there).
+// describes the block's part of the rows, in registers; cluster and turn: see there).
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, int SPLIT, bool OUT, bool RUNS = false>
-__device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&cluster_slots)[SPLIT]) {
+__device__ __forceinline__ void norm_row(const NormParams& p, i64 row, ClusterSums<SPLIT, float>& cluster,
+                                         unsigned turn = 0) {
     using Runs = NormRunsParams;
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     static_assert(SPLIT == 1 || (VEC && NPT > 0), "SPLIT: rows of 16-byte chunks in registers");
@@ -252,7 +254,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
             }
         }
         sum_sq = squares.total();
-        const float rstd = inverse_rms(split_row_sum<SPLIT, LANES>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
+        const float rstd = inverse_rms(split_row_sum<SPLIT, LANES>(sum_sq, width, scratch, cluster, turn), p.inv_hidden, p.eps);
         if (!active) return;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
@@ -319,7 +321,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
             }
         }
         sum_sq = squares.total();
-        const float rstd = inverse_rms(split_row_sum<SPLIT, LANES>(sum_sq, width, scratch, cluster_slots), p.inv_hidden, p.eps);
+        const float rstd = inverse_rms(split_row_sum<SPLIT, LANES>(sum_sq, width, scratch, cluster, turn), p.inv_hidden, p.eps);
         if (!active) return;
 #pragma unroll
         for (int i = 0; i < NPT; ++i) {
@@ -400,7 +402,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, float (&c
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, bool OUT = false>
 __global__ void __launch_bounds__(FwdBounds<NPT, ADD>::threads, FwdBounds<NPT, ADD>::min_blocks) rms_norm_fwd(const NormParams p) {
     wait_for_previous_grid();
-    float no_cluster[1];  // unused: one block sums its rows
+    ClusterSums<1, float> no_cluster;  // unused: one block sums its rows
     norm_row<T, W, VEC, NPT, ADD, SHIFT, 1, OUT>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
 }
 
@@ -410,7 +412,7 @@ __global__ void __launch_bounds__(FwdBounds<NPT, false>::threads, FwdBounds<NPT,
     rms_norm_fwd_runs(const NormRunsParams p) {
     static_assert(NPT > 0, "rows held in registers");
     wait_for_previous_grid();
-    float no_cluster[1];
+    ClusterSums<1, float> no_cluster;
     norm_row<T, W, VEC, NPT, false, SHIFT, 1, false, true>(p, (i64)blockIdx.x * blockDim.y + threadIdx.y, no_cluster);
 }
 
@@ -436,7 +438,7 @@ __device__ __forceinline__ void narrow_to_part(NormParams& p, int shift) {
 // walking rows (cluster, + clusters, ...: the grid is what the GPU holds at once, as a cluster waits for SPLIT free
 // SMs of one GPC): the block of rank r holds columns [r * part, (r + 1) * part) of a row in registers, part = the
 // row's 16-byte chunks / SPLIT rounded up (the last part may be shorter); only the sum of squares crosses blocks
-// (cluster_sum: two slot sets by row parity, as in reread_rows). Rank 0 writes rstd. SHIFT (odd rows): each row's
+// (cluster_sum, a turn a row). Rank 0 writes rstd. SHIFT (odd rows): each row's
 // parts from its own shift (cluster_part), block 0's in shifted chunks, the others' from 16-byte boundaries.
 template <typename T, typename W, int NPT, bool ADD, int SPLIT, bool SHIFT, bool OUT = false>
 __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT, ADD>::threads, FwdBounds<NPT, ADD>::min_blocks)
@@ -445,18 +447,18 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(FwdBounds<NPT, ADD>::threa
 #if CUPYROPE_CLUSTERS
     NormParams mine = p;  // the block's part of the rows (SHIFT: each row's own, below)
     narrow_to_part<T, W, ADD, SPLIT, false, OUT>(mine, 0);
-    __shared__ float cluster_slots[2][SPLIT];
-    cluster_sync();  // the cluster's blocks have all started: their shared memory is there to be written to
-    int parity = 0;
+    __shared__ ClusterSums<SPLIT, float> cluster;
+    cluster_start(cluster);
+    unsigned turn = 0;
 #pragma unroll 1
-    for (i64 row = blockIdx.x / SPLIT; row < p.rows; row += gridDim.x / SPLIT, parity ^= 1) {
+    for (i64 row = blockIdx.x / SPLIT; row < p.rows; row += gridDim.x / SPLIT, ++turn) {
         if constexpr (SHIFT) {
             NormParams row_part = p;
             const int shift = row_shift<true, 16 / sizeof(T)>(static_cast<const T*>(p.x) + row * p.x_stride);
             narrow_to_part<T, W, ADD, SPLIT, true, OUT>(row_part, shift);
-            norm_row<T, W, true, NPT, ADD, true, SPLIT, OUT>(row_part, row, cluster_slots[parity]);
+            norm_row<T, W, true, NPT, ADD, true, SPLIT, OUT>(row_part, row, cluster, turn);
         } else {
-            norm_row<T, W, true, NPT, ADD, false, SPLIT, OUT>(mine, row, cluster_slots[parity]);
+            norm_row<T, W, true, NPT, ADD, false, SPLIT, OUT>(mine, row, cluster, turn);
         }
     }
 #else
