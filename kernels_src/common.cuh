@@ -301,7 +301,7 @@ __device__ __forceinline__ float2 add(float2 a, float2 b) { return make_float2(a
 // sends only after the barrier below on that turn, which its threads pass only after reading this turn's set. The
 // thread that re-arms the set for two turns on does so before it reaches that barrier. SPLIT 1: sums.
 // FENCED: plain stores into the peers' slots, then a cluster barrier (the mbarriers unused), which measured faster
-// for the fp32 LayerNorm backward's split rows (H200, [8192, 16384]: 404 us against 477-484 with the mbarriers, while
+// for the fp32 LayerNorm backward's split rows (H200, [8192, 16384]: 404 us against 469-484 with the mbarriers, while
 // its bf16 rows ran 292 -> 262 and RMSNorm's split backward 578 -> 490 with them).
 template <int SPLIT, bool FENCED = false, typename V>
 __device__ __forceinline__ V cluster_sum(V sums, ClusterSums<SPLIT, V>& cluster, unsigned turn) {

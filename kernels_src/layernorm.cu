@@ -347,6 +347,11 @@ __device__ __forceinline__ void stage_ln_bwd_row(const LayerNormBwdParams& p, i6
 // base: the block's first rows slot less threadIdx.y (blockIdx.x * blockDim.y, or a split row's cluster). SPLIT > 1:
 // p is the block's part of a row split over a cluster (layer_norm_bwd_split), whose two dot sums are added over the
 // cluster (cluster_sum, a turn a row).
+// fp32 split rows add their dot sums over the cluster behind a cluster barrier (cluster_sum's FENCED), fp16/bf16 ones
+// through the mbarriers.
+template <typename T>
+constexpr bool FENCED_SPLIT = sizeof(T) == 4;
+
 template <typename T, typename W, int NPT, int E, int SPLIT = 1>
 __device__ __forceinline__ void walk_staged_ln_rows(const LayerNormBwdParams& p, i64 base, float2 (&scratch)[2][32],
                                                     ClusterSums<SPLIT, float2>& cluster, uint4* stage,
@@ -381,9 +386,10 @@ __device__ __forceinline__ void walk_staged_ln_rows(const LayerNormBwdParams& p,
                 add_row_sums<T, W, E>(reread_chunk<T, E>(here + 2 * i * threads),
                                       reread_chunk<T, E>(here + (2 * i + 1) * threads), wv[i], mean, rstd, g_sum,
                                       gx_sum);
-        // fp32 parts: the cluster barrier (cluster_sum's FENCED)
-        const float2 sums = cluster_sum<SPLIT, sizeof(T) == 4>(
-            row_sum_pair(make_float2(g_sum, gx_sum), blockDim.x, scratch[current]), cluster, turn++);
+        // fp32 parts: the cluster barrier (cluster_sum's FENCED), in the slot set of the row's stage
+        const float2 sums = cluster_sum<SPLIT, FENCED_SPLIT<T>>(
+            row_sum_pair(make_float2(g_sum, gx_sum), blockDim.x, scratch[current]), cluster,
+            FENCED_SPLIT<T> ? current : turn++);
         const float xhat_coef = -rstd * (sums.y * p.inv_hidden), shift = -rstd * (sums.x * p.inv_hidden);
         if (active) {
             T* const dx_row = row_base<true>(static_cast<T*>(p.dx) + row * p.dx_stride);
@@ -574,7 +580,8 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(512, 1) layer_norm_bwd_spl
     Pack<float, E> dw[NPT], db[NPT];
 #pragma unroll
     for (int i = 0; i < NPT; ++i) dw[i] = db[i] = zeros<E>();
-    cluster_start(cluster_sums);
+    if constexpr (FENCED_SPLIT<T>) cluster_sync();  // the cluster's blocks have all started
+    else cluster_start(cluster_sums);
     walk_staged_ln_rows<T, W, NPT, E, SPLIT>(mine, cluster, scratch, cluster_sums, stage, dw, db);
     if (!p.partial) return;
     float* const dw_row = p.partial + 2 * cluster * p.hidden + offset;  // the cluster's partial rows
