@@ -48,6 +48,25 @@ def test_static_shared_memory_stays_within_what_the_planners_set_aside():
         assert _static_shared_bytes(source, name) <= allowance[source], name
 
 
+@pytest.mark.parametrize("source, name, fenced", [
+    ("rmsnorm_fwd.cu", "cupyrope::rms_norm_fwd_split<__nv_bfloat16, __nv_bfloat16, 4, false, 4, true>", False),
+    ("rmsnorm_bwd.cu", "cupyrope::rms_norm_bwd_split<__nv_bfloat16, __nv_bfloat16, 4, 4, true, false>", False),
+    ("layernorm.cu", "cupyrope::layer_norm_bwd_split<__nv_bfloat16, __nv_bfloat16, 2, 2>", False),
+    ("layernorm.cu", "cupyrope::layer_norm_bwd_split<float, float, 4, 2>", True),
+])
+def test_split_rows_add_their_sums_over_the_cluster_without_a_cluster_barrier_a_row(source, name, fenced):
+    """cluster_sum: blocks send a row's sums with st.async, counted on the peers' mbarriers; the one cluster barrier
+    is the kernel's start (a barrier a row waited for the block's stores in flight). fp32 LayerNorm rows keep a
+    barrier a row (FENCED, measured faster there)."""
+    assert (source, name) in all_variants()
+    ptx = compile._nvrtc_compile(source, name, "compute_90")[0].decode()
+    barriers = ptx.count("barrier.cluster.arrive")
+    if fenced:
+        assert barriers == 2 and "st.async" not in ptx
+    else:
+        assert barriers == 1 and "st.async" in ptx and "mbarrier.try_wait" in ptx
+
+
 def test_variant_list_covers_every_op_and_is_unique():
     variants = all_variants()
     assert len(set(variants)) == len(variants)
