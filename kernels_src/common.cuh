@@ -204,7 +204,6 @@ __device__ __forceinline__ unsigned shared_of_rank(const void* mine, unsigned ra
     return remote;
 }
 
-// v into the cluster block `rank`'s copy of the shared variable at `mine`.
 // The exchange of a row's sums between a cluster's blocks (cluster_sum), in each block's shared memory: a slot for each
 // block's sums and an mbarrier that completes once all SPLIT have landed, two of each by the parity of the row's turn
 // (its place in the cluster's walk). Blocks write their sums into their peers' slots with st.async, which counts
