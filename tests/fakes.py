@@ -103,7 +103,7 @@ def stand_in_for_the_device(patch=setattr, shared_optin=227 * 1024, blocks_per_w
     clusters = resident_clusters or (lambda split: 16)
     for module in (rmsnorm_plan_backward, rmsnorm_fp8):  # LayerNorm's backward: rmsnorm_plan_backward.resident_grid
         patch(module, "blocks_per_wave", lambda *args: blocks_per_wave)
-    for module in (rmsnorm_plan_forward, rmsnorm_plan_backward, layernorm):
+    for module in (rmsnorm_plan_forward, rmsnorm_plan_backward):  # LayerNorm's backward: fitted_to_device
         patch(module, "runs_clusters", lambda device: True)
     for module in (rmsnorm_rows, rmsnorm_plan_backward):
         patch(module, "resident_clusters", lambda kernel, split, *args: clusters(split))

@@ -10,13 +10,12 @@ from .._runtime import checks
 from .._runtime.arrays import allocator, contiguous_like
 from .._runtime.checks import IN_PLACE, OUT, output_mode
 from .._runtime.compile import get_kernel
-from .._runtime.device import runs_clusters
 from .._runtime.launch import Launch
 from .._runtime.plan_cache import EmptyPlan, OpPlans
 from . import layernorm_checks, profiles
 from .layernorm_plan import DW_SOURCE, plan_backward, plan_forward, weight_dtype
 from .rmsnorm_checks import row_layout, rows
-from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name, resident_grid
+from .rmsnorm_plan_backward import DW_SPLIT, dweight_kernel_name, fitted_to_device
 from .rmsnorm_rows import kernel_for, shared_limit
 
 # Mirror LayerNormParams and LayerNormBwdParams in kernels_src/layernorm.cu: pointers, then these.
@@ -144,11 +143,9 @@ def _plan_backward_call(da, xa, wa, ba, ma, ra, _no_weight, _no_bias, _no_mean, 
         layout = row_layout([da, xa, dxa], ["dy", "x", "dx"], runs=False)
         planning = (da, xa, dxa, wa, ba, layout.plan_strides(), n_rows, hidden, impl, shared_limit(xa.device))
         choices = profiles.profile_for(xa.device).layer_norm
-        plan = plan_backward(*planning, runs_clusters(xa.device), choices=choices)
-        kernel = resident_grid(plan, n_rows, xa.device, xa.dtype)  # rows unshifted
-        if kernel is None:  # no cluster fits: rows read in passes
-            plan = plan_backward(*planning, choices=choices)
-            kernel = resident_grid(plan, n_rows, xa.device, xa.dtype)
+        # rows unshifted; where no cluster fits, long rows are read in passes
+        plan, kernel = fitted_to_device(lambda clusters: plan_backward(*planning, clusters=clusters, choices=choices),
+                                        n_rows, xa.device, xa.dtype)
         slots = plan.grid // plan.split * plan.block[1]  # a split row's slot: its cluster (of one-row blocks)
         tail = BWD_TAIL.pack(n_rows, hidden, *layout.strides_of(0, 1, 2), slots, 1 / hidden, int(plan.shared_acc))
         plan.launch = Launch(kernel, plan.grid, plan.block, 7, tail, xa.device, xa.kind, plan.shared_mem)

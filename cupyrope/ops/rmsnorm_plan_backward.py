@@ -388,6 +388,18 @@ def resident_grid(plan, rows: int, device: int, dtype):
     return kernel
 
 
+def fitted_to_device(plan_with, rows: int, device: int, dtype):
+    """(plan, its kernel): plan_with(clusters=...)'s plan where the device runs clusters, its grid fitted to what the
+    device holds at once (resident_grid), else, where the driver places none of its clusters, the plan without
+    clusters. RMSNorm's and LayerNorm's backward calls."""
+    plan = plan_with(clusters=runs_clusters(device))
+    kernel = resident_grid(plan, rows, device, dtype)
+    if kernel is None:
+        plan = plan_with(clusters=False)
+        kernel = resident_grid(plan, rows, device, dtype)
+    return plan, kernel
+
+
 def plan_backward_for_device(dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit, device,
                              choices, residual_grad=None, runs=False):
     """(plan, its kernel) of a checked backward call on the device: plan_backward's, with its grid fitted to what
@@ -395,11 +407,9 @@ def plan_backward_for_device(dy, x, dx, weight, row_strides, rows, hidden, n_sm,
     no cluster fits."""
     planning = (dy, x, dx, weight, row_strides, rows, hidden, n_sm, impl, shared_limit)
     options = {"choices": choices, "residual_grad": residual_grad, "runs": runs}
-    plan = plan_backward(*planning, clusters=runs_clusters(device), **options)
-    kernel = resident_grid(plan, rows, device, x.dtype)
-    if kernel is None:  # no cluster fits: rows read twice, or two launches
-        plan = plan_backward(*planning, **options)
-        kernel = resident_grid(plan, rows, device, x.dtype)
+    # where no cluster fits: rows read twice, or two launches
+    plan, kernel = fitted_to_device(lambda clusters: plan_backward(*planning, clusters=clusters, **options), rows,
+                                    device, x.dtype)
     grad_rows = choices.grad_lean_max_rows if residual_grad is not None and plan.slots == 1 else None
     if lean_staged(plan, rows, grad_rows):  # decided on the default variant's resident grid
         plan = plan_backward(*planning, lean=True, **options)

@@ -8,7 +8,7 @@ import pytest
 import cupyrope
 from cupyrope import reference
 from cupyrope._runtime.device import runs_clusters
-from cupyrope.ops import layernorm
+from cupyrope.ops import rmsnorm_plan_backward
 from helpers import (DTYPES, KINDS, assert_matches, fresh_plans, outside_rows, poison, random_host, requires_gpu,
                      requires_torch_cuda, to_device, to_host, ulp, unaligned_view)
 from norm_helpers import fill_next_allocation_with_nan, sample_rows, strided_rows
@@ -156,7 +156,7 @@ def test_backward_within_a_small_shared_memory(rng, monkeypatch, dtype, hidden):
     from cupyrope.ops import rmsnorm_rows
 
     monkeypatch.setattr(rmsnorm_rows, "shared_optin", lambda device: 64 * 1024)
-    monkeypatch.setattr(layernorm, "runs_clusters", lambda device: False)  # GPUs of 64 KiB run none
+    monkeypatch.setattr(rmsnorm_plan_backward, "runs_clusters", lambda device: False)  # GPUs of 64 KiB run none
     fresh = fresh_plans(monkeypatch)
     check_backward(rng, dtype, 300, hidden)
     plan = planned(fresh, "layer_norm_backward")
@@ -181,7 +181,7 @@ def test_backward_splits_long_rows_over_a_cluster(rng, monkeypatch, dtype, hidde
 def test_backward_without_clusters(rng, monkeypatch, dtype, hidden):
     """Where the GPU runs no clusters, rows past one block's registers are read in passes, their partial sums in
     shared memory (20000) or global memory (40000)."""
-    monkeypatch.setattr(layernorm, "runs_clusters", lambda device: False)
+    monkeypatch.setattr(rmsnorm_plan_backward, "runs_clusters", lambda device: False)
     fresh = fresh_plans(monkeypatch)
     check_backward(rng, dtype, 300, hidden)
     plan = planned(fresh, "layer_norm_backward")
