@@ -111,12 +111,18 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& pk) {
     }
 }
 
+// The shared-memory address (shared state space) of a generic pointer into shared memory, as PTX's shared
+// operands take it.
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 // Asynchronous 16-byte copies global -> shared (sm_80+: cp.async, which holds no registers while the
 // bytes are in flight; older GPUs: an ordinary load and store). A thread's copies are visible to it
 // after copy_async_wait<N>(), which waits for all but the N most recently committed groups.
 __device__ __forceinline__ void copy_async16(void* shared_dst, const void* global_src) {
 #if __CUDA_ARCH__ >= 800
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+    const unsigned dst = shared_address(shared_dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(global_src) : "memory");
 #else
     *static_cast<uint4*>(shared_dst) = *static_cast<const uint4*>(global_src);
@@ -127,7 +133,7 @@ __device__ __forceinline__ void copy_async16(void* shared_dst, const void* globa
 // is zero-filled and nothing past global_src + bytes is read.
 __device__ __forceinline__ void copy_async16_first(void* shared_dst, const void* global_src, int bytes) {
 #if __CUDA_ARCH__ >= 800
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+    const unsigned dst = shared_address(shared_dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(global_src), "r"(bytes) : "memory");
 #else
     unsigned char* d = static_cast<unsigned char*>(shared_dst);
@@ -198,7 +204,7 @@ __device__ __forceinline__ unsigned cluster_rank() {
 __device__ __forceinline__ unsigned shared_of_rank(const void* mine, unsigned rank) {
     unsigned remote = 0;
 #if CUPYROPE_CLUSTERS
-    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(mine));
+    const unsigned local = shared_address(mine);
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
 #endif
     return remote;
@@ -219,7 +225,7 @@ struct ClusterSums {
 template <int SPLIT, typename V>
 __device__ __forceinline__ void expect_cluster_sums(unsigned long long* landed) {
 #if CUPYROPE_CLUSTERS
-    const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(landed));
+    const unsigned bar = shared_address(landed);
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "n"(SPLIT * (int)sizeof(V))
                  : "memory");
 #endif
@@ -233,7 +239,7 @@ __device__ __forceinline__ void cluster_start(ClusterSums<SPLIT, V>& sums) {
     if (threadIdx.x == 0 && threadIdx.y == 0) {
 #pragma unroll
         for (int set = 0; set < 2; ++set) {
-            const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&sums.landed[set]));
+            const unsigned bar = shared_address(&sums.landed[set]);
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
             expect_cluster_sums<SPLIT, V>(&sums.landed[set]);
         }
@@ -271,7 +277,7 @@ __device__ __forceinline__ void store_shared_of_rank(float2* mine, unsigned rank
 // the L1 each row, for global data that no peer writes.
 __device__ __forceinline__ void wait_landed(unsigned long long* landed, unsigned phase) {
 #if CUPYROPE_CLUSTERS
-    const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(landed));
+    const unsigned bar = shared_address(landed);
     asm volatile(
         "{\n\t.reg .pred done;\n"
         "WAIT_LANDED_%=:\n\t"

@@ -289,7 +289,7 @@ __device__ __forceinline__ Held<T, E> reread_chunk(const uint4* slot) {
     Held<T, E> v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
-                 : "r"(static_cast<unsigned>(__cvta_generic_to_shared(slot))));
+                 : "r"(shared_address(slot)));
     return v;
 }
 
