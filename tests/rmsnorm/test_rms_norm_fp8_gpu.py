@@ -52,12 +52,13 @@ def codes_of(y) -> np.ndarray:
 
 def assert_fp8_matches(codes, q):
     """Each byte is the FP8 rounding of the reference's unrounded value q, or of a value within SLACK of it (where q
-    lies that close to a rounding boundary)."""
+    lies that close to a rounding boundary). No share of exact matches is asked for: without a weight q is
+    448 x_i / max |x| with x in 8 bits, so up to 1/16 of the values can sit on a tie, where the kernel's fp32 value
+    may fall on either side."""
     low, high = reference.e4m3(q * (1 - SLACK)), reference.e4m3(q * (1 + SLACK))
     bad = (codes != low) & (codes != high)
     assert not bad.any(), (f"{bad.sum()} of {bad.size} bytes off; first at {np.argwhere(bad)[0]}: "
                            f"{codes[bad][0]:#x} for {q[bad][0]!r}")
-    assert np.mean(codes == reference.e4m3(q)) > 0.99  # ties: without a weight, q is 448 x_i / max |x| (x in 8 bits)
 
 
 @pytest.mark.parametrize("kind", KINDS)
