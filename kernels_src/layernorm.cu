@@ -75,6 +75,27 @@ __device__ __forceinline__ Pack<T, E> ln_output(const Held<T, E>& v, float mean,
     return y;
 }
 
+// y for a row's chunks held in registers. AFFINE: weight and bias both given (LayerNorm's usual case), a copy of
+// the loop whose loads carry no null checks: those selects were about a fifth of the output's instructions, and rows
+// of few chunks a thread are instruction-bound.
+template <typename T, typename W, bool VEC, int NPT, bool SHIFT, int E, bool AFFINE>
+__device__ __forceinline__ void store_held_row(T* y_row, const Held<T, E> (&v)[NPT], int first, int step, int hidden,
+                                               float mean, float rstd, const void* weight, const void* bias) {
+    if constexpr (AFFINE) {
+        __builtin_assume(weight != nullptr);
+        __builtin_assume(bias != nullptr);
+    }
+#pragma unroll
+    for (int i = 0; i < NPT; ++i) {
+        const int col = first + i * step;
+        if (col < hidden) {
+            const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(weight, col, hidden);
+            const Pack<W, E> b = load_bias_chunk<W, VEC, SHIFT, E>(bias, col, hidden);
+            store_chunk<VEC, SHIFT, E>(y_row, col, hidden, ln_output<T, W, E>(v[i], mean, rstd, w, b));
+        }
+    }
+}
+
 // Launch bounds by register slots. Rows of 4+ slots (with the planner's 32 elements a thread, all but the shortest
 // rows) have up to 1024 threads at 64 registers; long 16-byte rows of 8 slots up to 512 threads (78-82 registers).
 // Rows of 1-2 slots have blocks of up to 512 threads, as many resident as RMSNorm's forward asks for (FwdBounds), the
@@ -149,15 +170,10 @@ __global__ void __launch_bounds__(LayerNormBounds<VEC, NPT, ADD, SHIFT>::threads
         // Weight and bias are loaded here, after the reductions. Loaded with x, they measured slower at every shape
         // (H200: fp32 [8192, 16384] 310.9 -> 327.1 us; bf16 [32768, 4096] 131.6 -> 372.0, where rows of 4 slots
         // spill). An L1 prefetch of them issued with x measured 8-160% slower.
-#pragma unroll
-        for (int i = 0; i < NPT; ++i) {
-            const int col = first + i * step;
-            if (col < hidden) {
-                const Pack<W, E> w = load_weight_chunk<W, VEC, SHIFT, E>(p.weight, col, hidden);
-                const Pack<W, E> b = load_bias_chunk<W, VEC, SHIFT, E>(p.bias, col, hidden);
-                store_chunk<VEC, SHIFT, E>(y_row, col, hidden, ln_output<T, W, E>(v[i], mean, rstd, w, b));
-            }
-        }
+        if (p.weight && p.bias)
+            store_held_row<T, W, VEC, NPT, SHIFT, E, true>(y_row, v, first, step, hidden, mean, rstd, p.weight, p.bias);
+        else
+            store_held_row<T, W, VEC, NPT, SHIFT, E, false>(y_row, v, first, step, hidden, mean, rstd, p.weight, p.bias);
     } else {
         // Three passes: the sum (with ADD, the new residual written), the squared deviations and the output, the
         // later two mostly from the L2 (with ADD, the new residual, which this thread wrote itself: its own
