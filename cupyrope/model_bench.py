@@ -11,7 +11,9 @@ and regime, each variant's median step time, its spread over the rounds, its spe
 same round, and its median busy time.
 
 Regimes: ``prefill`` (one sequence, no grad, full logits), ``train`` (forward and backward of the language-model loss,
-no optimizer), ``decode`` (one token for each of a batch of sequences, with the KV cache of a prompt).
+no optimizer), ``decode`` (one token for each of a batch of sequences, with the KV cache of a prompt; transformers'
+host time between the kernels dominates it at this size), ``decode_graph`` (the same step on a static cache, captured
+in a CUDA graph and replayed, as serving engines run decode: the kernels' time without the host's).
 """
 
 import json
@@ -33,8 +35,8 @@ FAMILIES = {
 LIGER_PATCHES = {"llama-3": "apply_liger_kernel_to_llama", "qwen3": "apply_liger_kernel_to_qwen3"}
 VARIANTS = ("transformers", "cupyrope", "liger")
 # regime: (batch, tokens); decode: (sequences, prompt tokens in the cache).
-REGIMES = {"prefill": (1, 8192), "train": (1, 4096), "decode": (64, 512)}
-TINY_REGIMES = {"prefill": (1, 64), "train": (1, 32), "decode": (4, 16)}
+REGIMES = {"prefill": (1, 8192), "train": (1, 4096), "decode": (64, 512), "decode_graph": (64, 512)}
+TINY_REGIMES = {"prefill": (1, 64), "train": (1, 32), "decode": (4, 16), "decode_graph": (4, 16)}
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -86,6 +88,8 @@ def _regime_steps(torch, model, regime: str, batch: int, tokens: int, vocab: int
             model(ids, labels=ids).loss.backward()
             model.zero_grad(set_to_none=True)
         return step
+    if regime == "decode_graph":
+        return _graph_decode_step(torch, model, ids, device)
     model.eval()
     with torch.no_grad():
         cache = model(ids, use_cache=True).past_key_values
@@ -96,6 +100,43 @@ def _regime_steps(torch, model, regime: str, batch: int, tokens: int, vocab: int
             out = model(state["next"], past_key_values=state["cache"], use_cache=True)
         state["cache"], state["next"] = out.past_key_values, out.logits[:, -1:].argmax(-1)
     return step
+
+
+def _graph_decode_step(torch, model, ids, device):
+    """decode_graph's step: one token a sequence on a static cache holding the prompt `ids`, captured in a CUDA graph
+    (on a CPU, run eagerly). Every replay writes the cache's last slot and attends over the same cache, so each step
+    does the same work (the cache's layers, which count their own length, are rewound to the prompt's inside the
+    step); the step's argmax feeds the next step's tokens inside the graph."""
+    from transformers import StaticCache
+
+    model.eval()
+    prompt = ids.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=prompt + 1)
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache, use_cache=True,
+                       cache_position=torch.arange(prompt, device=device)).logits
+    tokens, position = logits[:, -1:].argmax(-1), torch.tensor([prompt], device=device)
+
+    def decode():
+        with torch.no_grad():
+            out = model(tokens, past_key_values=cache, use_cache=True, cache_position=position)
+            tokens.copy_(out.logits[:, -1:].argmax(-1))
+        for layer in getattr(cache, "layers", ()):
+            length = getattr(layer, "cumulative_length", None)
+            if isinstance(length, torch.Tensor):
+                length.fill_(prompt)
+    if device == "cpu":
+        return decode
+    side = torch.cuda.Stream()  # warm-up off the capturing stream, as torch.cuda.graph asks: every kernel planned
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            decode()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode()
+    return graph.replay
 
 
 def build(family: str, variant: str, device: str, tiny: bool):

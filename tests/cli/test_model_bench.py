@@ -4,6 +4,7 @@ transformers is installed, tiny models on the CPU through the same worker proces
 import pytest
 
 from cupyrope import model_bench
+from helpers import requires_torch_cuda
 
 
 def _result(family, variant, round_, prefill, train=None, busy=None):
@@ -33,15 +34,16 @@ def test_summary_speedups_are_per_round_and_spread_over_rounds():
 
 def test_tiny_models_on_the_cpu_each_variant_in_a_process_of_its_own():
     pytest.importorskip("transformers")
-    results = model_bench.run(["qwen3"], model_bench.VARIANTS, ["prefill", "decode"], rounds=2, steps=1,
-                              device="cpu", tiny=True, timeout=300)
+    results = model_bench.run(["qwen3"], model_bench.VARIANTS, ["prefill", "decode", "decode_graph"], rounds=2,
+                              steps=1, device="cpu", tiny=True, timeout=300)
     assert [(r["round"], r["variant"]) for r in results] == [
         (0, "transformers"), (0, "cupyrope"), (0, "liger"), (1, "cupyrope"), (1, "liger"), (1, "transformers")]
     patched = [r["patched"] for r in results if r["variant"] == "cupyrope"]
     assert all(p["qk_norm_rope"] == 2 and p["rms_norm"] > 0 and p["skipped"] == 0 for p in patched)
     assert all(r["patched"] is None for r in results if r["variant"] == "transformers")
     timed = [r for r in results if "ms" in r]
-    assert all(len(r["ms"]["prefill"]) == 1 and r["ms"]["decode"][0] > 0 for r in timed)
+    assert all(len(r["ms"]["prefill"]) == 1 and r["ms"]["decode"][0] > 0 and r["ms"]["decode_graph"][0] > 0
+               for r in timed)
     rows = model_bench.summarize(results)
     assert {(r["regime"], r["variant"]) for r in rows if "speedup" in r} >= {("prefill", "cupyrope"),
                                                                                ("decode", "cupyrope")}
@@ -58,3 +60,17 @@ def test_the_command_line_picks_families_and_regimes(monkeypatch):
     assert seen == [(["qwen3"], model_bench.VARIANTS, ["prefill", "decode"]),
                     (list(model_bench.FAMILIES), model_bench.VARIANTS, list(model_bench.REGIMES))]
 
+
+
+@pytest.mark.gpu
+@requires_torch_cuda
+def test_decode_graph_captures_each_variant_on_the_gpu():
+    """decode_graph captures the decode step in a CUDA graph: the patched model's kernels (and every provider's) must
+    launch on the capturing stream with nothing that synchronizes, and the replays must run."""
+    pytest.importorskip("transformers")
+    results = model_bench.run(list(model_bench.FAMILIES), model_bench.VARIANTS, ["decode_graph"], rounds=1, steps=3,
+                              device="cuda", tiny=True, timeout=300)
+    ran = {(r["family"], r["variant"]) for r in results if "ms" in r}
+    assert ran >= {(family, variant) for family in model_bench.FAMILIES for variant in ("transformers", "cupyrope")}, \
+        results
+    assert all(r["ms"]["decode_graph"][0] > 0 and r["busy_ms"]["decode_graph"] > 0 for r in results if "ms" in r)
