@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(LayerNormBwdBounds<VEC, NPT, 16 / sizeof(T), S
     constexpr int SLOTS = NPT > 0 ? NPT : 1;
     // row_sum_pair's warp partials, a pair of arrays used by turns (rows alternate): one barrier a row.
     __shared__ float2 scratch[2][32];
-    extern __shared__ __align__(128) uint4 stage[];
+    extern __shared__ __align__(STAGE_ALIGN) uint4 stage[];
     const int lane = threadIdx.x, width = blockDim.x, step = width * E;
     const i64 slot = (i64)blockIdx.x * blockDim.y + threadIdx.y;
     float* const dw_out = p.partial ? p.partial + 2 * slot * p.hidden : nullptr;
@@ -583,7 +583,7 @@ __global__ void CLUSTER_DIMS(SPLIT) __launch_bounds__(512, 1) layer_norm_bwd_spl
     constexpr int E = 16 / sizeof(T);
     __shared__ float2 scratch[2][32];  // row_sum_pair's warp partials, by row parity
     __shared__ ClusterSums<SPLIT, float2> cluster_sums;  // the blocks' dot sums (cluster_sum)
-    extern __shared__ __align__(128) uint4 stage[];
+    extern __shared__ __align__(STAGE_ALIGN) uint4 stage[];
     i64 offset;
     const i64 length = cluster_part<E, SPLIT>(p.hidden, offset);
     LayerNormBwdParams mine = p;  // the block's part of the rows; inv_hidden stays the whole row's

@@ -510,7 +510,7 @@ __global__ void __launch_bounds__(StagedMaxThreads<NPT, LEAN>::value, 1) rms_nor
     wait_for_previous_grid();
     constexpr int E = 16 / sizeof(T);
     __shared__ float scratch[32];  // row_sum's warp partials
-    extern __shared__ __align__(128) uint4 staged[];  // [STAGES][dy, x, GRAD: residual_grad][NPT][blockDim.x]
+    extern __shared__ __align__(STAGE_ALIGN) uint4 staged[];  // [STAGES][dy, x, GRAD: residual_grad][NPT][blockDim.x]
     int first;
     Pack<float, E> dw[NPT];
     walk_staged_rows<T, W, NPT, STAGES, SHIFT, LEAN, GRAD>(p, scratch, staged, first, dw);
@@ -535,7 +535,7 @@ __global__ void CLUSTER_DIMS(CLUSTER) __launch_bounds__(StagedMaxThreads<NPT, tr
 #if CUPYROPE_CLUSTERS
     constexpr int E = 16 / sizeof(T);
     __shared__ float scratch[32];  // row_sum's warp partials
-    extern __shared__ __align__(128) uint4 staged[];  // the stages, then this block's dweight sums: [hidden] floats
+    extern __shared__ __align__(STAGE_ALIGN) uint4 staged[];  // the stages, then this block's dweight sums: [hidden] floats
     float* sums = reinterpret_cast<float*>(staged + STAGES * STAGE_TENSORS<GRAD> * NPT * blockDim.x);
     int first;
     Pack<float, E> dw[NPT];
@@ -589,7 +589,7 @@ __device__ __forceinline__ void reread_rows(const NormBwdParams& p, i64 first_ro
                                             ClusterSums<SPLIT, float>& cluster, unsigned& turn, bool accumulate = false) {
     constexpr int E = 16 / sizeof(T);
     __shared__ float scratch[32];  // row_sum's warp partials
-    extern __shared__ __align__(128) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]; SHIFT: then the weight
+    extern __shared__ __align__(STAGE_ALIGN) uint4 staged[];  // [STAGES][dy, x][NPT][blockDim.x]; SHIFT: then the weight
     const int lane = threadIdx.x, width = blockDim.x;
     const int step = width * E, hidden = (int)p.hidden;
     const int shift = row_shift<SHIFT, E>(static_cast<const T*>(p.x) + first_row * p.x_stride);

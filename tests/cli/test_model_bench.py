@@ -61,7 +61,6 @@ def test_the_command_line_picks_families_and_regimes(monkeypatch):
                     (list(model_bench.FAMILIES), model_bench.VARIANTS, list(model_bench.REGIMES))]
 
 
-
 @pytest.mark.gpu
 @requires_torch_cuda
 def test_decode_graph_captures_each_variant_on_the_gpu():
