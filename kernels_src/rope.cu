@@ -162,7 +162,9 @@ __global__ void __launch_bounds__(DIRECT_MAX_THREADS) rope_direct_kernel(const R
         }
         if (k != 0) return;
     } else {
-        if (CACHE && !TOKEN_ROWS<P> && p.pos_mode != POS_MROPE) {  // M-RoPE: a pack may span two rows
+        if constexpr (TOKEN_ROWS<P>) {
+            token_rows_cos_sin<C, F, VEC>(p, tp.v[0], f0, c, s);
+        } else if (CACHE && p.pos_mode != POS_MROPE) {  // M-RoPE: a pack may span two rows
             cache_cos_sin<C, F, VEC>(p, tp.v[0], f0, half, c, s);
         } else {
 #pragma unroll

@@ -169,7 +169,7 @@ def _plan_rope_cos_sin_call(qa, ka, cos, sin, qo, ko, mode, rotary_dim, freq_ste
                                                          freq_step=freq_step, style=style, inverse=inverse, impl=impl)
     return _plan_qk(qa, ka, qo, ko, mode, (cos, sin), ("cos", "sin"), True, positions=rows, cache=cos, style=style,
                     rotary_dim=rotary_dim, theta=10000.0, inverse=inverse, impl=impl,
-                    freq_stride=freq_step * cos.strides[-1])
+                    freq_stride=freq_step * cos.strides[-1], sin=sin)
 
 
 def _plan_qk(qa, ka, qo, ko, mode, sources, source_names, check_reads, planner=plan_rope,

@@ -207,11 +207,11 @@ def _cache_in_packs(cache, freqs) -> bool:
 
 
 def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, impl, n_sm, choices, in_place,
-              freq_stride=0, source=PLAIN) -> RopePlan:
+              freq_stride=0, sin=None, source=PLAIN) -> RopePlan:
     """groups: [(input, output), ...] Arrays: q's pair, then k's (optional). All checked already. in_place: each
     output is its input (out of place, features past rotary_dim are copied). positions of dtype TOKEN_ROWS: the
     leading dimensions of per-token cos/sin tensors (their strides locate a token's row), cache then stands for
-    cos (its dtype) and freq_stride is the element stride between frequencies in cos and sin. source: where the
+    cos, sin for sin, and freq_stride is the element stride between frequencies in cos and sin. source: where the
     positions come from (PositionSource; positions then stands for the token dimensions they cover). n_sm and
     choices (RopeChoices): the GPU's SMs and its launch profile's "rope" section."""
     dtype = groups[0][0].dtype
@@ -260,7 +260,8 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
     divisors = (n_heads * lanes, layout.token_sizes[2], layout.token_sizes[1], lanes) if direct else (0, 0, 0, 0)
     tail = pack_params(layout, tensor_strides(layout, len(groups)), source, divisors=divisors, n_tokens=n_tokens,
                        heads=(n_q_heads, n_heads), lanes=(rot_lanes, copy_lanes), tokens=tokens,
-                       cache_fields=cache_fields(positions, cache, freq_stride), rotary_dim=rotary_dim, theta=theta,
+                       cache_fields=cache_fields(positions, cache, freq_stride, sin, freqs), rotary_dim=rotary_dim,
+                       theta=theta,
                        inverse=inverse)
     name = kernel_name(dtype, cache.dtype if use_cache else "float32", positions.dtype, style, vectorized, use_cache,
                        direct)
@@ -282,10 +283,17 @@ def block_tokens(n_tokens: int, items_per_token: int, rotary_dim: int, n_sm: int
     return min(tokens, MAX_BLOCK_TOKENS, COS_SIN_FLOATS // rotary_dim, max(1, n_tokens // (n_sm * blocks_per_sm)))
 
 
-def cache_fields(positions, cache, freq_stride) -> tuple[int, int]:
-    """RopeParams' (cache_stride or freq_stride, max_position)."""
+def cache_fields(positions, cache, freq_stride, sin=None, freqs=1) -> tuple[int, int]:
+    """RopeParams' (cache_stride, max_position), or with per-token cos and sin (cache: cos) (freq_stride,
+    rows_in_packs): whether the direct kernel's items, of `freqs` frequencies, read their cos and their sin as one
+    pack each (kernels_src/rope_common.cuh: token_rows_cos_sin): frequencies contiguous, both tensors and every
+    token's row aligned to a pack."""
     if positions.dtype == TOKEN_ROWS:
-        return freq_stride, 0
+        pack_bytes = min(16, freqs * ITEMSIZE[cache.dtype])
+        aligned = (freq_stride == 1 and sin is not None and all(t.ptr % pack_bytes == 0 for t in (cache, sin))
+                   and all(n == 1 or s * ITEMSIZE[cache.dtype] % pack_bytes == 0
+                           for n, s in zip(positions.shape, positions.strides)))
+        return freq_stride, int(aligned)
     return (cache.strides[0], cache.shape[0]) if cache is not None else (0, 0)
 
 

@@ -385,6 +385,26 @@ def test_rope_qk_cos_sin_layouts(rng, kind, q_shape, cos_lead, kernel):
     assert_ran(kernel)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0, 1, 4])
+def test_rope_qk_cos_sin_rows_at_any_alignment(rng, offset, dtype, kernel):
+    """Decode (64 sequences) with cos/sin starting `offset` elements into wider rows: each item's cos and sin read
+    as one pack where the rows are pack-aligned (offset 0; 4 for fp32's 16 bytes), else one by one."""
+    b, d = 64, 64
+    table = reference.round_to(reference.rope_cache(1024, d, 10000.0), dtype)
+    pos_host = rng.integers(0, 1024, (b, 1, 1))
+    cos_host, sin_host = reference.per_token_cos_sin(table, pos_host)
+    cos, sin = (to_device(np.pad(t, [(0, 0)] * 3 + [(offset, 0)], constant_values=np.nan), dtype, "cupy")[..., offset:]
+                for t in (cos_host, sin_host))
+    q_host, k_host = random_host((b, 4, 1, d), dtype, rng), random_host((b, 2, 1, d), dtype, rng)
+    q, k = to_device(q_host, dtype, "cupy"), to_device(k_host, dtype, "cupy")
+    out = tuple(poison(to_device(np.zeros(x.shape), dtype, "cupy")) for x in (q_host, k_host))
+    cupyrope.rope_qk_cos_sin(q, k, cos, sin, out=out)
+    for got, x_host in zip(out, (q_host, k_host)):
+        assert_matches(to_host(got), reference.rope(x_host, pos_host, cos_sin_cache=table), dtype, what=f"offset {offset}")
+    assert_ran(kernel)
+
+
 @requires_torch_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_qk_cos_sin_torch_gradient_is_the_inverse_rotation(rng, dtype):

@@ -150,4 +150,28 @@ def test_transformers_cos_sin_rows_are_read_where_they_lie():
     assert tail[0] == 2 * 2048  # tokens: (B, S); the heads of q and k share each token's row
     assert tail[3:6] == (0, 2048 * 128, 128)  # cos's token strides (B merged away: padded to 3)
     assert tail[6] == 0  # positions: one a token (here cos/sin rows)
-    assert tail[42:44] == (2, 0)  # freq_stride, no max_position
+    assert tail[42:44] == (2, 0)  # freq_stride; frequencies 2 apart: not read as packs
+
+
+def test_transformers_cos_sin_rows_are_read_as_packs_where_contiguous_and_aligned():
+    """An item's 8 bf16 cos (and sin) are one 16-byte pack where frequencies are contiguous and cos, sin and every
+    token's row are 16-byte aligned (RopeParams::rows_in_packs); any of them off: one by one."""
+    import struct
+
+    q, k = arr((64, 32, 1, 64)), arr((64, 8, 1, 64), ptr=BASE + 2**32)  # decode: 64 sequences, bf16 cos/sin
+
+    def rows_in_packs(cos_ptr=BASE + 2**34, sin_ptr=BASE + 2**35, row=64, freq_stride=1):
+        rows = arr((64, 1, 1), TOKEN_ROWS, strides=(row, row, row), ptr=cos_ptr)
+        cos, sin = arr((64, 1, 1, 64), ptr=cos_ptr), arr((64, 1, 1, 64), ptr=sin_ptr)
+        p = plan([(q, arr(q.shape, ptr=BASE + 2**36)), (k, arr(k.shape, ptr=BASE + 2**37))], rows, cos,
+                 freq_stride=freq_stride, sin=sin)
+        assert "rope_direct_kernel<__nv_bfloat16, __nv_bfloat16, cupyrope::TokenRows, 0, true, true>" in p.name
+        tail = struct.unpack(_TAIL.format, p.tail[len(NORM_POINTERS):])
+        assert tail[42] == freq_stride
+        return tail[43]
+
+    assert rows_in_packs() == 1
+    assert rows_in_packs(cos_ptr=BASE + 2**34 + 2) == 0
+    assert rows_in_packs(sin_ptr=BASE + 2**35 + 8) == 0
+    assert rows_in_packs(row=68) == 0  # every 2nd row 8 bytes off
+    assert rows_in_packs(freq_stride=2) == 0
