@@ -1,5 +1,5 @@
 """Per-device facts the planners need (read once per device), and the driver entry points CuPy has no
-binding for: cuLaunchKernelEx and cuOccupancyMaxActiveClusters, through ctypes."""
+binding for: cuLaunchKernelEx, cuStreamGetCaptureInfo and cuOccupancyMaxActiveClusters, through ctypes."""
 
 import ctypes
 import dataclasses
@@ -98,6 +98,19 @@ def launch_kernel_ex():
     except (OSError, AttributeError):
         return None
     function.argtypes = [ctypes.c_void_p] * 4
+    function.restype = ctypes.c_int
+    return function
+
+
+@functools.cache
+def stream_capture_info():
+    """The driver's cuStreamGetCaptureInfo_v3(stream, status, id, graph, dependencies, edge data, count); None with no
+    driver library or one older than CUDA 12.3."""
+    try:
+        function = _libcuda().cuStreamGetCaptureInfo_v3
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p] * 7
     function.restype = ctypes.c_int
     return function
 

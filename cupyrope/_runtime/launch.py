@@ -6,12 +6,15 @@ thread's parameter buffer with one ``struct`` call and hands it to ``cuLaunchKer
 typed binding. That is much cheaper than CuPy's per-argument kernel call, and it takes a raw stream handle,
 so torch's current stream needs no wrapper object.
 
-On compute capability 9.0+, launches captured into a CUDA graph are programmatic dependent launches (PDL):
-``cuLaunchKernelEx`` with PROGRAMMATIC_STREAM_SERIALIZATION, so at replay a kernel is launched and placed while the
-previous kernel in its stream finishes. Every kernel waits for that kernel's completion before touching memory
-(``wait_for_previous_grid`` in kernels_src/common.cuh), so results are the same bits; back-to-back calls lose most of
-a launch's latency (bf16 [512, 256] forward 2.03 -> 1.54 us a call). Eager launches stay plain by default: there the
-PDL launch (through ctypes) costs the host 0.6-1.5 us more a launch than CuPy's binding, which small calls pay in full.
+On compute capability 9.0+, a launch captured into a CUDA graph right after another cupyrope launch is a
+programmatic dependent launch (PDL): ``cuLaunchKernelEx`` with PROGRAMMATIC_STREAM_SERIALIZATION, so at replay it is
+launched and placed while the kernel before it finishes. Every kernel waits for that kernel's completion before
+touching memory and then lets its own successor launch (``wait_for_previous_grid`` in kernels_src/common.cuh), so
+results are the same bits; back-to-back calls lose most of a launch's latency (bf16 [512, 256] forward 2.03 -> 1.54
+us a call). After any other node (a matmul, attention, a torch kernel: how early those let a successor launch is
+theirs to say) the launch stays plain: PDL there cost a transformers decode step captured in a graph 0.45 us a launch
+(H200, Llama-3 shape: 2.916 against 2.894 ms). Eager launches stay plain by default: there the PDL launch (through
+ctypes) costs the host 0.6-1.5 us more a launch than CuPy's binding, which small calls pay in full.
 ``set_pdl`` / ``CUPYROPE_PDL`` choose: "graphs" (the default), "always" or "never".
 """
 
@@ -22,7 +25,7 @@ import sys
 import threading
 
 from .compile import import_cupy
-from .device import LAUNCH_CONFIG, launch_kernel_ex, runs_clusters
+from .device import LAUNCH_CONFIG, launch_kernel_ex, runs_clusters, stream_capture_info
 
 CUDA_ERROR_INVALID_CONTEXT = 201
 _PARAM_BYTES = 1024
@@ -51,9 +54,10 @@ _pdl = _mode(os.environ.get("CUPYROPE_PDL", "graphs").strip().lower(), "CUPYROPE
 
 def set_pdl(mode) -> str:
     """Which launches are programmatic dependent launches on compute capability 9.0+: "graphs" (the default: those
-    captured into a CUDA graph), "always" (eager ones too: GPU-bound eager loops gain 1-5%, small host-bound calls
-    pay 0.6-1.5 us more host time a launch) or "never"; True and False mean "always" and "never". Returns the
-    previous mode. It applies to launches made after it (a graph keeps what its capture recorded)."""
+    captured into a CUDA graph right after another cupyrope launch), "always" (every launch, eager ones too: GPU-bound
+    eager loops gain 1-5%, small host-bound calls pay 0.6-1.5 us more host time a launch) or "never"; True and False
+    mean "always" and "never". Returns the previous mode. It applies to launches made after it (a graph keeps what its
+    capture recorded)."""
     global _pdl
     previous, _pdl = _pdl, _mode(mode)
     return PDL_MODES[previous]
@@ -73,16 +77,37 @@ def _programmatic(device: int) -> bool:
 _driver = None
 _runtime = None
 _launch_ex = None  # the driver's cuLaunchKernelEx, or None without one
+_capture_info = None  # the driver's cuStreamGetCaptureInfo_v3, or None without one
 _local = threading.local()
+_own_tails = {}  # capturing stream -> its capture_tail() right after a cupyrope launch into it
 
 
 def _bind():
-    global _driver, _runtime, _launch_ex
+    global _driver, _runtime, _launch_ex, _capture_info
     cupy = import_cupy()
 
     _runtime = cupy.cuda.runtime
     _driver = cupy.cuda.driver
     _launch_ex = launch_kernel_ex()
+    _capture_info = stream_capture_info()
+
+
+def capture_tail(stream: int):
+    """(capture id, node) of the one node a launch into the capturing ``stream`` would depend on; None where it would
+    depend on several nodes or none, or the driver cannot tell."""
+    if _capture_info is None:
+        return None
+    status, capture_id, nodes, count = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_void_p(), ctypes.c_size_t()
+    if _capture_info(stream, ctypes.byref(status), ctypes.byref(capture_id), None, ctypes.byref(nodes), None,
+                     ctypes.byref(count)) or count.value != 1:
+        return None
+    return capture_id.value, ctypes.c_void_p.from_address(nodes.value).value
+
+
+def _follows_own_launch(stream: int) -> bool:
+    """Whether the node a launch into the capturing ``stream`` would follow is a cupyrope launch."""
+    tail = capture_tail(stream)
+    return tail is not None and _own_tails.get(stream) == tail
 
 
 def _param_block():
@@ -149,20 +174,23 @@ class Launch:
 
     def _launch(self, stream: int, params: int, config, config_address: int) -> None:
         """The launch itself: a programmatic dependent launch where set_pdl's mode takes one ("graphs": the stream
-        is capturing), through cuLaunchKernelEx with the CUlaunchConfig packed into ``config``; else CuPy's
-        cuLaunchKernel. A driver that refuses the PDL gets this plan's launches plainly from then on (a refused
-        launch has not run)."""
-        if self.pdl and _pdl != NEVER and (_pdl == ALWAYS or _runtime.streamIsCapturing(stream)):
+        is capturing and its last node is a cupyrope launch), through cuLaunchKernelEx with the CUlaunchConfig packed
+        into ``config``; else CuPy's cuLaunchKernel. A driver that refuses the PDL gets this plan's launches plainly
+        from then on (a refused launch has not run)."""
+        capturing = self.pdl and _pdl == GRAPHS and _runtime.streamIsCapturing(stream)
+        launched = False
+        if self.pdl and (_pdl == ALWAYS or capturing and _follows_own_launch(stream)):
             LAUNCH_CONFIG.pack_into(config, 0, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem, stream,
                               _PDL_ATTRIBUTE_ADDRESS, 1)
             status = _launch_ex(config_address, self.function, params, None)
             if status == CUDA_ERROR_INVALID_CONTEXT:
                 raise _driver.CUDADriverError(status)
-            if not status:
-                return
-            self.pdl = False
-        _driver.launchKernel(self.function, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem, stream,
-                             params, 0)
+            launched = self.pdl = not status
+        if not launched:
+            _driver.launchKernel(self.function, self.grid, 1, 1, self.block[0], self.block[1], 1, self.shared_mem,
+                                 stream, params, 0)
+        if capturing:
+            _own_tails[stream] = capture_tail(stream)
 
     def _retry(self, error, stream: int, params: int, config, config_address: int) -> None:
         """A thread with no context bound (the first launch binds one; this is the fallback): bind the

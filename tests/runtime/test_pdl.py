@@ -99,10 +99,22 @@ def test_programmatic_launch_passes_the_plan_and_stream(monkeypatch):
 
 
 @pytest.mark.parametrize("capturing", [False, True])
-def test_by_default_only_launches_into_a_graph_take_pdl(monkeypatch, capturing):
+def test_by_default_only_launches_into_a_graph_right_after_a_cupyrope_launch_take_pdl(monkeypatch, capturing):
+    """"graphs": each launch adds a node to the capturing stream; one whose stream's last node is a cupyrope launch
+    is programmatic, one after the capture's start or after another node (a torch kernel) is plain, and so is every
+    eager launch."""
     launch, calls = _launch_with(monkeypatch, 0, mode="graphs", capturing=capturing)
+    foreign = {"nodes": 0}  # nodes other libraries added
+    monkeypatch.setattr(_launch, "_own_tails", {})
+    monkeypatch.setattr(_launch, "capture_tail",
+                        lambda stream: (7, len(calls["ex"]) + len(calls["plain"]) + 1000 * foreign["nodes"]))
     launch(0xA, 0xB)
-    assert (len(calls["ex"]), len(calls["plain"])) == ((1, 0) if capturing else (0, 1))
+    assert (len(calls["ex"]), len(calls["plain"])) == (0, 1)  # the capture's first node, or eager
+    launch(0xA, 0xB)
+    assert (len(calls["ex"]), len(calls["plain"])) == ((1, 1) if capturing else (0, 2))
+    foreign["nodes"] += 1
+    launch(0xA, 0xB)
+    assert (len(calls["ex"]), len(calls["plain"])) == ((1, 2) if capturing else (0, 3))
 
 
 def test_a_driver_refusing_pdl_gets_plain_launches(monkeypatch):
@@ -232,3 +244,33 @@ def test_pdl_on_the_second_gpu_while_the_first_is_current(pdl_setting):
     assert all(t.device == dev and torch.isfinite(t.float()).all() for t in plain)
     for a, b, c in zip(plain, eager, captured):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.gpu
+@requires_pdl_gpu
+def test_in_a_graph_only_a_launch_right_after_a_cupyrope_launch_is_programmatic(pdl_setting, monkeypatch):
+    """Captured: norm, norm (after a cupyrope launch: PDL), a torch kernel, norm (after it: plain). The replay gives
+    the plain launches' bits."""
+    import torch
+
+    pdl_setting("graphs")
+    programmatic = []
+    launch_ex = _launch._launch_ex
+
+    def counting(config, function, params, extra):
+        programmatic.append(function)
+        return launch_ex(config, function, params, extra)
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def calls():
+        y = cupyrope.rms_norm(cupyrope.rms_norm(x, w, 1e-6), w, 1e-6)
+        return cupyrope.rms_norm(y * 0.5, w, 1e-6)
+
+    plain = calls()
+    monkeypatch.setattr(_launch, "_launch_ex", counting)
+    captured = _replayed(x.device, calls)
+    assert len(programmatic) == 1
+    assert torch.isfinite(plain.float()).all() and torch.equal(plain, captured)
