@@ -136,7 +136,11 @@ def _graph_decode_step(torch, model, ids, device):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         decode()
-    return graph.replay
+
+    def replay():
+        graph.replay()
+    replay.memory = (tokens, position, cache)  # what the graph reads and writes lives as long as the step does
+    return replay
 
 
 def build(family: str, variant: str, device: str, tiny: bool):
@@ -152,9 +156,12 @@ def build(family: str, variant: str, device: str, tiny: bool):
                                                 fused_linear_cross_entropy=False)
     config = _config(transformers, family, tiny)
     torch.manual_seed(0)
-    with torch.device(device):  # initialized where it runs: a CPU initialization of ~1B weights takes seconds
-        model = getattr(transformers, FAMILIES[family][1])(config)
-    model = model.to(dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    # Initialized where it runs (a CPU initialization of ~1B weights takes seconds) in its dtype, as from_pretrained
+    # loads a model: the rotary embedding's inv_freq stays float32 (model.to(torch.bfloat16) would round it, and
+    # with it every angle, which the model's own RoPE then differs by from the config's).
+    with torch.device(device):
+        model = getattr(transformers, FAMILIES[family][1])._from_config(
+            config, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     report = None
     if variant == "cupyrope":
         from .patch import patch_transformers

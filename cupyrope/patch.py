@@ -342,9 +342,14 @@ def _checked_qk_norm_attention(model, attention, layer_type, eps, offset):
     probe, states, cos_sin = _probe_inputs(model, attention, attention, layer_type, (attention.q_norm, attention.k_norm),
                                            attention.q_proj.weight.shape[1], positions)
     probe.cupyrope_rotary, probe.cupyrope_qk_norm = rotary, (eps, offset)
+    differs = "its forward differs from cupyrope's qk_norm_rope with the config's RoPE"
+    inv_freq = getattr(_model_rotary(model, attention, layer_type), "inv_freq", None)
+    if isinstance(inv_freq, Tensor) and inv_freq.dtype not in (torch.float32, torch.float64):
+        differs += (f" (its rotary embedding's inv_freq is {inv_freq.dtype}, which rounds every angle: model.to(dtype) "
+                    "converts it, from_pretrained(..., dtype=...) keeps it float32)")
     _check_same_forward(lambda: probe(states, cos_sin, None, position_ids=positions)[0],
                         lambda: _qk_norm_attention_forward(probe, states, cos_sin, None, position_ids=positions)[0],
-                        "its forward differs from cupyrope's qk_norm_rope with the config's RoPE")
+                        differs)
     return rotary
 
 

@@ -73,3 +73,5 @@ def test_decode_graph_captures_each_variant_on_the_gpu():
     assert ran >= {(family, variant) for family in model_bench.FAMILIES for variant in ("transformers", "cupyrope")}, \
         results
     assert all(r["ms"]["decode_graph"][0] > 0 and r["busy_ms"]["decode_graph"] > 0 for r in results if "ms" in r)
+    qwen3 = next(r["patched"] for r in results if (r["family"], r["variant"]) == ("qwen3", "cupyrope"))
+    assert qwen3["qk_norm_rope"] == 2 and qwen3["skipped"] == 0  # in bf16 too: the model's RoPE is the config's

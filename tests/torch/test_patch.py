@@ -307,6 +307,32 @@ def test_patch_transformers_leaves_a_qk_norm_attention_it_cannot_match(fake_mode
     assert "forward" not in vars(model.self_attn)
 
 
+def test_patch_transformers_names_a_rounded_inv_freq_where_a_qk_norm_attention_differs(fake_model):
+    """Where the fused forward differs and the rotary embedding's inv_freq is not fp32 (model.to(torch.bfloat16)
+    rounds it, and with it every angle), the reason says so."""
+    _, model = fake_model(model="FakeQKNormModel", rope_first=True)
+    model.rotary_emb.to(torch.bfloat16)
+    report = patch.patch_transformers(model, rope=False, rms_norm=False)
+    assert report["qk_norm_rope"] == [] and len(report["skipped"]) == 1
+    name, reason = report["skipped"][0]
+    assert name == "self_attn" and "inv_freq is torch.bfloat16" in reason and "from_pretrained" in reason
+
+
+def test_patch_transformers_fuses_qwen3_attention_as_loaded_not_after_to_bfloat16():
+    """transformers' Qwen3 in bf16: loaded in its dtype (the rotary inv_freq stays fp32) its attention is fused; after
+    model.to(torch.bfloat16) (inv_freq rounded, the model's RoPE no longer the config's) it is left, and says why."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=96, vocab_size=128, max_position_embeddings=256, head_dim=16,
+                                      rope_theta=1000000.0)
+    torch.manual_seed(0)
+    loaded = transformers.Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    converted = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+    assert patch.patch_transformers(loaded, rope=False)["qk_norm_rope"] == ["model.layers.0.self_attn"]
+    report = patch.patch_transformers(converted, rope=False)  # rope=False: the modeling module stays as it is
+    assert report["qk_norm_rope"] == [] and "inv_freq is torch.bfloat16" in dict(report["skipped"])["model.layers.0.self_attn"]
+
+
 def test_patch_transformers_fuses_a_checked_decoder_layers_residual_add(fake_model, gen):
     """Llama-shaped decoder layers: the attention output's residual add and post_attention_layernorm become one
     add_rms_norm call with the norm's (shared) weight; outputs and gradients as before, the state dict's keys too."""
