@@ -405,19 +405,62 @@ DECODER_LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm
 def _fused_add_decoder_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                                use_cache=False, position_embeddings=None, **kwargs):
     """transformers' pre-norm decoder layer forward (Llama, Qwen3), with the attention output's residual add and
-    post_attention_layernorm as one cupyrope.torch.add_rms_norm launch."""
+    post_attention_layernorm as one cupyrope.torch.add_rms_norm launch; and where the next layer is patched too (see
+    _link_decoder_layers), the MLP output's residual add and that layer's input_layernorm as another, whose normalized
+    output the next layer takes instead of normalizing its input again."""
+    normed = _handed_off(self, hidden_states)
     residual = hidden_states
-    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
-                                      position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states) if normed is None else normed,
+                                      attention_mask=attention_mask, position_ids=position_ids,
+                                      past_key_values=past_key_values, use_cache=use_cache,
                                       position_embeddings=position_embeddings, **kwargs)
     eps, offset = self.cupyrope_add_norm
     hidden_states, residual = ct.add_rms_norm(hidden_states, residual, self.post_attention_layernorm.weight, eps,
                                               offset=offset)
-    return residual + self.mlp(hidden_states)
+    out = self.mlp(hidden_states)
+    following = self.__dict__.get("cupyrope_next_layer")  # in __dict__: not a submodule
+    # Gradient checkpointing recomputes a layer with its input detached, where a hand-off would find no taker and
+    # keep an activation alive; torch.compile traces the plain sum.
+    if following is None or ct._compiling() or (self.training and getattr(self, "gradient_checkpointing", False)):
+        return residual + out
+    layer, eps, offset = following
+    normed, hidden_states = ct.add_rms_norm(out, residual, layer.input_layernorm.weight, eps, offset=offset)
+    layer.__dict__["cupyrope_handoff"] = (hidden_states, hidden_states._version, normed)
+    return hidden_states
+
+
+def _handed_off(layer, hidden_states):
+    """The input_layernorm output the layer before handed this layer with hidden_states, its output, if that is what
+    the layer got, unchanged since (the same tensor, no in-place write); else None. Taken once."""
+    handoff = layer.__dict__.pop("cupyrope_handoff", None)
+    if handoff is None or ct._compiling() or handoff[0] is not hidden_states or handoff[1] != hidden_states._version:
+        return None
+    return handoff[2]
+
+
+def _link_decoder_layers(model, patched) -> None:
+    """Each patched decoder layer whose next sibling in their module list (the layer the model's loop hands its output
+    to) is patched too, with an input_layernorm cupyrope computes, normalizes its output for that layer in its final
+    residual add (_fused_add_decoder_forward). patched: {name: layer}."""
+    for name, layer in patched.items():
+        parent, _, index = name.rpartition(".")
+        following = patched.get(f"{parent}.{int(index) + 1}" if parent else str(int(index) + 1)) \
+            if index.isdigit() else None
+        if following is None:
+            continue
+        norm = following.input_layernorm
+        try:
+            behaviour = ((float(norm.eps), float(norm.offset)) if isinstance(norm, ct.RMSNorm)
+                         else _rms_norm_behaviour(norm) if type(norm).__name__.endswith("RMSNorm") else None)
+        except _Skip:
+            behaviour = None
+        if behaviour is not None:
+            layer.__dict__["cupyrope_next_layer"] = (following, *behaviour)
 
 
 def _patch_decoder_layers(model, report) -> None:
     checked = {}  # (class, norm's eps and offset): None where its check passed, else why not
+    patched = {}
     for name, layer in model.named_modules():
         if not all(hasattr(layer, part) for part in DECODER_LAYER_PARTS) or "forward" in vars(layer):
             continue
@@ -446,6 +489,8 @@ def _patch_decoder_layers(model, report) -> None:
         layer.cupyrope_add_norm = (eps, offset)
         layer.forward = types.MethodType(_fused_add_decoder_forward, layer)
         report["add_rms_norm"].append(name)
+        patched[name] = layer
+    _link_decoder_layers(model, patched)
 
 
 def _check_decoder_layer(model, layer, eps, offset) -> None:

@@ -1,6 +1,7 @@
 """cupyrope.patch.patch_transformers: on a stand-in for a transformers modeling module (CI, no transformers), on tiny
 real models where transformers is installed, and on CUDA."""
 
+import copy
 import sys
 import types
 
@@ -335,7 +336,9 @@ def test_patch_transformers_fuses_qwen3_attention_as_loaded_not_after_to_bfloat1
 
 def test_patch_transformers_fuses_a_checked_decoder_layers_residual_add(fake_model, gen):
     """Llama-shaped decoder layers: the attention output's residual add and post_attention_layernorm become one
-    add_rms_norm call with the norm's (shared) weight; outputs and gradients as before, the state dict's keys too."""
+    add_rms_norm call with the norm's (shared) weight, and so do the first layer's MLP residual add and the second
+    layer's input_layernorm, which then normalizes nothing itself; outputs and gradients as before, the state dict's
+    keys too."""
     _, model = fake_model(model="FakeDecoderModel")
     keys = list(model.state_dict())
     x, position_ids = torch.randn(2, 7, 64, generator=gen), torch.arange(3, 10)[None]
@@ -345,16 +348,40 @@ def test_patch_transformers_fuses_a_checked_decoder_layers_residual_add(fake_mod
             report = patch.patch_transformers(model)
             assert report["add_rms_norm"] == ["layers.0", "layers.1"] and report["skipped"] == [], report
             assert model.layers[0].cupyrope_add_norm == (1e-5, 0.0)
+            calls = [[], []]
+            for layer, seen in zip(model.layers, calls):
+                layer.input_layernorm.register_forward_hook(lambda *args, seen=seen: seen.append(1))
         xg = x.clone().requires_grad_()
         model.zero_grad()
         out = model(xg, position_ids)
         out.square().sum().backward()
         grads.append((out.detach(), xg.grad, model.layers[0].post_attention_layernorm.weight.grad.clone(),
+                      model.layers[1].input_layernorm.weight.grad.clone(),
                       model.layers[1].self_attn.q_proj.weight.grad.clone()))
+    assert calls == [[1], []]  # the second layer's input normalized by the first
     for before, after in zip(*grads):
         torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5 * float(before.abs().max()))
     assert list(model.state_dict()) == keys
     assert patch.patch_transformers(model)["add_rms_norm"] == []  # idempotent
+
+
+@pytest.mark.parametrize("change", ["replaced", "written in place"])
+def test_a_decoder_layer_normalizes_its_input_itself_where_the_output_before_changed(fake_model, gen, change):
+    """The first layer's normalized output goes to the second only with the very tensor it returned, unwritten: a
+    forward hook that replaces that output, or writes it in place, and the second layer normalizes what it gets."""
+    hook = (lambda module, args, out: out * 2.0) if change == "replaced" else (lambda module, args, out: out.mul_(2.0))
+    _, model = fake_model(model="FakeDecoderModel")
+    unpatched = copy.deepcopy(model)
+    assert patch.patch_transformers(model)["add_rms_norm"] == ["layers.0", "layers.1"]
+    for m in (model, unpatched):
+        m.layers[0].register_forward_hook(hook)
+    calls = []
+    model.layers[1].input_layernorm.register_forward_hook(lambda *args: calls.append(1))
+    x, position_ids = torch.randn(2, 7, 64, generator=gen), torch.arange(3, 10)[None]
+    with torch.no_grad():
+        got, expected = model(x, position_ids), unpatched(x, position_ids)
+    assert calls == [1]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
 
 
 def test_patch_transformers_leaves_a_decoder_layer_it_cannot_match(fake_model):
