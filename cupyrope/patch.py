@@ -29,7 +29,8 @@ def patch_transformers(model: torch.nn.Module, *, rope: bool = True, rms_norm: b
     layer's ``position_ids`` and cos/sin from the config (``RotaryEmbedding.from_hf_config`` of its layer type).
     With ``add_rms_norm``, pre-norm decoder layers (Llama, Qwen3 and the like: input_layernorm, self_attn,
     post_attention_layernorm, mlp) add the attention output to the residual stream and normalize it in one
-    ``cupyrope.torch.add_rms_norm`` launch (and one backward launch).
+    ``cupyrope.torch.add_rms_norm`` launch (and one backward launch), and where the next layer is patched too, the
+    MLP output and that layer's input_layernorm in another.
 
     Nothing is swapped on trust: each candidate is first run on small random CPU inputs next to its
     replacement (RMSNorm: which of ``weight`` or ``1 + weight`` it scales by, with its own eps; RoPE: the
