@@ -89,30 +89,30 @@ def _libcuda():
     return ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
 
 
+def _driver_entry(name: str, n_args: int):
+    """The driver library's entry point ``name``, taking n_args pointer-sized arguments and returning a CUresult;
+    None with no driver library or one without it."""
+    try:
+        function = getattr(_libcuda(), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p] * n_args
+    function.restype = ctypes.c_int
+    return function
+
+
 @functools.cache
 def launch_kernel_ex():
     """The driver's cuLaunchKernelEx(config, function, params, extra); None with no driver library or one
     older than CUDA 12."""
-    try:
-        function = _libcuda().cuLaunchKernelEx
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_void_p] * 4
-    function.restype = ctypes.c_int
-    return function
+    return _driver_entry("cuLaunchKernelEx", 4)
 
 
 @functools.cache
 def stream_capture_info():
     """The driver's cuStreamGetCaptureInfo_v3(stream, status, id, graph, dependencies, edge data, count); None with no
     driver library or one older than CUDA 12.3."""
-    try:
-        function = _libcuda().cuStreamGetCaptureInfo_v3
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_void_p] * 7
-    function.restype = ctypes.c_int
-    return function
+    return _driver_entry("cuStreamGetCaptureInfo_v3", 7)
 
 
 PORTABLE_CLUSTER_BLOCKS = 8  # larger clusters need the kernel's opt-in (an H100 places 16)
