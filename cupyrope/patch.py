@@ -444,19 +444,15 @@ def _link_decoder_layers(model, patched) -> None:
     to) is patched too, with an input_layernorm cupyrope computes, normalizes its output for that layer in its final
     residual add (_fused_add_decoder_forward). patched: {name: layer}."""
     for name, layer in patched.items():
-        parent, _, index = name.rpartition(".")
-        following = patched.get(f"{parent}.{int(index) + 1}" if parent else str(int(index) + 1)) \
-            if index.isdigit() else None
+        parent, dot, index = name.rpartition(".")
+        following = patched.get(f"{parent}{dot}{int(index) + 1}") if index.isdigit() else None
         if following is None:
             continue
-        norm = following.input_layernorm
         try:
-            behaviour = ((float(norm.eps), float(norm.offset)) if isinstance(norm, ct.RMSNorm)
-                         else _rms_norm_behaviour(norm) if type(norm).__name__.endswith("RMSNorm") else None)
+            layer.__dict__["cupyrope_next_layer"] = (following, *_norm_behaviour(following.input_layernorm,
+                                                                                "input_layernorm"))
         except _Skip:
-            behaviour = None
-        if behaviour is not None:
-            layer.__dict__["cupyrope_next_layer"] = (following, *behaviour)
+            pass
 
 
 def _patch_decoder_layers(model, report) -> None:
@@ -469,13 +465,7 @@ def _patch_decoder_layers(model, report) -> None:
             extra = [part for part, _ in layer.named_children() if part not in DECODER_LAYER_PARTS]
             if extra:  # e.g. Gemma 3's and GLM-4's extra norms, Phi-3's residual dropouts
                 raise _Skip(f"has submodules besides {', '.join(DECODER_LAYER_PARTS)}: {', '.join(extra)}")
-            norm = layer.post_attention_layernorm
-            if isinstance(norm, ct.RMSNorm):
-                eps, offset = float(norm.eps), float(norm.offset)
-            elif type(norm).__name__.endswith("RMSNorm"):
-                eps, offset = _rms_norm_behaviour(norm)
-            else:
-                raise _Skip(f"its post_attention_layernorm is a {type(norm).__name__}, not an RMSNorm")
+            eps, offset = _norm_behaviour(layer.post_attention_layernorm, "post_attention_layernorm")
             key = (type(layer), eps, offset)
             if key not in checked:
                 try:
@@ -492,6 +482,15 @@ def _patch_decoder_layers(model, report) -> None:
         report["add_rms_norm"].append(name)
         patched[name] = layer
     _link_decoder_layers(model, patched)
+
+
+def _norm_behaviour(norm, role: str) -> tuple[float, float]:
+    """(eps, offset) with which cupyrope computes a decoder layer's norm (its `role`), or _Skip."""
+    if isinstance(norm, ct.RMSNorm):
+        return float(norm.eps), float(norm.offset)
+    if type(norm).__name__.endswith("RMSNorm"):
+        return _rms_norm_behaviour(norm)
+    raise _Skip(f"its {role} is a {type(norm).__name__}, not an RMSNorm")
 
 
 def _check_decoder_layer(model, layer, eps, offset) -> None:

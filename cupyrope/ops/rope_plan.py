@@ -198,12 +198,13 @@ def _vector_blockers(tensors, dtype, style, rotary_dim, head_dim, copies) -> lis
     return reasons
 
 
-def _cache_in_packs(cache, freqs) -> bool:
-    """Whether the direct kernel's 16-byte items, of `freqs` frequencies, can read their cos/sin from this
-    cache as packs (kernels_src/rope.cu: cache_cos_sin): its pointer and row stride aligned to a pack.
-    rotary_dim's own alignment follows from the items'."""
-    pack_bytes = min(16, freqs * ITEMSIZE[cache.dtype])
-    return cache.ptr % pack_bytes == 0 and cache.strides[0] * ITEMSIZE[cache.dtype] % pack_bytes == 0
+def _in_packs(tables, strides, freqs) -> bool:
+    """Whether the direct kernel's 16-byte items, of `freqs` frequencies, can read their cos/sin as packs from
+    `tables` (arrays of one dtype) whose rows lie `strides` elements apart: the pointers and row strides aligned to
+    a pack. rotary_dim's own alignment follows from the items'."""
+    itemsize = ITEMSIZE[tables[0].dtype]
+    pack_bytes = min(16, freqs * itemsize)
+    return all(t.ptr % pack_bytes == 0 for t in tables) and all(s * itemsize % pack_bytes == 0 for s in strides)
 
 
 def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, impl, n_sm, choices, in_place,
@@ -241,7 +242,7 @@ def plan_rope(groups, positions, cache, *, style, rotary_dim, theta, inverse, im
     elems = 16 // ITEMSIZE[dtype] if vectorized else (2 if style == "gptj" else 1)
     freqs = elems if style == "neox" else elems // 2  # frequencies an item rotates (the kernels' F)
     if direct and vectorized and cache is not None and positions.dtype != TOKEN_ROWS:
-        direct = _cache_in_packs(cache, freqs)  # else the block kernel, which reads any cache
+        direct = _in_packs([cache], cache.strides[:1], freqs)  # else the block kernel, which reads any cache
     rot_lanes = rotating_lanes(rotary_dim, style, elems)
     copy_lanes = (head_dim - rotary_dim) // (elems if vectorized else 1) if copies else 0
     lanes = rot_lanes + copy_lanes
@@ -289,11 +290,8 @@ def cache_fields(positions, cache, freq_stride, sin=None, freqs=1) -> tuple[int,
     pack each (kernels_src/rope_common.cuh: token_rows_cos_sin): frequencies contiguous, both tensors and every
     token's row aligned to a pack."""
     if positions.dtype == TOKEN_ROWS:
-        pack_bytes = min(16, freqs * ITEMSIZE[cache.dtype])
-        aligned = (freq_stride == 1 and sin is not None and all(t.ptr % pack_bytes == 0 for t in (cache, sin))
-                   and all(n == 1 or s * ITEMSIZE[cache.dtype] % pack_bytes == 0
-                           for n, s in zip(positions.shape, positions.strides)))
-        return freq_stride, int(aligned)
+        rows = [s for n, s in zip(positions.shape, positions.strides) if n > 1]
+        return freq_stride, int(freq_stride == 1 and sin is not None and _in_packs([cache, sin], rows, freqs))
     return (cache.strides[0], cache.shape[0]) if cache is not None else (0, 0)
 
 
