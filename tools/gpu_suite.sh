@@ -8,7 +8,7 @@
 #   STEPS="qk rms add fp8 ln model" bash tools/gpu_suite.sh   (`bench --op qk_norm_rope`, `--op rmsnorm`,
 #                                                             `--op add_rms_norm`, `--op rms_norm_fp8`,
 #                                                             `--op layer_norm`, `--op model`)
-#   SANITIZE="pytest -k expression" picks the sanitizer's subset; MODEL_OPTIONS="--family llama-3 --regime prefill"
+#   SANITIZE="pytest -k expression" and RACECHECK="..." pick memcheck's and racecheck's subsets (tools/sanitize.sh); MODEL_OPTIONS="--family llama-3 --regime prefill"
 #   narrows the model step.
 # $OUT gets few files (a device call brings back only a handful): summary.txt, logs.tgz (every log) and the
 # benchmarks' JSON and plots.
@@ -46,7 +46,7 @@ for step in $STEPS; do
       gpu_tests "$backward" -k "split_rows or shifted" > "$LOGS/suite_rms_bwd_3.log" 2>&1 &
       timeout 560 python3 -m pytest -q tests/api/test_reliability_gpu.py -p no:cacheprovider > "$LOGS/reliability.log" 2>&1 &
       timeout 300 python3 -m cupyrope check > "$LOGS/check.log" 2>&1 &
-      timeout 560 bash tools/sanitize.sh "${SANITIZE:-decode or (rows_at_any_alignment and bfloat16) or one_cluster or two_pass or outside_every or mrope_matches or (backward_matches and bfloat16 and cupy) or (add_rms_norm_views and cupy) or (residual_grad and cupy and 4096) or (fp8 and cupy and (views or saturation or conversion)) or (layernorm_gpu and (((test_forward or test_backward) and -7-) or (unaligned and cupy) or empty or splits_long_rows)) or ((test_forward_split_rows or test_backward_split_rows) and bfloat16 and cupy) or (blocks_walking_rows and bfloat16 and 4096)}" > "$LOGS/sanitize.log" 2>&1 &
+      bash tools/sanitize.sh "${SANITIZE:-}" "${RACECHECK:-}" > "$LOGS/sanitize.log" 2>&1 &
       wait
       for log in "$LOGS"/suite_*.log "$LOGS/reliability.log"; do echo "$(basename "$log"): $(tail -1 "$log")"; done
       grep -E "FAIL|passed" "$LOGS/check.log" | tail -3

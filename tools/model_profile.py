@@ -1,6 +1,8 @@
 """Where a whole-model step's time goes: the torch profiler over a few steps of one (family, variant, regime) of
 `python -m cupyrope bench --op model`. Prints the step's GPU timeline (CUDA events), the GPU's busy time in it
-(kernels and copies, summed), time per kernel group and the top kernels.
+(kernels and copies, summed), time per kernel group and the top kernels, and where the GPU idles inside a step: the
+gaps between one kernel's end and the next one's start, by the group of the kernel before and of the kernel after
+(in a CUDA graph, what a kind of kernel costs the step beyond its own run time).
 
     PYTHONPATH=. python tools/model_profile.py --family llama-3 --variant cupyrope --regime train
 """
@@ -29,6 +31,34 @@ def group_of(name: str) -> str:
     return next((group for group, pattern in GROUPS if re.search(pattern, name, re.I)), "other")
 
 
+def idle_between(spans, steps: int) -> tuple[dict, dict]:
+    """({group: µs a step idle before its kernels}, {group: µs a step idle after its kernels}) from the GPU
+    activities `spans` [(name, start µs, end µs)] of `steps` steps run one after the other, each with the same number
+    of activities; the gap before each step's first activity (the host's, between steps) is left out."""
+    spans = sorted(spans, key=lambda span: span[1])
+    per_step = len(spans) // steps if steps and len(spans) % steps == 0 else len(spans)
+    before, after = {}, {}
+    for i in range(1, len(spans)):
+        if i % per_step == 0:
+            continue
+        gap = spans[i][1] - max(end for _, _, end in spans[max(0, i - 4):i])  # overlapping copies and kernels
+        if gap > 0:
+            before[group_of(spans[i][0])] = before.get(group_of(spans[i][0]), 0.0) + gap / steps
+            after[group_of(spans[i - 1][0])] = after.get(group_of(spans[i - 1][0]), 0.0) + gap / steps
+    return before, after
+
+
+def gpu_spans(torch, step, steps: int) -> list:
+    """[(name, start µs, end µs)] of every GPU kernel, copy and memset of `steps` calls of step() under the torch
+    profiler, the steps separated by a synchronization."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+            torch.cuda.synchronize()
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="llama-3", choices=list(model_bench.FAMILIES))
@@ -55,6 +85,10 @@ def main() -> None:
     print(f"top {args.top} kernels (ms a step, launches a step):")
     for name, (total, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:args.top]:
         print(f"  {total:8.3f}  {count:4d}  {name[:110]}")
+    before, after = idle_between(gpu_spans(torch, step, args.steps), args.steps)
+    print(f"GPU idle inside a step, {sum(before.values()):.1f} µs, by the group of the kernel before and after it:")
+    for group in sorted(set(before) | set(after), key=lambda g: -before.get(g, 0.0) - after.get(g, 0.0)):
+        print(f"  {group:22s} before {before.get(group, 0.0):7.1f} µs  after {after.get(group, 0.0):7.1f} µs")
 
 
 if __name__ == "__main__":
