@@ -169,12 +169,32 @@ __device__ __forceinline__ float split_row_sum(float v, int width, float* scratc
     return cluster_sum<SPLIT>(row_sum<LANES>(v, width, scratch, true), cluster, turn);
 }
 
+// Where row `row` of x, y, the residual (ADD) and the sum (OUT: residual_out, else the residual) start; HELD: as
+// row_base's held pointers.
+template <typename T>
+struct FwdRowPointers {
+    const T* x;
+    T* y;
+    T* residual;
+    T* sum;
+};
+template <typename T, bool HELD, bool ADD, bool OUT, bool RUNS>
+__device__ __forceinline__ FwdRowPointers<T> row_pointers(const NormParams& p, i64 row) {
+    using Runs = NormRunsParams;
+    const T* const x = row_base<HELD>(
+        static_cast<const T*>(p.x) + (RUNS ? in_runs(p, row, p.x_stride, &Runs::x_outer) : row * p.x_stride));
+    T* const y = row_base<HELD>(
+        static_cast<T*>(p.y) + (RUNS ? in_runs(p, row, p.y_stride, &Runs::y_outer) : row * p.y_stride));
+    T* const residual = ADD ? row_base<HELD>(static_cast<T*>(p.residual) + row * p.residual_stride) : nullptr;
+    T* const sum = OUT ? row_base<HELD>(static_cast<T*>(p.residual_out) + row * p.residual_out_stride) : residual;
+    return {x, y, residual, sum};
+}
+
 // Row `row` of rms_norm_fwd (SPLIT 1; threadIdx.y's row of the block), or of rms_norm_fwd_split (SPLIT > 1: p
 // describes the block's part of the rows, in registers; cluster and turn: see there).
 template <typename T, typename W, bool VEC, int NPT, bool ADD, bool SHIFT, int SPLIT, bool OUT, bool RUNS = false>
 __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, ClusterSums<SPLIT, float>& cluster,
                                          unsigned turn = 0) {
-    using Runs = NormRunsParams;
     static_assert(!SHIFT || VEC, "SHIFT: rows of 16-byte chunks");
     static_assert(SPLIT == 1 || (VEC && NPT > 0), "SPLIT: rows of 16-byte chunks in registers");
     constexpr int E = VEC ? 16 / sizeof(T) : 1;
@@ -195,12 +215,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, ClusterSu
     // Rows held as words (see half_of): a branch of its own, so that the words are what the loads produce and the
     // loop holds (the Pack path below with only its output converting from word_of(v[i], k) kept 54-56 registers).
     if constexpr (sizeof(T) == 2 && VEC && NPT >= 2 && (!ADD || !SHIFT)) {
-        const T* const x_row = row_base<true>(
-            static_cast<const T*>(p.x) + (RUNS ? in_runs(p, row, p.x_stride, &Runs::x_outer) : row * p.x_stride));
-        T* const y_row = row_base<true>(
-            static_cast<T*>(p.y) + (RUNS ? in_runs(p, row, p.y_stride, &Runs::y_outer) : row * p.y_stride));
-        T* const res_row = ADD ? row_base<true>(static_cast<T*>(p.residual) + row * p.residual_stride) : nullptr;
-        T* const sum_row = OUT ? row_base<true>(static_cast<T*>(p.residual_out) + row * p.residual_out_stride) : res_row;
+        const auto [x_row, y_row, res_row, sum_row] = row_pointers<T, true, ADD, OUT, RUNS>(p, row);
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         unsigned words[NPT][4] = {};  // chunks outside the row stay 0 and add nothing to the sum
         unsigned residual_words[ADD ? NPT : 1][4];
@@ -285,12 +300,7 @@ __device__ __forceinline__ void norm_row(const NormParams& p, i64 row, ClusterSu
         // add of shifted rows, where the plain addressing spilled (up to 19% faster). Elsewhere they changed
         // nothing or were slower: 1% for the 2-chunk fused add, 11-14% for the fp32 fused add of 4+ chunks.
         constexpr bool HELD = !VEC || (ADD && NPT >= 2 && SHIFT);
-        const T* const x_row = row_base<HELD>(
-            static_cast<const T*>(p.x) + (RUNS ? in_runs(p, row, p.x_stride, &Runs::x_outer) : row * p.x_stride));
-        T* const y_row = row_base<HELD>(
-            static_cast<T*>(p.y) + (RUNS ? in_runs(p, row, p.y_stride, &Runs::y_outer) : row * p.y_stride));
-        T* const res_row = ADD ? row_base<HELD>(static_cast<T*>(p.residual) + row * p.residual_stride) : nullptr;
-        T* const sum_row = OUT ? row_base<HELD>(static_cast<T*>(p.residual_out) + row * p.residual_out_stride) : res_row;
+        const auto [x_row, y_row, res_row, sum_row] = row_pointers<T, HELD, ADD, OUT, RUNS>(p, row);
         const int first = first_column<SHIFT, E>(x_row, lane), hidden = (int)p.hidden;
         Pack<T, E> v[NPT];
         Pack<W, E> w[NPT];
