@@ -521,17 +521,17 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, offs
     return _rms_norm_any(x, weight, eps, offset, return_rstd=False)[0]  # no rstd: one output fewer
 
 
-def _add_rms_norm_any(x, residual, weight, eps, offset):
+def _add_rms_norm_any(x, residual, weight, eps, offset, return_rstd=True):
     """(y, s, rstd) of add_rms_norm (s = x + residual, rounded to x's dtype), on either device; new contiguous
-    outputs."""
+    outputs. Without return_rstd, (y, s): on the GPU no rstd is written (inference has no use for it)."""
     if not x.is_cuda:
         _norm_checks.check_add(_host(x, "x"), _host(residual, "residual"), _optional_host(weight, "weight"), eps=eps,
                                offset=offset, impl="auto")
         s = (x.float() + residual.float()).to(x.dtype).contiguous()
         y, rstd = _rms_norm_cpu(s, weight, eps, offset)
-        return y, s, rstd
+        return (y, s, rstd) if return_rstd else (y, s)
     x, residual = _rows_in_runs(x, residual, levels=1)
-    return _add_rms_norm(x, residual, weight, eps, offset=offset, return_rstd=True)
+    return _add_rms_norm(x, residual, weight, eps, offset=offset, return_rstd=return_rstd)
 
 
 @torch.library.custom_op("cupyrope::add_rms_norm", mutates_args=(), device_types=("cuda", "cpu"))
@@ -618,7 +618,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, e
     needs_grad = x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
     if torch.is_grad_enabled() and needs_grad:
         return _AddRMSNormFunction.apply(x, residual, weight, eps, offset)
-    return _add_rms_norm_any(x, residual, weight, eps, offset)[:2]
+    return _add_rms_norm_any(x, residual, weight, eps, offset, return_rstd=False)
 
 
 @torch.library.custom_op("cupyrope::fused_add_rms_norm_", mutates_args=("x", "residual"), device_types=("cuda", "cpu"))
