@@ -35,7 +35,7 @@ def arrays(rng):
     }
 
 
-# The README's "Errors" section, one entry per documented mistake: (call, exception, message fragment).
+# The "Errors" section of docs/api.md, one entry per documented mistake: (call, exception, message fragment).
 CATALOGUE = [
     ("numpy input", lambda a: cupyrope.rope(to_host(a["x"]), a["pos"]), TypeError, "NumPy"),
     ("float64 x", lambda a: cupyrope.rope(a["x"].astype("float64"), a["pos"]), TypeError, "x: expected dtype"),
