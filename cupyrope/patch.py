@@ -334,8 +334,8 @@ def _checked_qk_norm_attention(model, attention, layer_type, eps, offset):
     the layer's own output on random CPU inputs (fp32, the model's cos/sin, random norm weights); _Skip if not."""
     try:
         rotary = ct.RotaryEmbedding.from_hf_config(attention.config, layer_type=layer_type)
-    except (ValueError, TypeError, AttributeError) as error:
-        raise _Skip(f"cupyrope cannot build its RoPE from the config ({error})") from None
+    except Exception as error:  # e.g. a config whose head_dim varies by layer (Gemma 4), which transformers refuses
+        raise _Skip(f"cupyrope cannot build its RoPE from the config ({type(error).__name__}: {error})") from None
     if rotary.mrope_section is not None:
         raise _Skip("M-RoPE: its layers receive text positions, not the three position rows its cos/sin come from")
     # The table's first and last positions: scaled RoPE (llama3, yarn) differs most where low frequencies turn far.

@@ -132,9 +132,10 @@ def _rotate_cpu(x, cos, sin, style, rotary_dim, inverse):
 
 
 def _rope_any(x, where, theta, style, rotary_dim, cos_sin_cache, inverse):
+    x = _contiguous_last(x)
     if not x.is_cuda:
         return _rope_cpu(x, where, theta, style, rotary_dim, cos_sin_cache, inverse)
-    return _rope(_contiguous_last(x), where[0], theta=theta, style=style, rotary_dim=rotary_dim,
+    return _rope(x, where[0], theta=theta, style=style, rotary_dim=rotary_dim,
                  cos_sin_cache=cos_sin_cache, inverse=inverse, **_where_options(where))
 
 
@@ -243,7 +244,8 @@ def rope_qk(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, *, theta: 
     if _compiling():
         return rope(q, where[0], **options), rope(k, where[0], **options)
     if not q.is_cuda:
-        _check_rope_qk_cpu(q, k, where, theta, style, rotary_dim, cos_sin_cache, inverse)  # as the GPU path
+        q, k = _contiguous_last(q), _contiguous_last(k)  # as the GPU path
+        _check_rope_qk_cpu(q, k, where, theta, style, rotary_dim, cos_sin_cache, inverse)
         return rope(q, where[0], **options), rope(k, where[0], **options)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return _RotateQK.apply(_rope_qk_new, q, k, where, cos_sin_cache, theta, style, rotary_dim, inverse)
@@ -420,7 +422,7 @@ def _rms_norm_any(x, weight, eps, offset, return_rstd=True):
     order = _row_order(x)
     x = _in_row_order(x, order)
     if not x.is_cuda:
-        y, rstd = _rms_norm_cpu(x, weight, eps, offset)
+        y, rstd = _rms_norm_cpu(_contiguous_last(x), weight, eps, offset)
     elif return_rstd:
         y, rstd = _rms_norm(_rows_in_runs(x)[0], weight, eps, offset=offset, return_rstd=True)
     else:
@@ -438,7 +440,8 @@ def _rms_norm_backward_any(dy, x, weight, rstd, eps, offset, residual_grad=None)
         residual_grad = None if residual_grad is None else _in_row_order(residual_grad, order)
     if not x.is_cuda:
         residual_grad = None if residual_grad is None else _contiguous_last(residual_grad)
-        dx, dw = _rms_norm_backward_cpu(_contiguous_last(dy), x, weight, rstd, eps, offset, residual_grad)
+        dx, dw = _rms_norm_backward_cpu(_contiguous_last(dy), _contiguous_last(x), weight, rstd, eps, offset,
+                                        residual_grad)
     else:
         dy, x, residual_grad = _rows_in_runs(dy, x, residual_grad, levels=2 if residual_grad is None else 1)
         dx, dw = _rms_norm_backward(dy, x, weight, rstd, eps, offset, residual_grad=residual_grad)
@@ -525,6 +528,7 @@ def _add_rms_norm_any(x, residual, weight, eps, offset, return_rstd=True):
     """(y, s, rstd) of add_rms_norm (s = x + residual, rounded to x's dtype), on either device; new contiguous
     outputs. Without return_rstd, (y, s): on the GPU no rstd is written (inference has no use for it)."""
     if not x.is_cuda:
+        x, residual = _contiguous_last(x), _contiguous_last(residual)  # as _rows_in_runs on the GPU
         _norm_checks.check_add(_host(x, "x"), _host(residual, "residual"), _optional_host(weight, "weight"), eps=eps,
                                offset=offset, impl="auto")
         s = (x.float() + residual.float()).to(x.dtype).contiguous()
@@ -690,7 +694,7 @@ def _layer_norm_any(x, weight, bias, eps, return_stats=True):
     order = _row_order(x)
     x = _in_row_order(x, order)
     if not x.is_cuda:
-        y, mean, rstd = _layer_norm_cpu(x, weight, bias, eps)
+        y, mean, rstd = _layer_norm_cpu(_contiguous_last(x), weight, bias, eps)
     elif return_stats:
         y, mean, rstd = _layer_norm(_rows_in_runs(x, levels=1)[0], weight, bias, eps, return_stats=True)
     else:
@@ -708,7 +712,7 @@ def _layer_norm_backward_any(dy, x, weight, bias, mean, rstd, eps):
         dy, x = _in_row_order(dy, order), _in_row_order(x, order)
         mean, rstd = (_in_row_order(t, order, rows_only=True).contiguous() for t in (mean, rstd))
     if not x.is_cuda:
-        dx, grads = _layer_norm_backward_cpu(_contiguous_last(dy), x, weight, bias, mean, rstd, eps)
+        dx, grads = _layer_norm_backward_cpu(_contiguous_last(dy), _contiguous_last(x), weight, bias, mean, rstd, eps)
     else:
         dy, x = _rows_in_runs(dy, x, levels=1)
         dx, grads = _layer_norm_backward(dy, x, weight, bias, mean, rstd, eps)
@@ -899,10 +903,11 @@ def _qk_norm_rope_cpu(q, k, q_weight, k_weight, where, eps, offset, theta, style
 
 
 def _qk_norm_rope_any(q, k, q_weight, k_weight, where, eps, offset, theta, style, rotary_dim, cos_sin_cache):
+    q, k = _contiguous_last(q), _contiguous_last(k)
     if not q.is_cuda:
         return _qk_norm_rope_cpu(q, k, q_weight, k_weight, where, eps, offset, theta, style, rotary_dim,
                                  cos_sin_cache)
-    return _qk_norm_rope(_contiguous_last(q), _contiguous_last(k), q_weight, k_weight, where[0], eps=eps,
+    return _qk_norm_rope(q, k, q_weight, k_weight, where[0], eps=eps,
                          offset=offset, theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache,
                          out="new", **_where_options(where))
 
@@ -911,7 +916,7 @@ def _qk_norm_rope_backward_any(dq, dk, q, k, q_weight, k_weight, where, eps, off
                                cos_sin_cache):
     if not q.is_cuda:  # autograd through the CPU formula
         with torch.enable_grad():
-            inputs = [t.detach().requires_grad_() for t in (q, k, q_weight, k_weight)]
+            inputs = [_contiguous_last(t.detach()).requires_grad_() for t in (q, k, q_weight, k_weight)]
             outputs = _qk_norm_rope_cpu(*inputs, where, eps, offset, theta, style, rotary_dim, cos_sin_cache)
             return torch.autograd.grad(outputs, inputs, (dq, dk))
     return _qk_norm_rope_backward(_contiguous_last(dq), _contiguous_last(dk), _contiguous_last(q), _contiguous_last(k),

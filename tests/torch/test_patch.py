@@ -308,6 +308,29 @@ def test_patch_transformers_leaves_a_qk_norm_attention_it_cannot_match(fake_mode
     assert "forward" not in vars(model.self_attn)
 
 
+def test_patch_transformers_skips_a_qk_norm_attention_whose_config_refuses_a_read(fake_model):
+    """A config that raises an exception of its own on a read (transformers' heterogeneous configs, Gemma 4's head_dim
+    varying by layer, raise one that is neither a ValueError nor an AttributeError): the layer is left as it is, with
+    the reason, and the rest of the model is patched."""
+
+    class PerLayerError(Exception):
+        pass
+
+    class PerLayerConfig(types.SimpleNamespace):
+        def __getattribute__(self, name):
+            if name == "head_dim":
+                raise PerLayerError("head_dim varies by layer")
+            return super().__getattribute__(name)
+
+    _, model = fake_model(model="FakeQKNormModel")
+    model.self_attn.config = PerLayerConfig(**vars(model.self_attn.config))
+    report = patch.patch_transformers(model, rope=False)
+    assert report["qk_norm_rope"] == [] and "forward" not in vars(model.self_attn)
+    assert report["skipped"] == [("self_attn", "cupyrope cannot build its RoPE from the config (PerLayerError: head_dim "
+                                               "varies by layer)")]
+    assert report["rms_norm"] == ["self_attn.q_norm", "self_attn.k_norm"]
+
+
 def test_patch_transformers_names_a_rounded_inv_freq_where_a_qk_norm_attention_differs(fake_model):
     """Where the fused forward differs and the rotary embedding's inv_freq is not fp32 (model.to(torch.bfloat16)
     rounds it, and with it every angle), the reason says so."""

@@ -162,6 +162,47 @@ def test_rms_norm_of_head_views_on_cpu(layout):
     opcheck(torch.ops.cupyrope.rms_norm.default, (x.detach(), w.detach(), 1e-6, 1.0))
 
 
+def _last_dim_strided(*shape, requires_grad=False):
+    """A random view whose last dimension is not contiguous (head-major memory, as some models hand their norms)."""
+    t = torch.randn(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
+    assert t.stride(-1) != 1
+    return t.requires_grad_(requires_grad)
+
+
+OUT_OF_PLACE_CALLS = {  # name: (call, its tensor arguments' shapes); weights come last and are contiguous
+    "rms_norm": (lambda x, w: ct.rms_norm(x, w, 1e-6), [(2, 5, 4, 16), (16,)]),
+    "RMSNorm": (lambda x, w: torch.func.functional_call(ct.RMSNorm(16), {"weight": w}, (x,)), [(2, 5, 4, 16), (16,)]),
+    "add_rms_norm": (lambda x, r, w: ct.add_rms_norm(x, r, w), [(2, 5, 4, 16), (2, 5, 4, 16), (16,)]),
+    "layer_norm": (lambda x, w, b: ct.layer_norm(x, w, b), [(2, 5, 4, 16), (16,), (16,)]),
+    "rope": (lambda x: ct.rope(x, torch.arange(5, device=x.device).expand(2, 5)), [(2, 5, 4, 16)]),
+    "rope_qk": (lambda q, k: ct.rope_qk(q, k, torch.arange(5, device=q.device).expand(2, 5)),
+                [(2, 5, 4, 16), (2, 5, 2, 16)]),
+    "qk_norm_rope": (lambda q, k, qw, kw: ct.qk_norm_rope(q, k, qw, kw, torch.arange(5, device=q.device).expand(2, 5)),
+                     [(2, 5, 4, 16), (2, 5, 2, 16), (16,), (16,)]),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=(pytest.mark.gpu, requires_torch_cuda))])
+@pytest.mark.parametrize("name", OUT_OF_PLACE_CALLS)
+def test_out_of_place_ops_take_a_last_dimension_with_a_stride(name, device):
+    """Like torch's own modules, the out-of-place functions take activations whose last dimension is strided (they
+    copy it): the values and gradients of the same data laid out contiguously, on the CPU as on the GPU."""
+    torch.manual_seed(0)
+    call, shapes = OUT_OF_PLACE_CALLS[name]
+    strided = [_last_dim_strided(*s).to(device).requires_grad_() if len(s) > 1
+               else torch.randn(s, device=device, requires_grad=True) for s in shapes]
+    plain = [t.detach().contiguous().requires_grad_() for t in strided]
+    results = [call(*args) for args in (strided, plain)]
+    outputs = [r if isinstance(r, tuple) else (r,) for r in results]
+    grads = [torch.randn_like(o) for o in outputs[1]]
+    for got, expected in zip(*outputs):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for args, outs in zip((strided, plain), outputs):
+        torch.autograd.backward(outs, grads)
+    for a, b in zip(strided, plain):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+
+
 def test_every_op_traces_on_cpu_tensors_too():
     """torch.compile(fullgraph) of each function on CPU tensors: every op has a CPU kernel (the same
     formulas as the eager CPU fallback), so a model compiles wherever it runs."""
