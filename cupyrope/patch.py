@@ -251,6 +251,15 @@ def _matching_style(original, cos, sin, layout) -> str:
 
 QK_NORM_ATTENTION_PARTS = ("q_norm", "k_norm", "q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "config",
                            "layer_idx", "scaling")
+QK_NORM_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")  # what the fused forward runs
+
+
+def _check_no_other_parameters(module, parts) -> None:
+    """_Skip where the module has parameters outside its submodules `parts`, which a forward made of those parts would
+    leave out: a learned scale starting at one passes the forward check and then gets no gradient."""
+    others = [name for name, _ in module.named_parameters() if name.split(".", 1)[0] not in parts]
+    if others:
+        raise _Skip(f"has parameters besides those of {', '.join(parts)}: {', '.join(others)}")
 
 
 def _qk_norm_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -286,6 +295,7 @@ def _patch_qk_norm_attention(model, report) -> None:
             continue
         layer_type = getattr(attention, "layer_type", None)
         try:
+            _check_no_other_parameters(attention, QK_NORM_ATTENTION_MODULES)
             eps, offset = _qk_norms(attention)
             key = (type(attention), layer_type, eps, offset)
             if key not in checked:
@@ -465,6 +475,7 @@ def _patch_decoder_layers(model, report) -> None:
             extra = [part for part, _ in layer.named_children() if part not in DECODER_LAYER_PARTS]
             if extra:  # e.g. Gemma 3's and GLM-4's extra norms, Phi-3's residual dropouts
                 raise _Skip(f"has submodules besides {', '.join(DECODER_LAYER_PARTS)}: {', '.join(extra)}")
+            _check_no_other_parameters(layer, DECODER_LAYER_PARTS)  # e.g. Doge's learned residual scales
             eps, offset = _norm_behaviour(layer.post_attention_layernorm, "post_attention_layernorm")
             key = (type(layer), eps, offset)
             if key not in checked:

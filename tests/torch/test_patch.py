@@ -420,6 +420,22 @@ def test_patch_transformers_leaves_a_decoder_layer_it_cannot_match(fake_model):
                                               "post_attention_layernorm, mlp: post_mlp_layernorm")]
 
 
+def test_patch_transformers_leaves_layers_with_parameters_of_their_own(fake_model):
+    """A learned scale on a layer itself (Doge's residual scales), or on an attention beside its projections and norms,
+    starts at one: the forward check passes, but a fused forward would leave the scale untrained. Such layers keep
+    their forward."""
+    _, model = fake_model(model="FakeDecoderModel")
+    model.layers[0].input_residual = torch.nn.Parameter(torch.ones(64))
+    model.layers[1].self_attn.head_scale = torch.nn.Parameter(torch.ones(4))
+    report = patch.patch_transformers(model, rope=False, rms_norm=False)
+    assert report["add_rms_norm"] == ["layers.1"] and report["qk_norm_rope"] == ["layers.0.self_attn"]
+    assert report["skipped"] == [
+        ("layers.1.self_attn", "has parameters besides those of q_proj, k_proj, v_proj, o_proj, q_norm, k_norm: "
+                               "head_scale"),
+        ("layers.0", "has parameters besides those of input_layernorm, self_attn, post_attention_layernorm, mlp: "
+                     "input_residual")]
+
+
 # Real transformers models, where transformers is installed (CPU; the GPU test below repeats it in bf16).
 
 TINY_MODELS = {
