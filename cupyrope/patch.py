@@ -249,9 +249,8 @@ def _matching_style(original, cos, sin, layout) -> str:
 
 # ------------------------------------------------------------------------------------------ QK-norm attention
 
-QK_NORM_ATTENTION_PARTS = ("q_norm", "k_norm", "q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "config",
-                           "layer_idx", "scaling")
 QK_NORM_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")  # what the fused forward runs
+QK_NORM_ATTENTION_PARTS = (*QK_NORM_ATTENTION_MODULES, "head_dim", "config", "layer_idx", "scaling")
 
 
 def _check_no_other_parameters(module, parts) -> None:

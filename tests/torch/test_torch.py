@@ -162,11 +162,11 @@ def test_rms_norm_of_head_views_on_cpu(layout):
     opcheck(torch.ops.cupyrope.rms_norm.default, (x.detach(), w.detach(), 1e-6, 1.0))
 
 
-def _last_dim_strided(*shape, requires_grad=False):
+def _last_dim_strided(*shape, device="cpu"):
     """A random view whose last dimension is not contiguous (head-major memory, as some models hand their norms)."""
-    t = torch.randn(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
+    t = torch.randn(*shape[:-2], shape[-1], shape[-2], device=device).transpose(-1, -2)
     assert t.stride(-1) != 1
-    return t.requires_grad_(requires_grad)
+    return t
 
 
 OUT_OF_PLACE_CALLS = {  # name: (call, its tensor arguments' shapes); weights come last and are contiguous
@@ -189,7 +189,7 @@ def test_out_of_place_ops_take_a_last_dimension_with_a_stride(name, device):
     copy it): the values and gradients of the same data laid out contiguously, on the CPU as on the GPU."""
     torch.manual_seed(0)
     call, shapes = OUT_OF_PLACE_CALLS[name]
-    strided = [_last_dim_strided(*s).to(device).requires_grad_() if len(s) > 1
+    strided = [_last_dim_strided(*s, device=device).requires_grad_() if len(s) > 1
                else torch.randn(s, device=device, requires_grad=True) for s in shapes]
     plain = [t.detach().contiguous().requires_grad_() for t in strided]
     results = [call(*args) for args in (strided, plain)]
