@@ -8,7 +8,7 @@ from .ops.layernorm import fused_add_layer_norm, layer_norm, layer_norm_backward
 from .ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_backward
 from .ops.rmsnorm import add_rms_norm, fused_add_rms_norm, rms_norm, rms_norm_backward
 from .ops.rmsnorm_fp8 import rms_norm_fp8
-from .ops.rope import rope, rope_, rope_cache, rope_qk, rope_qk_cos_sin
+from .ops.rope import rope, rope_, rope_cache, rope_cos_sin, rope_qk, rope_qk_cos_sin
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,7 @@ __all__ = [
     "rope",
     "rope_",
     "rope_cache",
+    "rope_cos_sin",
     "rope_qk",
     "rope_qk_cos_sin",
     "rope_scaling",

@@ -177,7 +177,7 @@ def assert_backward_with_offset(dy, x, w, dx, dw, dy_host, x_host, w_host, dtype
 
 # Each public op's plans: (its module, the name of its OpPlans there).
 OP_PLANS = {"rope": ("rope", "_rope_plans"), "rope_qk": ("rope", "_rope_qk_plans"),
-            "rope_qk_cos_sin": ("rope", "_rope_cos_sin_plans"), "rms_norm": ("rmsnorm", "_forward_plans"),
+            "rope_cos_sin": ("rope", "_rope_cos_sin_one_plans"), "rope_qk_cos_sin": ("rope", "_rope_cos_sin_plans"), "rms_norm": ("rmsnorm", "_forward_plans"),
             "fused_add_rms_norm": ("rmsnorm", "_fused_add_plans"), "add_rms_norm": ("rmsnorm", "_add_plans"),
             "rms_norm_backward": ("rmsnorm", "_backward_plans"), "rms_norm_fp8": ("rmsnorm_fp8", "_plans"),
             "qk_norm_rope": ("qk_norm_rope", "_forward_plans"),

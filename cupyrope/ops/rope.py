@@ -1,4 +1,4 @@
-"""RoPE's public functions: rope, rope_, rope_qk, rope_qk_cos_sin and rope_cache.
+"""RoPE's public functions: rope, rope_, rope_qk, rope_cos_sin, rope_qk_cos_sin and rope_cache.
 
 A call finds its plan (the one preamble: _runtime/plan_cache.py), which a first call makes by checking its
 arguments (rope_checks.py) and planning (rope_plan.py), then launches with its own pointers.
@@ -80,6 +80,21 @@ def rope_qk(q, k, positions=None, *, theta=10000.0, style="neox", rotary_dim=Non
     return _launch_qk(plan, (q_ptr, k_ptr, p_ptr or s_ptr, c_ptr, qo_ptr, ko_ptr, so_ptr), q, k, mode, out)
 
 
+def rope_cos_sin(x, cos, sin, *, rotary_dim=None, freq_step=1, style="neox", inverse=False, impl="auto", out=None):
+    """Rotate one tensor x (..., head_dim) by per-token cos and sin tensors, as rope_qk_cos_sin rotates q and k: what
+    the one-tensor ``apply_rotary_pos_emb(x, cos, sin)`` of Gemma 3n and Gemma 4 gets (cos/sin's leading dimensions
+    match x's aligned from the left). out=x rotates in place. Returns ``out`` (a new array of x's kind when out is
+    None)."""
+    mode = NEW if out is None else IN_PLACE if out is x else OUT
+    plan, (x_ptr, c_ptr, s_ptr, o_ptr) = _rope_cos_sin_one_plans.find(
+        (x, cos, sin, out if mode == OUT else None), (mode, rotary_dim, freq_step, style, inverse, impl))
+    out, o_ptr = checks.output_of(plan, mode, x, out, x_ptr, o_ptr)
+    if plan.grid:
+        _check_disjoint_slots(plan, (x_ptr, o_ptr, c_ptr, s_ptr))
+        plan.launch(x_ptr, o_ptr, x_ptr, o_ptr, c_ptr, s_ptr, 0)
+    return out
+
+
 def rope_qk_cos_sin(q, k, cos, sin, *, rotary_dim=None, freq_step=1, style="neox", inverse=False, impl="auto",
                     out=None):
     """Rotate q and k (as in rope_qk) by per-token cos and sin tensors instead of positions: what
@@ -126,11 +141,17 @@ def _launch_qk(plan, pointers, q, k, mode, out, *norm_pointers):
         result = tuple(out)
     if plan.grid:
         ptrs = (q_ptr, qo_ptr, k_ptr, ko_ptr, a_ptr, b_ptr)
-        extents, names = plan.extents, plan.slot_names
-        for a, b in plan.disjoint:  # pointers change between calls of one plan
-            checks.check_disjoint(ptrs[a], extents[a], ptrs[b], extents[b], names[a], names[b], "pass separate memory")
+        _check_disjoint_slots(plan, ptrs)
         plan.launch(*ptrs, so_ptr, *norm_pointers)
     return result
+
+
+def _check_disjoint_slots(plan, ptrs) -> None:
+    """The per-call checks of the pairs of a plan's pointer slots that must not share memory (plan.disjoint, set at
+    planning with the slots' layouts and names): pointers change between calls of one plan."""
+    extents, names = plan.extents, plan.slot_names
+    for a, b in plan.disjoint:
+        checks.check_disjoint(ptrs[a], extents[a], ptrs[b], extents[b], names[a], names[b], "pass separate memory")
 
 
 # ------------------------------------------------------------------------------------------ planning
@@ -162,6 +183,27 @@ def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, sa, soa, mode, _no_cache, theta, 
         seqlen_offsets=soa, mrope_section=section, mrope_interleaved=interleaved)
     return _plan_qk(qa, ka, qo, ko, mode, (pa, ca), ("positions", "cos_sin_cache"), False, positions=rows, cache=ca,
                     style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse, impl=impl, source=source)
+
+
+def _plan_rope_cos_sin_one_call(xa, cos, sin, oa, mode, rotary_dim, freq_step, style, inverse, impl):
+    rotary_dim, rows = rope_checks.check_rope_cos_sin(xa, cos, sin, oa, rotary_dim=rotary_dim, freq_step=freq_step,
+                                                      style=style, inverse=inverse, impl=impl)
+    if not xa.size:
+        plan = EmptyPlan()
+    else:
+        out = xa if mode == IN_PLACE else oa if mode == OUT else contiguous_like(xa, xa.shape, xa.dtype)
+        plan = plan_rope([(xa, out)], rows, cos, style=style, rotary_dim=rotary_dim, theta=10000.0, inverse=inverse,
+                         impl=impl, n_sm=sm_count(xa.device), choices=profiles.profile_for(xa.device).rope,
+                         in_place=mode == IN_PLACE, freq_stride=freq_step * cos.strides[-1], sin=sin)
+        if mode == OUT:
+            plan.out_layouts = checks.out_layouts(xa, oa)
+        # cos and sin may be views of anything: what is written (x in place, else out) must not hold them
+        plan.slot_names = ("x", "out", "cos", "sin")
+        plan.extents = tuple(checks.layout_key(a) for a in (xa, out, cos, sin))
+        plan.disjoint = [] if mode == NEW else [(2, 1), (3, 1)]
+        _prepare_launch(plan, xa)
+    plan.new_output = allocator(xa, xa.shape, xa.dtype)
+    return plan
 
 
 def _plan_rope_cos_sin_call(qa, ka, cos, sin, qo, ko, mode, rotary_dim, freq_step, style, inverse, impl):
@@ -222,6 +264,7 @@ _rope_plans = OpPlans(("x", "positions", "cos_sin_cache", "out", "cu_seqlens", "
 _rope_qk_plans = OpPlans(("q", "k", "positions", "cos_sin_cache", "out[0]", "out[1]", "cu_seqlens", "seqlen_offsets"),
                          _plan_rope_qk_call,
                          optional=("positions", "cos_sin_cache", "out[0]", "out[1]", "cu_seqlens", "seqlen_offsets"))
+_rope_cos_sin_one_plans = OpPlans(("x", "cos", "sin", "out"), _plan_rope_cos_sin_one_call, optional=("out",))
 _rope_cos_sin_plans = OpPlans(("q", "k", "cos", "sin", "out[0]", "out[1]"), _plan_rope_cos_sin_call,
                               optional=("out[0]", "out[1]"))
 

@@ -208,6 +208,17 @@ def check_rope_qk(q: Array, k: Array, positions: Array | None, cache: Array | No
     return rotary_dim, rows, source
 
 
+def check_rope_cos_sin(x: Array, cos: Array, sin: Array | None, out: Array | None, *, rotary_dim, freq_step, style,
+                       inverse, impl, dtypes=FLOAT_DTYPES) -> tuple[int, Array]:
+    """Every check of a rope_cos_sin() call; returns what check_rope_qk_cos_sin returns."""
+    check_options(style, impl, 10000.0, inverse)
+    checks.check_float_input(x, "x", "head_dim", dtypes)
+    rotary_dim = check_rotary_dim(rotary_dim, x.shape[-1])
+    rows = check_cos_sin(cos, sin, x, "x", rotary_dim, freq_step)
+    check_out(out, x, "x")
+    return rotary_dim, rows
+
+
 def check_rope_qk_cos_sin(q: Array, k: Array, cos: Array, sin: Array | None, *, rotary_dim, freq_step, style,
                           inverse, impl, dtypes=FLOAT_DTYPES) -> tuple[int, Array]:
     """The checks of a rope_qk_cos_sin() call but its outputs'. Returns the rotary dimension and the Array
@@ -216,13 +227,19 @@ def check_rope_qk_cos_sin(q: Array, k: Array, cos: Array, sin: Array | None, *, 
     check_options(style, impl, 10000.0, inverse)
     check_qk(q, k, dtypes)
     rotary_dim = check_rotary_dim(rotary_dim, q.shape[-1])
+    return rotary_dim, check_cos_sin(cos, sin, q, "q", rotary_dim, freq_step)
+
+
+def check_cos_sin(cos: Array, sin: Array | None, x: Array, x_name: str, rotary_dim: int, freq_step) -> Array:
+    """Per-token cos and sin for x (named x_name) and their column step; returns the TOKEN_ROWS Array of their
+    leading dimensions."""
     if sin is None:
         raise TypeError("sin: expected a cupy.ndarray or a CUDA torch.Tensor, got NoneType")
     if not checks.is_int(freq_step) or freq_step not in FREQ_STEPS:
         raise ValueError(f"freq_step: expected 1 (frequency f at column f) or 2 (at column 2f), got {freq_step!r}")
     for name, t in (("cos", cos), ("sin", sin)):
-        checks.check_same_device(q, t, "q", name)
-        check_table_dtype(t, name, q, "q")
+        checks.check_same_device(x, t, x_name, name)
+        check_table_dtype(t, name, x, x_name)
         if not t.shape:
             raise ValueError(f"{name}: expected shape (..., columns), got a 0-d array")
     if (sin.dtype, sin.shape, sin.strides) != (cos.dtype, cos.shape, cos.strides):
@@ -233,8 +250,8 @@ def check_rope_qk_cos_sin(q: Array, k: Array, cos: Array, sin: Array | None, *, 
         raise ValueError(f"cos: expected at least {columns} columns (rotary_dim {rotary_dim} with freq_step "
                          f"{freq_step}), got shape {cos.shape}")
     rows = Array(None, cos.kind, cos.ptr, TOKEN_ROWS, cos.shape[:-1], cos.strides[:-1], cos.device)
-    lead = q.shape[:-1]
+    lead = x.shape[:-1]
     if len(rows.shape) > len(lead) or any(c != 1 and c != n for c, n in zip(rows.shape, lead)):
-        raise ValueError(f"cos: leading dimensions {rows.shape} do not match q's {lead} (aligned from the left; "
-                         "size-1 dimensions broadcast)")
-    return rotary_dim, rows
+        raise ValueError(f"cos: leading dimensions {rows.shape} do not match {x_name}'s {lead} (aligned from the "
+                         "left; size-1 dimensions broadcast)")
+    return rows

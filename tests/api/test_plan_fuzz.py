@@ -240,6 +240,40 @@ def test_rope_qk_cos_sin_plans_are_runnable_or_refused_clearly(call, data, profi
     assert_runnable_rope(plan, [q, k])
 
 
+@SETTINGS
+@given(rope_calls(qk=False), st.data(), launch_profiles())
+def test_rope_cos_sin_plans_are_runnable_or_refused_clearly(call, data, profile):
+    """One tensor by per-token cos/sin tensors (Gemma 3n's and Gemma 4's call), in place or out of place."""
+    x, positions, _, _, options = call
+    freq_step = data.draw(st.sampled_from([1, 2]))
+    cos = data.draw(arrays((*positions.shape, freq_step * (options["rotary_dim"] or x.shape[-1]) // 2),
+                           data.draw(st.sampled_from(["float32", x.dtype])), BASE + 2**33))
+    sin = Array(None, "cupy", BASE + 2**34 + cos.ptr % 16, cos.dtype, cos.shape, cos.strides, 0)
+    mode = data.draw(st.sampled_from([IN_PLACE, NEW]))
+    plan = plan_or_refusal(profile, lambda: rope._plan_rope_cos_sin_one_call(
+        x, cos, sin, None, mode, options["rotary_dim"], freq_step, options["style"], options["inverse"],
+        options["impl"]))
+    if plan is None:
+        return
+    assert "TokenRows" in plan.name
+    assert_runnable_rope(plan, [x])
+    assert plan.disjoint == ([] if mode == NEW else [(2, 1), (3, 1)])  # cos and sin against what is written
+
+
+def test_rope_cos_sin_never_writes_over_cos_or_sin():
+    """In place x, out of place out, must not hold cos or sin (checked per call)."""
+    import cupyrope
+    from fakes import FakeCupyArray
+
+    x = FakeCupyArray((3, 2, 64))
+    cos, sin = FakeCupyArray((3, 1, 64), ptr=BASE + 2**31), FakeCupyArray((3, 1, 64), ptr=BASE + 2**32)
+    inside_x = FakeCupyArray((3, 1, 64), ptr=BASE + 64 * 4)  # x's second head of the first token
+    with pytest.raises(ValueError, match="overlaps cos"):
+        cupyrope.rope_cos_sin(x, inside_x, sin, out=x)
+    with pytest.raises(ValueError, match="overlaps sin"):
+        cupyrope.rope_cos_sin(x, cos, sin, out=FakeCupyArray((3, 2, 64), ptr=BASE + 2**32))
+
+
 def test_rope_qk_cos_sin_never_writes_over_cos_or_sin():
     """cos and sin are read by every head of their token while q and k are written: in place, q and k
     must not overlap them (checked per call: the pointers change between calls of one plan)."""

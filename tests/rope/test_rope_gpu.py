@@ -385,6 +385,34 @@ def test_rope_qk_cos_sin_layouts(rng, kind, q_shape, cos_lead, kernel):
     assert_ran(kernel)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["new", "out", "inplace"])
+@pytest.mark.parametrize("impl", ["scalar", "vector"])
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_cos_sin_rotates_one_tensor(rng, dtype, style, impl, mode, kind, kernel):
+    """rope_cos_sin: Gemma 4's one-tensor call, x (B, S, H, D) with cos/sin (B, S, 1, columns), partial rotary,
+    against the reference at the positions whose table rows the tensors hold; the input untouched out of place."""
+    shape, rotary_dim = (2, 11, 4, 128), 64
+    table = reference.round_to(reference.rope_cache(2048, rotary_dim, 10000.0), "float32")
+    pos_host = rng.integers(0, 2048, (2, 11, 1))
+    cos, sin = (to_device(t, "float32", kind) for t in reference.per_token_cos_sin(table, pos_host))
+    x_host = random_host(shape, dtype, rng)
+    x = to_device(x_host, dtype, kind)
+    options = dict(rotary_dim=rotary_dim, style=style, impl=impl)
+    if mode == "inplace":
+        got = cupyrope.rope_cos_sin(x, cos, sin, out=x, **options)
+        assert got is x
+    else:
+        out = poison(to_device(np.zeros(shape), dtype, kind)) if mode == "out" else None
+        got = cupyrope.rope_cos_sin(x, cos, sin, out=out, **options)
+        assert got is out if out is not None else type(got).__module__.split(".")[0] == kind
+        np.testing.assert_array_equal(to_host(x), x_host)
+    expected = reference.rope(x_host, pos_host, style=style, rotary_dim=rotary_dim, cos_sin_cache=table)
+    assert_matches(to_host(got), expected, dtype, what=f"{dtype} {style} {impl} {mode}")
+    assert_ran(kernel)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset", [0, 1, 4])
 def test_rope_qk_cos_sin_rows_at_any_alignment(rng, offset, dtype, kernel):

@@ -142,6 +142,8 @@ def _calls():
         lambda: cupyrope.qk_norm_rope(q, k, qw, qw32, pos),  # weights of two dtypes: refused
         lambda: cupyrope.rope_qk_cos_sin(q, k, cos, sin),
         lambda: cupyrope.rope_qk_cos_sin(q, k, cos, sin, out="new"),
+        lambda: cupyrope.rope_cos_sin(q, cos, sin),
+        lambda: cupyrope.rope_cos_sin(q, cos, sin, out=q),
         lambda: cupyrope.rope(q, pos),
         lambda: cupyrope.rope(q, pos, out=q),
         lambda: cupyrope.rope(q_moved, pos, cos_sin_cache=cache, out=q_moved),
@@ -191,7 +193,7 @@ def _run(calls, log):
     return outcomes
 
 
-OP_PLANS = ((rope, "_rope_plans"), (rope, "_rope_qk_plans"), (rope, "_rope_cos_sin_plans"),
+OP_PLANS = ((rope, "_rope_plans"), (rope, "_rope_qk_plans"), (rope, "_rope_cos_sin_plans"), (rope, "_rope_cos_sin_one_plans"),
             (qk_norm_rope, "_forward_plans"), (rmsnorm, "_forward_plans"), (rmsnorm, "_fused_add_plans"),
             (rmsnorm, "_backward_plans"))
 
