@@ -162,13 +162,19 @@ def _plan_rope_call(xa, pa, ca, oa, sa, soa, mode, _no_cache, theta, style, rota
     rotary_dim, rows, source = rope_checks.check_rope(
         xa, pa, ca, oa, theta=theta, style=style, rotary_dim=rotary_dim, inverse=inverse, impl=impl, cu_seqlens=sa,
         seqlen_offsets=soa, mrope_section=section, mrope_interleaved=interleaved)
+    return _plan_one(xa, oa, mode, rows, ca, style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse,
+                     impl=impl, source=source)
+
+
+def _plan_one(xa, oa, mode, rows, cache, **options):
+    """The plan of a checked one-tensor call (options: plan_rope's); its output x itself (IN_PLACE), the caller's
+    (OUT, checked against x per call) or new (plan.new_output: its allocator)."""
     if not xa.size:
         plan = EmptyPlan()
     else:
         out = xa if mode == IN_PLACE else oa if mode == OUT else contiguous_like(xa, xa.shape, xa.dtype)
-        plan = plan_rope([(xa, out)], rows, ca, style=style, rotary_dim=rotary_dim, theta=theta, inverse=inverse,
-                         impl=impl, n_sm=sm_count(xa.device), choices=profiles.profile_for(xa.device).rope,
-                         in_place=mode == IN_PLACE, source=source)
+        plan = plan_rope([(xa, out)], rows, cache, n_sm=sm_count(xa.device),
+                         choices=profiles.profile_for(xa.device).rope, in_place=mode == IN_PLACE, **options)
         if mode == OUT:
             plan.out_layouts = checks.out_layouts(xa, oa)
         _prepare_launch(plan, xa)
@@ -188,21 +194,13 @@ def _plan_rope_qk_call(qa, ka, pa, ca, qo, ko, sa, soa, mode, _no_cache, theta, 
 def _plan_rope_cos_sin_one_call(xa, cos, sin, oa, mode, rotary_dim, freq_step, style, inverse, impl):
     rotary_dim, rows = rope_checks.check_rope_cos_sin(xa, cos, sin, oa, rotary_dim=rotary_dim, freq_step=freq_step,
                                                       style=style, inverse=inverse, impl=impl)
-    if not xa.size:
-        plan = EmptyPlan()
-    else:
-        out = xa if mode == IN_PLACE else oa if mode == OUT else contiguous_like(xa, xa.shape, xa.dtype)
-        plan = plan_rope([(xa, out)], rows, cos, style=style, rotary_dim=rotary_dim, theta=10000.0, inverse=inverse,
-                         impl=impl, n_sm=sm_count(xa.device), choices=profiles.profile_for(xa.device).rope,
-                         in_place=mode == IN_PLACE, freq_stride=freq_step * cos.strides[-1], sin=sin)
-        if mode == OUT:
-            plan.out_layouts = checks.out_layouts(xa, oa)
-        # cos and sin may be views of anything: what is written (x in place, else out) must not hold them
+    plan = _plan_one(xa, oa, mode, rows, cos, style=style, rotary_dim=rotary_dim, theta=10000.0, inverse=inverse,
+                     impl=impl, freq_stride=freq_step * cos.strides[-1], sin=sin)
+    if plan.grid:  # cos and sin may be views of anything: what is written (x in place, else out) must not hold them
         plan.slot_names = ("x", "out", "cos", "sin")
-        plan.extents = tuple(checks.layout_key(a) for a in (xa, out, cos, sin))
+        written = xa if mode == IN_PLACE else oa
+        plan.extents = tuple(None if a is None else checks.layout_key(a) for a in (xa, written, cos, sin))
         plan.disjoint = [] if mode == NEW else [(2, 1), (3, 1)]
-        _prepare_launch(plan, xa)
-    plan.new_output = allocator(xa, xa.shape, xa.dtype)
     return plan
 
 
