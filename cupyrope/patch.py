@@ -3,6 +3,7 @@ replacement computes what the model's own code does."""
 
 import copy
 import functools
+import inspect
 import sys
 import types
 
@@ -10,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import torch as ct
-from .dropin import apply_multimodal_rotary_pos_emb, apply_rotary_pos_emb
+from .dropin import apply_multimodal_rotary_pos_emb, apply_rotary_pos_emb, apply_rotary_pos_emb_one_tensor
 
 __all__ = ["patch_transformers"]
 
@@ -107,19 +108,33 @@ def _close(got: Tensor, expected: Tensor) -> bool:
 def _patch_rope_functions(model, report) -> None:
     for name, source in _modeling_modules(model, "apply_rotary_pos_emb").items():
         original = source.apply_rotary_pos_emb
-        if getattr(original, "func", None) is apply_rotary_pos_emb:
+        if getattr(original, "func", None) in DROPINS.values():
             continue  # patched already
+        dropin = DROPINS[_tensors_rotated(original)]
         try:
             pairs = _model_cos_sin(model, source)
             layouts = [_cos_layout(cos) for cos, _ in pairs]
-            styles = {_matching_style(original, cos, sin, layout) for (cos, sin), layout in zip(pairs, layouts)}
+            styles = {_matching_style(original, dropin, cos, sin, layout) for (cos, sin), layout in zip(pairs, layouts)}
             if len(set(layouts)) != 1 or len(styles) != 1:
                 raise _Skip("its rotary embeddings (one per layer type) differ in cos layout or rotation style")
         except _Skip as why:
             report["skipped"].append((f"{name}.apply_rotary_pos_emb", str(why)))
             continue
-        source.apply_rotary_pos_emb = functools.partial(apply_rotary_pos_emb, style=styles.pop(), cos_layout=layouts[0])
+        source.apply_rotary_pos_emb = functools.partial(dropin, style=styles.pop(), cos_layout=layouts[0])
         report["rope"].append(name)
+
+
+DROPINS = {2: apply_rotary_pos_emb, 1: apply_rotary_pos_emb_one_tensor}  # by the number of tensors rotated
+
+
+def _tensors_rotated(original) -> int:
+    """How many tensors a modeling module's apply_rotary_pos_emb rotates: 1 for Gemma 3n's and Gemma 4's
+    ``(x, cos, sin, unsqueeze_dim)``, else 2 (transformers' ``(q, k, cos, sin, ...)``)."""
+    try:
+        names = list(inspect.signature(original).parameters)
+    except (TypeError, ValueError):
+        return 2
+    return 1 if names[1:3] == ["cos", "sin"] else 2
 
 
 def _patch_multimodal_rope_functions(model, report) -> None:
@@ -216,28 +231,32 @@ def _cos_layout(cos: Tensor) -> str:
     raise _Skip("its cos holds neither two equal halves nor equal neighbours (one value per frequency)")
 
 
-def _matching_style(original, cos, sin, layout) -> str:
-    """The rotation style ("neox" or "gptj") whose result equals ``original``'s on random q and k, in
-    both of transformers' call forms (q (B, H, S, D), and (B, S, H, D) with unsqueeze_dim=2) and with a
-    head_dim above rotary_dim where ``original`` takes one; _Skip unless exactly one matches."""
+def _matching_style(original, dropin, cos, sin, layout) -> str:
+    """The rotation style ("neox" or "gptj") whose result through ``dropin`` equals ``original``'s on random q and
+    k (or one tensor, for the one-tensor form), in both of transformers' call forms (q (B, H, S, D), and (B, S, H, D)
+    with unsqueeze_dim=2) and with a head_dim above rotary_dim where ``original`` takes one; _Skip unless exactly
+    one matches."""
     g = torch.Generator().manual_seed(0)
     rotary_dim = cos.shape[-1]
-    full = (torch.randn(1, 4, 16, rotary_dim, generator=g), torch.randn(1, 2, 16, rotary_dim, generator=g))
-    wide = (torch.randn(1, 4, 16, rotary_dim + 16, generator=g), torch.randn(1, 2, 16, rotary_dim + 16, generator=g))
-    cases = [(full, {}), ((full[0].transpose(1, 2), full[1].transpose(1, 2)), {"unsqueeze_dim": 2}), (wide, {})]
-    checked = []  # (q, k, options, original's result) of each call form the original takes
-    for index, ((q, k), options) in enumerate(cases):
+    count = 1 if dropin is apply_rotary_pos_emb_one_tensor else 2
+    full = (torch.randn(1, 4, 16, rotary_dim, generator=g), torch.randn(1, 2, 16, rotary_dim, generator=g))[:count]
+    wide = (torch.randn(1, 4, 16, rotary_dim + 16, generator=g),
+            torch.randn(1, 2, 16, rotary_dim + 16, generator=g))[:count]
+    cases = [(full, {}), (tuple(t.transpose(1, 2) for t in full), {"unsqueeze_dim": 2}), (wide, {})]
+    checked = []  # (tensors, options, original's results) of each call form the original takes
+    for index, (tensors, options) in enumerate(cases):
         try:
-            checked.append((q, k, options, original(q, k, cos, sin, **options)))
+            checked.append((tensors, options, _as_tuple(original(*tensors, cos, sin, **options))))
         except Exception as error:
             if index == 0:
-                raise _Skip(f"it fails on (q, k, cos, sin) ({type(error).__name__})") from None
+                form = "(q, k, cos, sin)" if count == 2 else "(x, cos, sin)"
+                raise _Skip(f"it fails on {form} ({type(error).__name__})") from None
             # else the model never calls it that way
 
     def matches(style):
-        for q, k, options, expected in checked:
-            got = apply_rotary_pos_emb(q, k, cos, sin, style=style, cos_layout=layout, **options)
-            if not (isinstance(expected, tuple) and len(expected) == 2 and all(map(_close, got, expected))):
+        for tensors, options, expected in checked:
+            got = _as_tuple(dropin(*tensors, cos, sin, style=style, cos_layout=layout, **options))
+            if len(expected) != count or not all(map(_close, got, expected)):
                 return False
         return True
 
@@ -245,6 +264,10 @@ def _matching_style(original, cos, sin, layout) -> str:
     if len(styles) != 1:
         raise _Skip(f"its results match {'both' if styles else 'neither'} of cupyrope's rotation styles")
     return styles[0]
+
+
+def _as_tuple(result) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
 
 
 # ------------------------------------------------------------------------------------------ QK-norm attention

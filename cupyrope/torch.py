@@ -35,11 +35,12 @@ from .ops.rmsnorm_fp8 import rms_norm_fp8 as _rms_norm_fp8
 from .ops.rope import rope as _rope
 from .ops.rope import rope_cache as _rope_cache
 from .ops.rope import rope_qk as _rope_qk
+from .ops.rope import rope_cos_sin as _rope_cos_sin
 from .ops.rope import rope_qk_cos_sin as _rope_qk_cos_sin
 
 __all__ = ["LayerNorm", "QKNormRotaryEmbedding", "RMSNorm", "RotaryEmbedding", "add_rms_norm", "fused_add_layer_norm",
            "fused_add_rms_norm", "layer_norm", "qk_norm_rope", "qk_norm_rope_", "rms_norm", "rms_norm_fp8", "rope",
-           "rope_qk", "rope_qk_", "rope_qk_cos_sin"]
+           "rope_cos_sin", "rope_qk", "rope_qk_", "rope_qk_cos_sin"]
 
 
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")  # a config's M-RoPE keys (RotaryEmbedding.from_hf_config)
@@ -131,7 +132,7 @@ def _rotate_cpu(x, cos, sin, style, rotary_dim, inverse):
     return out.to(x.dtype)
 
 
-def _rope_any(x, where, theta, style, rotary_dim, cos_sin_cache, inverse):
+def _rope_any(x, where, cos_sin_cache, theta, style, rotary_dim, inverse):
     x = _contiguous_last(x)
     if not x.is_cuda:
         return _rope_cpu(x, where, theta, style, rotary_dim, cos_sin_cache, inverse)
@@ -144,7 +145,7 @@ def _rope_op(x: Tensor, positions: Optional[Tensor], cos_sin_cache: Optional[Ten
              rotary_dim: Optional[int], inverse: bool, cu_seqlens: Optional[Tensor], seqlen_offsets: Optional[Tensor],
              mrope_section: Optional[List[int]], mrope_interleaved: bool) -> Tensor:
     where = (positions, cu_seqlens, seqlen_offsets, mrope_section, mrope_interleaved)
-    return _rope_any(x, where, theta, style, rotary_dim, cos_sin_cache, inverse)
+    return _rope_any(x, where, cos_sin_cache, theta, style, rotary_dim, inverse)
 
 
 @_rope_op.register_fake
@@ -169,19 +170,26 @@ def _rope_grad(ctx, grad):
 _rope_op.register_autograd(_rope_grad, setup_context=_rope_setup)
 
 
-class _RopeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, where, cos_sin_cache, theta, style, rotary_dim, inverse):
-        ctx.where = where
-        ctx.save_for_backward(cos_sin_cache)
-        ctx.options = (theta, style, rotary_dim, inverse)
-        return _rope_any(x, where, theta, style, rotary_dim, cos_sin_cache, inverse)
+class _Rotate(torch.autograd.Function):
+    """Tensors rotated in one launch forward and one backward: the gradient of a rotation is the inverse
+    rotation. ``_Rotate.apply(rotate, count, *tensors, a, b, *options, inverse)`` calls
+    ``rotate(*tensors, a, b, *options, inverse)`` on the first ``count`` arguments (x, or q and k); a and b (the
+    positions and the cache, or cos and sin) get no gradient."""
 
     @staticmethod
-    def backward(ctx, grad):
-        (cos_sin_cache,) = ctx.saved_tensors
-        theta, style, rotary_dim, inverse = ctx.options
-        return _rope_any(grad, ctx.where, theta, style, rotary_dim, cos_sin_cache, not inverse), *(None,) * 6
+    def forward(ctx, rotate, count, *arguments):
+        tensors, (a, b, *options) = arguments[:count], arguments[count:]
+        ctx.a = a  # a may be a tuple (_where's), which save_for_backward cannot hold; nothing here is modified
+        ctx.save_for_backward(b)
+        ctx.rotate, ctx.options = rotate, options
+        return rotate(*tensors, a, b, *options)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (b,) = ctx.saved_tensors
+        *options, inverse = ctx.options
+        rotated = ctx.rotate(*grads, ctx.a, b, *options, not inverse)
+        return None, None, *(rotated if len(grads) > 1 else (rotated,)), None, None, *(None,) * len(ctx.options)
 
 
 def rope(x: Tensor, positions: Optional[Tensor] = None, *, theta: float = 10000.0, style: str = "neox",
@@ -194,8 +202,8 @@ def rope(x: Tensor, positions: Optional[Tensor] = None, *, theta: float = 10000.
     if _compiling():
         return _rope_op(x, where[0], cos_sin_cache, theta, style, rotary_dim, inverse, *where[1:])
     if torch.is_grad_enabled() and x.requires_grad:
-        return _RopeFunction.apply(x, where, cos_sin_cache, theta, style, rotary_dim, inverse)
-    return _rope_any(x, where, theta, style, rotary_dim, cos_sin_cache, inverse)
+        return _Rotate.apply(_rope_any, 1, x, where, cos_sin_cache, theta, style, rotary_dim, inverse)
+    return _rope_any(x, where, cos_sin_cache, theta, style, rotary_dim, inverse)
 
 
 def _rotated_like(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
@@ -210,26 +218,6 @@ def _rope_qk_new(q, k, where, cos_sin_cache, theta, style, rotary_dim, inverse):
     q, k = _contiguous_last(q), _contiguous_last(k)
     return _rope_qk(q, k, where[0], theta=theta, style=style, rotary_dim=rotary_dim, cos_sin_cache=cos_sin_cache,
                     inverse=inverse, out=_rotated_like(q, k), **_where_options(where))
-
-
-class _RotateQK(torch.autograd.Function):
-    """q and k rotated in one launch forward and one backward: the gradient of a rotation is the
-    inverse rotation. ``rotate(q, k, a, b, *options, inverse)``; a and b (the positions and the cache, or
-    cos and sin) get no gradient."""
-
-    @staticmethod
-    def forward(ctx, rotate, q, k, a, b, *options):
-        ctx.a = a  # a may be a tuple (_where's), which save_for_backward cannot hold; nothing here is modified
-        ctx.save_for_backward(b)
-        ctx.rotate, ctx.options = rotate, options
-        return rotate(q, k, a, b, *options)
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):
-        (b,) = ctx.saved_tensors
-        *options, inverse = ctx.options
-        grads = ctx.rotate(grad_q, grad_k, ctx.a, b, *options, not inverse)
-        return None, *grads, None, None, *(None,) * len(ctx.options)
 
 
 def rope_qk(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, *, theta: float = 10000.0, style: str = "neox",
@@ -248,7 +236,7 @@ def rope_qk(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, *, theta: 
         _check_rope_qk_cpu(q, k, where, theta, style, rotary_dim, cos_sin_cache, inverse)
         return rope(q, where[0], **options), rope(k, where[0], **options)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _RotateQK.apply(_rope_qk_new, q, k, where, cos_sin_cache, theta, style, rotary_dim, inverse)
+        return _Rotate.apply(_rope_qk_new, 2, q, k, where, cos_sin_cache, theta, style, rotary_dim, inverse)
     return _rope_qk_new(q, k, where, cos_sin_cache, theta, style, rotary_dim, inverse)
 
 
@@ -290,45 +278,78 @@ def rope_qk_(q: Tensor, k: Tensor, positions: Optional[Tensor] = None, *, theta:
     return q, k
 
 
-def _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
+def _per_token_cpu(x, cos, sin, rotary_dim, freq_step):
+    """cos and sin's rows of one value per frequency, in float32, shaped to broadcast over x (their leading
+    dimensions align with x's from the left, heads and the rest of x's follow)."""
+    lead = x.dim() - cos.dim()
+    rows = [t[..., 0 : freq_step * (rotary_dim // 2) : freq_step].float() for t in (cos, sin)]
+    return tuple(t.reshape(tuple(t.shape[:-1]) + (1,) * lead + (t.shape[-1],)) for t in rows)
+
+
+def _rope_qk_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
     q, k = _contiguous_last(q), _contiguous_last(k)  # e.g. autograd's expanded gradients
     if not q.is_cuda:
         rotary_dim, _ = _rope_checks.check_rope_qk_cos_sin(_host(q, "q"), _host(k, "k"), _host(cos, "cos"),
                                                            _optional_host(sin, "sin"), rotary_dim=rotary_dim,
                                                            freq_step=freq_step, style=style, inverse=inverse,
                                                            impl="auto")
-        lead = q.dim() - cos.dim()  # cos's leading dimensions align with q's from the left
-        rows = [t[..., 0 : freq_step * (rotary_dim // 2) : freq_step].float() for t in (cos, sin)]
-        c, s = (t.reshape(tuple(t.shape[:-1]) + (1,) * lead + (t.shape[-1],)) for t in rows)
+        c, s = _per_token_cpu(q, cos, sin, rotary_dim, freq_step)
         return _rotate_cpu(q, c, s, style, rotary_dim, inverse), _rotate_cpu(k, c, s, style, rotary_dim, inverse)
     return _rope_qk_cos_sin(q, k, cos, sin, rotary_dim=rotary_dim, freq_step=freq_step, style=style, inverse=inverse,
                             out=_rotated_like(q, k))
 
 
+def _rope_cos_sin_any(x, cos, sin, rotary_dim, freq_step, style, inverse):
+    x = _contiguous_last(x)
+    if not x.is_cuda:
+        rotary_dim, _ = _rope_checks.check_rope_cos_sin(_host(x, "x"), _host(cos, "cos"), _optional_host(sin, "sin"),
+                                                        None, rotary_dim=rotary_dim, freq_step=freq_step, style=style,
+                                                        inverse=inverse, impl="auto")
+        return _rotate_cpu(x, *_per_token_cpu(x, cos, sin, rotary_dim, freq_step), style, rotary_dim, inverse)
+    return _rope_cos_sin(x, cos, sin, rotary_dim=rotary_dim, freq_step=freq_step, style=style, inverse=inverse,
+                         out=torch.empty_like(x))
+
+
 @torch.library.custom_op("cupyrope::rope_qk_cos_sin", mutates_args=(), device_types=("cuda", "cpu"))
-def _rope_cos_sin_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, rotary_dim: Optional[int], freq_step: int,
-                     style: str, inverse: bool) -> tuple[Tensor, Tensor]:
-    return _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
+def _rope_qk_cos_sin_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, rotary_dim: Optional[int], freq_step: int,
+                        style: str, inverse: bool) -> tuple[Tensor, Tensor]:
+    return _rope_qk_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
 
 
-@_rope_cos_sin_op.register_fake
+@_rope_qk_cos_sin_op.register_fake
 def _(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
     return _rotated_like(_contiguous_last(q), _contiguous_last(k))
 
 
-def _rope_cos_sin_setup(ctx, inputs, output):
-    _, _, cos, sin, *options = inputs
-    ctx.save_for_backward(cos, sin)
-    ctx.options = options
+@torch.library.custom_op("cupyrope::rope_cos_sin", mutates_args=(), device_types=("cuda", "cpu"))
+def _rope_cos_sin_op(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: Optional[int], freq_step: int, style: str,
+                     inverse: bool) -> Tensor:
+    return _rope_cos_sin_any(x, cos, sin, rotary_dim, freq_step, style, inverse)
 
 
-def _rope_cos_sin_grad(ctx, grad_q, grad_k):
-    cos, sin = ctx.saved_tensors
-    rotary_dim, freq_step, style, inverse = ctx.options
-    return *_rope_cos_sin_op(grad_q, grad_k, cos, sin, rotary_dim, freq_step, style, not inverse), *(None,) * 6
+@_rope_cos_sin_op.register_fake
+def _(x, cos, sin, rotary_dim, freq_step, style, inverse):
+    return torch.empty_like(_contiguous_last(x))
 
 
-_rope_cos_sin_op.register_autograd(_rope_cos_sin_grad, setup_context=_rope_cos_sin_setup)
+def _register_inverse_rotation(op, count: int) -> None:
+    """Autograd of a cos/sin op ``op(*tensors, cos, sin, *options, inverse)`` rotating its first ``count``
+    arguments: the gradient of a rotation is the inverse rotation, by the same op; cos and sin get none."""
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[count : count + 2])
+        ctx.options = inputs[count + 2 :]
+
+    def grad(ctx, *grads):
+        *options, inverse = ctx.options
+        rotated = op(*grads, *ctx.saved_tensors, *options, not inverse)
+        return *(rotated if count > 1 else (rotated,)), None, None, *(None,) * len(ctx.options)
+
+    op.register_autograd(grad, setup_context=setup)
+
+
+_register_inverse_rotation(_rope_qk_cos_sin_op, 2)
+_register_inverse_rotation(_rope_cos_sin_op, 1)
 
 
 def rope_qk_cos_sin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, rotary_dim: Optional[int] = None,
@@ -336,10 +357,21 @@ def rope_qk_cos_sin(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, rotary_di
     """Differentiable, torch.compile-able ``cupyrope.rope_qk_cos_sin`` (out of place; one launch for q
     and k, forward and backward). cos and sin get no gradient."""
     if _compiling():
-        return _rope_cos_sin_op(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
+        return _rope_qk_cos_sin_op(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _RotateQK.apply(_rope_cos_sin_any, q, k, cos, sin, rotary_dim, freq_step, style, inverse)
-    return _rope_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
+        return _Rotate.apply(_rope_qk_cos_sin_any, 2, q, k, cos, sin, rotary_dim, freq_step, style, inverse)
+    return _rope_qk_cos_sin_any(q, k, cos, sin, rotary_dim, freq_step, style, inverse)
+
+
+def rope_cos_sin(x: Tensor, cos: Tensor, sin: Tensor, *, rotary_dim: Optional[int] = None, freq_step: int = 1,
+                 style: str = "neox", inverse: bool = False) -> Tensor:
+    """Differentiable, torch.compile-able ``cupyrope.rope_cos_sin``: one tensor rotated by per-token cos and sin
+    (out of place; one launch forward and one backward). cos and sin get no gradient."""
+    if _compiling():
+        return _rope_cos_sin_op(x, cos, sin, rotary_dim, freq_step, style, inverse)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rotate.apply(_rope_cos_sin_any, 1, x, cos, sin, rotary_dim, freq_step, style, inverse)
+    return _rope_cos_sin_any(x, cos, sin, rotary_dim, freq_step, style, inverse)
 
 
 # ------------------------------------------------------------------------------------------- RMSNorm

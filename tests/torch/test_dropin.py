@@ -156,6 +156,43 @@ def test_apply_rotary_pos_emb_gradient_is_transformers_gradient(gen):
         assert_close(g, e, "float32")
 
 
+def assert_one_tensor_like_transformers(x, cos, sin, unsqueeze_dim, style, cos_layout):
+    """apply_rotary_pos_emb_one_tensor's x against hf_apply's, in x's dtype, on x's device, in x's memory order."""
+    got = dropin.apply_rotary_pos_emb_one_tensor(x, cos, sin, unsqueeze_dim, style=style, cos_layout=cos_layout)
+    assert got.dtype == x.dtype and got.device == x.device
+    assert got.stride() == torch.empty_like(x).stride(), "not laid out in the input's memory order"
+    assert_close(got, hf_apply(x, x, cos, sin, unsqueeze_dim, style, cos_layout)[0], str(x.dtype).removeprefix("torch."))
+
+
+@pytest.mark.parametrize("style,cos_layout", [("neox", "halves"), ("gptj", "interleaved"), ("gptj", "halves")])
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=case_id)
+def test_one_tensor_apply_rotary_pos_emb_matches_transformers_formula(case, style, cos_layout, gen):
+    """Gemma 3n's and Gemma 4's apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim): q and k each on its own."""
+    q, k, cos, sin = case_tensors(case, cos_layout, gen)
+    for x in (q, k):
+        assert_one_tensor_like_transformers(x, cos, sin, case[3], style, cos_layout)
+
+
+def test_one_tensor_apply_rotary_pos_emb_keeps_layout_and_gradient(gen):
+    """Gemma's call: x (B, S, H, D) as a transposed view, unsqueeze_dim=2; the result keeps x's memory order, x's
+    gradient is transformers', and the op's fake result (torch.compile) is strided alike."""
+    from torch.library import opcheck
+
+    x = torch.randn(2, 4, 9, 32, generator=gen).transpose(1, 2)
+    cos, sin = random_cos_sin((2, 9), 32, "halves", gen)
+    assert_one_tensor_like_transformers(x, cos, sin, 2, "neox", "halves")
+    weight = torch.randn(x.shape, generator=gen)
+    grads = []
+    for fn in (lambda t: dropin.apply_rotary_pos_emb_one_tensor(t, cos, sin, 2),
+               lambda t: hf_apply(t, t, cos, sin, 2)[0]):
+        xx = x.clone().requires_grad_()
+        (weight * fn(xx)).sum().backward()
+        grads.append(xx.grad)
+    assert_close(*grads, "float32")
+    opcheck(torch.ops.cupyrope.rope_cos_sin.default, (x.requires_grad_(), cos.unsqueeze(2), sin.unsqueeze(2), 32, 1,
+                                                        "neox", False))
+
+
 def test_rotary_embedding_is_vllm_in_place(gen):
     """vLLM's ops.rotary_embedding: query (tokens, heads * head_size), key (tokens, kv_heads * head_size),
     here column slices of one fused qkv tensor, rotated in place; the cache in vLLM's layout."""
@@ -214,6 +251,26 @@ def test_apply_rotary_pos_emb_rejects_bad_input(make, options, error, message, g
         dropin.apply_rotary_pos_emb(*make(*_qkcs(gen)), **options)
 
 
+BAD_ONE_TENSOR = [
+    (lambda x, c, s: (x, c, s[..., :16]), {}, ValueError, "sin: expected the shape"),
+    (lambda x, c, s: (x[..., :16], c, s), {}, ValueError, "at most x's head_dim 16"),
+    (lambda x, c, s: (x.numpy(), c, s), {}, TypeError, "x: expected a torch.Tensor"),
+    (lambda x, c, s: (x, c.to("meta"), s.to("meta")), {}, ValueError, "cos: expected a tensor on x's device"),
+    (lambda x, c, s: (x, c, s), {"unsqueeze_dim": 2}, ValueError, "does not broadcast to x's"),
+    (lambda x, c, s: (x[0], c, s), {}, ValueError, "more leading dimensions than x"),
+    (lambda x, c, s: (x, c, s), {"style": "rotate"}, ValueError, "style"),
+]
+
+
+@pytest.mark.parametrize("make,options,error,message", BAD_ONE_TENSOR, ids=[b[3][:30] for b in BAD_ONE_TENSOR])
+def test_one_tensor_apply_rotary_pos_emb_rejects_bad_input(make, options, error, message, gen):
+    q, _, cos, sin = _qkcs(gen)
+    before = q.clone()
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        dropin.apply_rotary_pos_emb_one_tensor(*make(q, cos, sin), **options)
+    assert torch.equal(q, before)
+
+
 def test_rotary_embedding_rejects_bad_input(gen):
     cache = torch.from_numpy(reference.rope_cache(10, 32, 10000.0)).float()
     positions = torch.zeros(3, dtype=torch.int64)
@@ -237,6 +294,8 @@ def test_drop_ins_trace_without_graph_breaks(gen):
     compiled = torch.compile(dropin.apply_rotary_pos_emb, fullgraph=True, backend="aot_eager")
     for got, expected in zip(compiled(q, k, cos, sin), dropin.apply_rotary_pos_emb(q, k, cos, sin)):
         torch.testing.assert_close(got, expected)
+    one = torch.compile(dropin.apply_rotary_pos_emb_one_tensor, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(one(q, cos, sin), dropin.apply_rotary_pos_emb_one_tensor(q, cos, sin))
     cache = torch.from_numpy(reference.rope_cache(10, 32, 10000.0)).float()
     query, key, positions = torch.randn(3, 128, generator=gen), torch.randn(3, 64, generator=gen), torch.tensor([1, 2, 9])
     inplace = torch.compile(dropin.rotary_embedding, fullgraph=True, backend="aot_eager")
@@ -278,6 +337,36 @@ def test_apply_rotary_pos_emb_keeps_transformers_q_layout_on_gpu(dtype, gen):
     (q_embed.float().square().sum() + k_embed.float().sum()).backward()
     assert q_embed.stride() == q.stride() and k_embed.stride() == k.stride()
     assert q.grad.shape == q.shape and not q.grad.isnan().any()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("style,cos_layout", [("neox", "halves"), ("gptj", "interleaved")])
+@pytest.mark.parametrize("case", LAYOUT_CASES[:4], ids=case_id)
+def test_one_tensor_apply_rotary_pos_emb_on_gpu(case, style, cos_layout, dtype, gen):
+    q, k, cos, sin = case_tensors(case, cos_layout, gen, "cuda", TORCH_DTYPES[dtype])
+    for x in (q, k):
+        assert_one_tensor_like_transformers(x, cos, sin, case[3], style, cos_layout)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_one_tensor_apply_rotary_pos_emb_gemma_call_on_gpu(dtype, gen):
+    """Gemma 4's call: x (B, S, H, D) straight from its norm, cos/sin (B, S, D) in the model's dtype, unsqueeze_dim=2;
+    forward, x's gradient against transformers', and under torch.compile."""
+    td = TORCH_DTYPES[dtype]
+    x = torch.randn(2, 9, 4, 128, generator=gen).to("cuda", td)
+    cos, sin = (t.to("cuda", td) for t in random_cos_sin((2, 9), 128, "halves", gen))
+    assert_one_tensor_like_transformers(x, cos, sin, 2, "neox", "halves")
+    weight = torch.randn(x.shape, generator=gen).to("cuda", td)
+    grads = []
+    for fn in (lambda t: dropin.apply_rotary_pos_emb_one_tensor(t, cos, sin, 2), lambda t: hf_apply(t, t, cos, sin, 2)[0]):
+        xx = x.clone().requires_grad_()
+        (weight.double() * fn(xx).double()).sum().backward()
+        grads.append(xx.grad)
+    assert_close(*grads, dtype)
+    compiled = torch.compile(dropin.apply_rotary_pos_emb_one_tensor, fullgraph=True)
+    assert_close(compiled(x, cos, sin, 2), hf_apply(x, x, cos, sin, 2)[0], dtype)
 
 
 @gpu

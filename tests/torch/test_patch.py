@@ -83,6 +83,20 @@ def _fake_modeling(apply_fn=None):
             q, k = sys.modules[module.__name__].apply_rotary_pos_emb(q, k, cos, sin)
             return torch.cat((q.flatten(1), k.flatten(1)), -1)
 
+    def apply_one_tensor(x, cos, sin, unsqueeze_dim=1):  # transformers' Gemma 3n and Gemma 4 code
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return x * cos + rotate_half(x) * sin
+
+    class FakeOneTensorRopeModel(FakeAttentionModel):  # Gemma 4's attention: q and k rotated apart, (B, S, H, D)
+        def forward(self, x, position_ids):
+            b, s, _ = x.shape
+            q, k, _ = self.qkv(self.norm(x)).split([self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2, -1)
+            cos, sin = self.rotary_emb(x, position_ids)
+            apply = sys.modules[module.__name__].apply_rotary_pos_emb
+            q = apply(self.q_norm(q.view(b, s, -1, self.head_dim)), cos, sin, unsqueeze_dim=2)
+            k = apply(k.view(b, s, -1, self.head_dim), cos, sin, unsqueeze_dim=2)
+            return torch.cat((q.flatten(1), k.flatten(1)), -1)
+
     def eager_attention_forward(attention, q, k, v, mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -159,10 +173,11 @@ def _fake_modeling(apply_fn=None):
             return x
 
     for cls in (FakeRMSNorm, FakeGemmaRMSNorm, FakeLayerRMSNorm, FakeRotaryEmbedding, FakeAttentionModel,
-                FakeQKNormAttention, FakeQKNormModel, FakeDecoderLayer, FakeDecoderModel):
+                FakeOneTensorRopeModel, FakeQKNormAttention, FakeQKNormModel, FakeDecoderLayer, FakeDecoderModel):
         cls.__module__ = module.__name__
         setattr(module, cls.__name__, cls)
     module.apply_rotary_pos_emb = apply_fn or apply_rotary_pos_emb
+    module.apply_one_tensor = apply_one_tensor
     module.eager_attention_forward = eager_attention_forward
     module.ALL_ATTENTION_FUNCTIONS = types.SimpleNamespace(get_interface=lambda name, default: default)
     return module
@@ -217,6 +232,36 @@ def test_patch_transformers_leaves_a_rope_it_cannot_match(fake_model):
     assert report["rope"] == [] and report["rms_norm"] == []
     assert module.apply_rotary_pos_emb is negated_sin
     assert report["skipped"] == [(f"{module.__name__}.apply_rotary_pos_emb", "its results match neither of cupyrope's rotation styles")]
+
+
+def test_patch_transformers_swaps_a_one_tensor_rope(fake_model, gen):
+    """Gemma 3n's and Gemma 4's apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim): checked in that form and swapped
+    for the one-tensor drop-in; the model computes what it did."""
+    module, model = fake_model(model="FakeOneTensorRopeModel")
+    module.apply_rotary_pos_emb = original = module.apply_one_tensor
+    x, position_ids = torch.randn(2, 7, 64, generator=gen), torch.arange(3, 10)[None].expand(2, -1)
+    with torch.no_grad():
+        before = model(x, position_ids)
+        report = patch.patch_transformers(model, rms_norm=False)
+        after = model(x, position_ids)
+    assert report["rope"] == [module.__name__] and report["skipped"] == []
+    assert module.apply_rotary_pos_emb.func is patch.apply_rotary_pos_emb_one_tensor
+    assert module.apply_rotary_pos_emb.keywords == {"style": "neox", "cos_layout": "halves"}
+    assert module.apply_rotary_pos_emb is not original
+    assert_close(after, before, "float32")
+    assert patch.patch_transformers(model, rms_norm=False)["rope"] == []  # idempotent
+
+
+def test_patch_transformers_leaves_a_one_tensor_rope_it_cannot_match(fake_model):
+    def negated_sin(x, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), -sin.unsqueeze(unsqueeze_dim)
+        return x * cos + rotate_half(x) * sin
+
+    module, model = fake_model(negated_sin, model="FakeOneTensorRopeModel")
+    report = patch.patch_transformers(model, rms_norm=False)
+    assert report["rope"] == [] and module.apply_rotary_pos_emb is negated_sin
+    assert report["skipped"] == [(f"{module.__name__}.apply_rotary_pos_emb",
+                                  "its results match neither of cupyrope's rotation styles")]
 
 
 def test_patch_transformers_reads_multimodal_rope_from_three_position_rows(fake_model, gen):
@@ -448,6 +493,9 @@ TINY_MODELS = {
     "cohere": ("CohereConfig", "CohereForCausalLM", {}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"partial_rotary_factor": 0.5}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5}),
+    # The one-tensor apply_rotary_pos_emb(x, cos, sin), q and k rotated apart; its full-attention layers' cos rotates a
+    # quarter of their wider heads (zero frequencies past it).
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {"head_dim": 16, "global_head_dim": 32, "sliding_window": 8}),
     # Multimodal RoPE (text towers of vision-language models): the rotary embedding picks each frequency's
     # position from one of three rows (time, height, width), in sections or interleaved; the rotation
     # itself is transformers' apply_rotary_pos_emb.
@@ -516,6 +564,10 @@ def test_patch_transformers_on_real_models(name):
     if name == "qwen3-vl-interleaved-mrope":  # its layers get text positions only
         assert skipped == ["M-RoPE: its layers receive text positions, not the three position rows its cos/sin "
                            "come from"] * 2
+    elif name == "gemma4":  # attention and decoder layers with more parts than the fused forwards run
+        assert sorted(module for module, _ in report["skipped"]) == [
+            "model.layers.0", "model.layers.0.self_attn", "model.layers.0.self_attn.v_norm",
+            "model.layers.1", "model.layers.1.self_attn", "model.layers.1.self_attn.v_norm"]
     elif name in OTHER_DECODER_LAYERS:
         assert skipped == [f"has submodules besides input_layernorm, self_attn, post_attention_layernorm, mlp: "
                            f"{OTHER_DECODER_LAYERS[name]}"] * 2
@@ -523,15 +575,15 @@ def test_patch_transformers_on_real_models(name):
         assert skipped == []
     assert report["rope"] == [type(model).__module__]
     assert len(report["qk_norm_rope"]) == (2 if name in QK_NORM_MODELS else 0)
-    assert len(report["add_rms_norm"]) == (0 if name in OTHER_DECODER_LAYERS or name == "cohere" else 2)
+    assert len(report["add_rms_norm"]) == (0 if name in OTHER_DECODER_LAYERS or name in ("cohere", "gemma4") else 2)
     assert len(report["rms_norm"]) >= (0 if name == "cohere" else 5)  # Cohere's norm is a LayerNorm
     assert_close(after, before, "float32")
 
 
-@pytest.mark.parametrize("name", ["llama", *QK_NORM_MODELS])
+@pytest.mark.parametrize("name", ["llama", *QK_NORM_MODELS, "gemma4"])
 def test_patched_models_train_and_generate_alike(name):
-    """The fused attention and residual add in training (gradients of every parameter) and in greedy decoding with
-    the KV cache."""
+    """The fused attention and residual add, and the one-tensor RoPE, in training (gradients of every parameter) and
+    in greedy decoding with the KV cache."""
     source = sys.modules[type(tiny_model(name)).__module__]
     original = source.apply_rotary_pos_emb
     inputs = model_inputs(name)
@@ -539,7 +591,8 @@ def test_patched_models_train_and_generate_alike(name):
     try:
         report = patch.patch_transformers(models[1])
         assert len(report["qk_norm_rope"]) == (2 if name in QK_NORM_MODELS else 0)
-        assert len(report["add_rms_norm"]) == (0 if name in OTHER_DECODER_LAYERS else 2)
+        assert len(report["add_rms_norm"]) == (0 if name in OTHER_DECODER_LAYERS or name == "gemma4" else 2)
+        assert report["rope"] == [source.__name__]
         results = []
         for model in models:
             model.train()
@@ -565,13 +618,13 @@ def gpu(test):
 
 
 @gpu
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "cohere", "qwen3-vl-interleaved-mrope"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "gemma4", "cohere", "qwen3-vl-interleaved-mrope"])
 def test_patch_transformers_on_gpu(name):
     model = tiny_model(name, dtype=torch.float32, device="cuda")
     before, after, report = _patched_outputs(model, model_inputs(name, "cuda"))
     assert report["rope"] == [type(model).__module__]
     assert len(report["qk_norm_rope"]) == (2 if name in QK_NORM_MODELS else 0)
-    assert len(report["add_rms_norm"]) == (0 if name in OTHER_DECODER_LAYERS or name == "cohere" else 2)
+    assert len(report["add_rms_norm"]) == (0 if name in OTHER_DECODER_LAYERS or name in ("cohere", "gemma4") else 2)
     # Two layers of fp32 ops whose summation orders differ (the kernels' reductions against torch's):
     # the kernels' own accuracy is tested op by op; here the model must agree to a few fp32 roundings.
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4 * float(before.abs().max()))

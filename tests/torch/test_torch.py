@@ -74,30 +74,37 @@ def test_cpu_fallback_rope_gradient_is_the_inverse_rotation(style):
     np.testing.assert_allclose(x.grad.numpy(), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("source", ["positions", "cos/sin"])
-def test_one_launch_q_k_gradient_is_the_inverse_rotation(source):
-    """_RotateQK, which the CUDA path of ct.rope_qk and ct.rope_qk_cos_sin takes, driven by the CPU
-    formulas: q's and k's gradients are both rotated back, by one call of the same rotation."""
+@pytest.mark.parametrize("source", ["positions", "cos/sin", "one tensor, cos/sin"])
+def test_one_launch_gradient_is_the_inverse_rotation(source):
+    """_Rotate, which the CUDA path of ct.rope, ct.rope_qk, ct.rope_qk_cos_sin and ct.rope_cos_sin takes, driven by
+    the CPU formulas: every tensor's gradient is rotated back, by one call of the same rotation."""
     q = torch.randn(6, 4, 32, dtype=torch.float64, requires_grad=True)
     k = torch.randn(6, 2, 32, dtype=torch.float64, requires_grad=True)
     pos = torch.randint(0, 1000, (6,))
     calls = []
+    table = torch.from_numpy(reference.rope_cache(1000, 32))[pos]
+    cos_sin = (table[:, None, :16].float(), table[:, None, 16:].float(), None, 1, "gptj")
     if source == "positions":
         def rotate(q, k, positions, cache, theta, style, rotary_dim, inverse):
             calls.append(inverse)
             return tuple(ct._rope_cpu(x.float(), positions, theta, style, rotary_dim, cache, inverse) for x in (q, k))
-        args = (ct._where(pos), None, 1e4, "gptj", None)
+        tensors, args = (q, k), (ct._where(pos), None, 1e4, "gptj", None)
+    elif source == "cos/sin":
+        def rotate(q, k, *options):
+            calls.append(options[-1])
+            return ct._rope_qk_cos_sin_any(q.float(), k.float(), *options)
+        tensors, args = (q, k), cos_sin
     else:
-        def rotate(q, k, cos, sin, rotary_dim, freq_step, style, inverse):
-            calls.append(inverse)
-            return ct._rope_cos_sin_any(q.float(), k.float(), cos, sin, rotary_dim, freq_step, style, inverse)
-        table = torch.from_numpy(reference.rope_cache(1000, 32))[pos]
-        args = (table[:, None, :16].float(), table[:, None, 16:].float(), None, 1, "gptj")
-    q_out, k_out = ct._RotateQK.apply(rotate, q, k, *args, False)
-    grads = torch.randn_like(q_out), torch.randn_like(k_out)
-    torch.autograd.backward((q_out, k_out), grads)
-    assert calls == [False, True]  # one forward call, one backward call for both
-    for x, out, g in ((q, q_out, grads[0]), (k, k_out, grads[1])):
+        def rotate(x, *options):
+            calls.append(options[-1])
+            return ct._rope_cos_sin_any(x.float(), *options)
+        tensors, args = (q,), cos_sin
+    outs = ct._Rotate.apply(rotate, len(tensors), *tensors, *args, False)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = tuple(torch.randn_like(out) for out in outs)
+    torch.autograd.backward(outs, grads)
+    assert calls == [False, True]  # one forward call, one backward call for all
+    for x, out, g in zip(tensors, outs, grads):
         np.testing.assert_allclose(out.detach().numpy(), reference.rope(x.detach().numpy(), pos.numpy(), style="gptj"),
                                    atol=1e-5)
         expected = reference.rope(g.double().numpy(), pos.numpy(), style="gptj", inverse=True)
